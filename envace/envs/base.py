@@ -1,0 +1,224 @@
+"""The environment protocol every task pool implements.
+
+A *pool* holds the tasks of one benchmark (BFCL multi-turn, τ²-bench, ...). Starting a task
+gives an :class:`Episode`: private, mutable state that nothing else shares, so the K rollouts
+of a GRPO group each get their own (``Episode.fork`` copies a live one cheaply). An episode
+
+* exposes the task's tools in OpenAI function-schema form (they may change between user turns,
+  e.g. BFCL ``miss_func`` reveals a withheld function later),
+* executes tool calls and returns the observation text (bad calls give an error observation,
+  never an exception: the model must be able to read its mistake),
+* hands out the next user message when the agent ends its turn,
+* runs the benchmark's *official* verifier over what happened (:class:`Verdict`).
+
+``EnvironmentPool.replay`` runs a fixed action sequence from the initial state and verifies it:
+gold replay, the identifier filter of EnvSched and the CLI all go through it.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ToolCall",
+    "Verdict",
+    "TaskSpec",
+    "Episode",
+    "EnvironmentPool",
+    "register_pool",
+    "get_pool",
+    "available_pools",
+    "ToolCallError",
+]
+
+
+class ToolCallError(ValueError):
+    """A tool call that cannot be parsed or does not match any tool."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call: ``name`` plus JSON-object ``arguments``."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> ToolCall:
+        """Build from ``{"name": ..., "arguments": {...} | "<json>"}`` (OpenAI or Qwen form).
+
+        Raises :class:`ToolCallError` with the reason for anything else.
+        """
+        if isinstance(obj, dict) and "function" in obj and isinstance(obj["function"], dict):
+            call_id = obj.get("id")
+            obj = obj["function"]
+        else:
+            call_id = obj.get("id") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise ToolCallError(f"tool call must be a JSON object, got {type(obj).__name__}")
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            raise ToolCallError("tool call has no string 'name'")
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ToolCallError(f"arguments of {name!r} are not valid JSON: {exc}") from exc
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ToolCallError(f"arguments of {name!r} must be a JSON object, got {type(args).__name__}")
+        return cls(name=name, arguments=args, id=call_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": self.arguments}
+
+
+@dataclass
+class Verdict:
+    """Outcome of the official verifier: a reward in [0, 1] plus the checker's details."""
+
+    reward: float
+    passed: bool
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Static description of one environment–task pair."""
+
+    pool: str  # pool name, e.g. "bfcl_multi_turn"
+    task_id: str  # unique within the pool
+    env_id: str  # environment identity (BFCL: sorted involved classes; τ²: domain)
+    category: str  # benchmark category / domain (the paper's table columns)
+    split: str  # "train" | "test" | "all"
+    system_prompt: str | None  # domain policy etc.; None when the benchmark has none
+    first_user_message: str
+    tools: list[dict[str, Any]]  # OpenAI function schemas visible at the start
+    initial_state_summary: str = ""  # short text of the initial state (for EnvSched views)
+    verifier_text: str = ""  # what the verifier checks, in words (EnvSched view)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        msgs: list[dict[str, Any]] = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": self.first_user_message})
+        return msgs
+
+
+class Episode(abc.ABC):
+    """A live task instance with its own state."""
+
+    spec: TaskSpec
+
+    @abc.abstractmethod
+    def tools(self) -> list[dict[str, Any]]:
+        """Tools available now (OpenAI function schemas)."""
+
+    @abc.abstractmethod
+    def execute(self, call: ToolCall) -> str:
+        """Run one tool call against this episode's state and return the observation text."""
+
+    @abc.abstractmethod
+    def end_turn(self, assistant_text: str) -> str | None:
+        """The agent ended its turn with ``assistant_text``; return the next user message,
+        or ``None`` when the episode is over."""
+
+    @abc.abstractmethod
+    def verify(self) -> Verdict:
+        """Run the benchmark's official verifier over everything this episode did."""
+
+    @abc.abstractmethod
+    def fork(self) -> Episode:
+        """An independent copy of this episode in its current state."""
+
+    @property
+    def done(self) -> bool:
+        return False
+
+
+class EnvironmentPool(abc.ABC):
+    """All tasks of one benchmark."""
+
+    name: str
+
+    @abc.abstractmethod
+    def task_ids(self, split: str | None = None) -> list[str]:
+        """Task ids, optionally restricted to ``split`` ("train" / "test")."""
+
+    @abc.abstractmethod
+    def task(self, task_id: str) -> TaskSpec: ...
+
+    @abc.abstractmethod
+    def start(self, task_id: str, **kwargs: Any) -> Episode:
+        """A fresh episode in the task's initial state."""
+
+    @abc.abstractmethod
+    def gold_actions(self, task_id: str) -> list[list[ToolCall]]:
+        """Ground-truth tool calls, one list per user turn."""
+
+    def replay(self, task_id: str, actions: Sequence[Sequence[ToolCall]]) -> Verdict:
+        """Execute ``actions`` (one list per user turn) from the initial state and verify.
+
+        Pools whose verifier needs more than the executed calls (e.g. a closing message)
+        override this.
+        """
+        ep = self.start(task_id)
+        for turn in actions:
+            for call in turn:
+                ep.execute(call)
+            if ep.end_turn("") is None:
+                break
+        return ep.verify()
+
+    def tasks(self, split: str | None = None) -> Iterable[TaskSpec]:
+        for tid in self.task_ids(split):
+            yield self.task(tid)
+
+
+_POOLS: dict[str, Callable[..., EnvironmentPool]] = {}
+
+
+def register_pool(name: str) -> Callable[[Callable[..., EnvironmentPool]], Callable[..., EnvironmentPool]]:
+    """Class decorator: make a pool constructible by name through :func:`get_pool`."""
+
+    def deco(factory: Callable[..., EnvironmentPool]) -> Callable[..., EnvironmentPool]:
+        if name in _POOLS and _POOLS[name] is not factory:
+            raise ValueError(f"environment pool {name!r} registered twice")
+        _POOLS[name] = factory
+        return factory
+
+    return deco
+
+
+def available_pools() -> list[str]:
+    _import_builtin_pools()
+    return sorted(_POOLS)
+
+
+def get_pool(name: str, **kwargs: Any) -> EnvironmentPool:
+    _import_builtin_pools()
+    try:
+        factory = _POOLS[name]
+    except KeyError:
+        raise KeyError(f"unknown environment pool {name!r}; available: {sorted(_POOLS)}") from None
+    return factory(**kwargs)
+
+
+def _import_builtin_pools() -> None:
+    # Imported lazily: each pool pulls in its benchmark package.
+    import importlib
+
+    for mod in ("envace.envs.bfcl", "envace.envs.tau2"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:  # pool module not written yet / package absent
+            if exc.name not in (mod, "bfcl_eval", "tau2"):
+                raise

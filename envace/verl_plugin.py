@@ -1,0 +1,1 @@
+"""verl plugin entry point (``verl.plugins``); filled in by the foundation work."""
