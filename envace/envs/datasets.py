@@ -1,0 +1,336 @@
+"""verl-ready parquet datasets built from environment pools, and the action-file format.
+
+Row layout (one row per task; the same for every pool and for the CM2 converter)
+------------------------------------------------------------------------------------
+==================  ===========================================================================
+column              content
+==================  ===========================================================================
+``prompt``          list of ``{"role", "content"}`` chat messages the agent starts from
+                    (``TaskSpec.initial_messages()``); verl's ``data.prompt_key`` (default
+                    ``prompt``) reads it into ``raw_prompt``.
+``data_source``     ``"<pool>/<category>"``: verl groups validation metrics by it, which gives
+                    the per-category columns of the benchmark tables.
+``agent_name``      the verl agent loop that runs the row (verl reads this column per sample).
+``tools``           JSON string: the OpenAI function schemas visible at the start. verl's
+                    ``RLHFDataset`` only knows *global* tools (``tool_config_path``), so per-task
+                    tools travel in this column for the agent loop to pass to the chat template.
+``reward_model``    ``{"style": "rule" | "checklist", "ground_truth": <JSON string>}``; for
+                    pools, the gold actions (list of turns of ``{"name", "arguments"}``), or
+                    ``null`` when the pool has none; for CM2, the checklist.
+``extra_info``      ``{index, task_id, env_id, pool, category, split, tools_kwargs, metadata}``.
+                    ``index`` is the row number (verl copies it to ``index``); ``tools_kwargs``
+                    is ``{"envace": {"create_kwargs": {"pool", "task_id"}}}`` (verl copies it to
+                    ``tools_kwargs``), which is all an agent loop needs to ``get_pool(pool)
+                    .start(task_id)``; ``metadata`` is a JSON string of pool-specific extras.
+==================  ===========================================================================
+
+Every column has one fixed Arrow type (:data:`ROW_SCHEMA`), so parquet files from different pools
+concatenate (``datasets.concatenate_datasets``) without struct unification surprises.
+
+Actions files
+-------------
+:func:`parse_actions` / :func:`load_actions` read the action sequences the CLI verifies: a JSON list of
+turns, each a list of ``{"name", "arguments"}`` calls (OpenAI ``{"function": {...}}`` form and JSON-string
+arguments are accepted too), or a flat list of calls meaning a single turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall, ToolCallError, get_pool
+
+__all__ = [
+    "DEFAULT_AGENT_NAME",
+    "ROW_SCHEMA",
+    "ActionsFormatError",
+    "DatasetBuildError",
+    "build_parquet",
+    "load_actions",
+    "parse_actions",
+    "stable_order",
+    "task_row",
+    "write_rows",
+]
+
+DEFAULT_AGENT_NAME = "envace_agent"
+
+_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+ROW_SCHEMA = pa.schema(
+    [
+        ("prompt", pa.list_(_MESSAGE)),
+        ("data_source", pa.string()),
+        ("agent_name", pa.string()),
+        ("tools", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    ("index", pa.int64()),
+                    ("task_id", pa.string()),
+                    ("env_id", pa.string()),
+                    ("pool", pa.string()),
+                    ("category", pa.string()),
+                    ("split", pa.string()),
+                    (
+                        "tools_kwargs",
+                        pa.struct(
+                            [
+                                (
+                                    "envace",
+                                    pa.struct(
+                                        [
+                                            (
+                                                "create_kwargs",
+                                                pa.struct([("pool", pa.string()), ("task_id", pa.string())]),
+                                            )
+                                        ]
+                                    ),
+                                )
+                            ]
+                        ),
+                    ),
+                    ("metadata", pa.string()),
+                ]
+            ),
+        ),
+    ]
+)
+
+
+class DatasetBuildError(RuntimeError):
+    """The dataset cannot be built as asked (overlapping splits, empty split, bad messages...)."""
+
+
+class ActionsFormatError(ValueError):
+    """An action sequence that does not follow the actions-file format; the message names the spot."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------
+
+
+def _messages(messages: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, str]]:
+    out = []
+    for i, msg in enumerate(messages):
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise DatasetBuildError(f"{where}: prompt message {i} needs string 'role' and 'content', got {msg!r:.200}")
+        out.append({"role": role, "content": content})
+    if not out:
+        raise DatasetBuildError(f"{where}: empty prompt")
+    return out
+
+
+def task_row(
+    *,
+    pool: str,
+    task_id: str,
+    env_id: str,
+    category: str,
+    split: str,
+    prompt: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    agent_name: str,
+    ground_truth: Any,
+    reward_style: str = "rule",
+    metadata: Mapping[str, Any] | None = None,
+    index: int = 0,
+) -> dict[str, Any]:
+    """One dataset row in the layout of :data:`ROW_SCHEMA` (see the module docstring)."""
+    where = f"{pool}:{task_id}"
+    return {
+        "prompt": _messages(prompt, where),
+        "data_source": f"{pool}/{category}",
+        "agent_name": agent_name,
+        "tools": json.dumps(list(tools), ensure_ascii=False),
+        "reward_model": {"style": reward_style, "ground_truth": json.dumps(ground_truth, ensure_ascii=False)},
+        "extra_info": {
+            "index": int(index),
+            "task_id": task_id,
+            "env_id": env_id,
+            "pool": pool,
+            "category": category,
+            "split": split,
+            "tools_kwargs": {"envace": {"create_kwargs": {"pool": pool, "task_id": task_id}}},
+            "metadata": json.dumps(dict(metadata or {}), ensure_ascii=False, default=repr),
+        },
+    }
+
+
+def row_from_spec(pool: EnvironmentPool, spec: TaskSpec, agent_name: str, index: int = 0) -> dict[str, Any]:
+    """A dataset row for a pool task; ``ground_truth`` is the gold actions (``null`` if the pool has none)."""
+    try:
+        gold: Any = [[c.to_dict() for c in turn] for turn in pool.gold_actions(spec.task_id)]
+    except NotImplementedError:
+        gold = None
+    return task_row(
+        pool=spec.pool,
+        task_id=spec.task_id,
+        env_id=spec.env_id,
+        category=spec.category,
+        split=spec.split,
+        prompt=spec.initial_messages(),
+        tools=spec.tools,
+        agent_name=agent_name,
+        ground_truth=gold,
+        metadata=spec.metadata,
+        index=index,
+    )
+
+
+def write_rows(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Write rows as parquet with :data:`ROW_SCHEMA`, renumbering ``extra_info.index`` 0..n-1."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    numbered = []
+    for i, row in enumerate(rows):
+        row = dict(row)
+        row["extra_info"] = {**row["extra_info"], "index": i}
+        numbered.append(row)
+    table = pa.Table.from_pylist(numbered, schema=ROW_SCHEMA)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)  # atomic: a crashed build never leaves a half-written file under the final name
+    return path
+
+
+def stable_order(task_ids: Iterable[str], seed: int | str = 0) -> list[str]:
+    """Task ids in a seed-determined pseudo-random order (sha256), identical on every machine."""
+    import hashlib
+
+    return sorted(task_ids, key=lambda t: hashlib.sha256(f"{seed}:{t}".encode()).hexdigest())
+
+
+def build_parquet(
+    pool_names: Sequence[str],
+    out_dir: str | Path,
+    agent_name: str = DEFAULT_AGENT_NAME,
+    *,
+    splits: tuple[str, str] = ("train", "test"),
+    limit_per_pool: int | None = None,
+    pool_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    seed: int | str = 0,
+) -> tuple[Path, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` (+ ``manifest.json``) for ``pool_names`` into ``out_dir``.
+
+    The train file holds each pool's ``splits[0]`` tasks and the validation file its ``splits[1]`` tasks
+    (pools define their own deterministic splits; BFCL's is a scenario-level hash, τ²'s the official
+    one). ``limit_per_pool`` keeps, per pool and split, the first N tasks of :func:`stable_order` (a
+    spread over categories, not the first N ids). Raises :class:`DatasetBuildError` if a task would
+    appear in both files or a file would be empty.
+    """
+    if not pool_names:
+        raise DatasetBuildError("no pools given")
+    if limit_per_pool is not None and limit_per_pool <= 0:
+        raise DatasetBuildError(f"limit_per_pool must be positive, got {limit_per_pool}")
+    train_split, val_split = splits
+    out = Path(out_dir)
+    rows: dict[str, list[dict[str, Any]]] = {train_split: [], val_split: []}
+    manifest: dict[str, Any] = {"agent_name": agent_name, "splits": list(splits), "pools": {}}
+    for name in dict.fromkeys(pool_names):
+        pool = get_pool(name, **dict((pool_kwargs or {}).get(name, {})))
+        ids_by_split = {}
+        for split in splits:
+            ids = pool.task_ids(split)
+            if limit_per_pool is not None:
+                ids = stable_order(ids, seed)[:limit_per_pool]
+            ids_by_split[split] = ids
+        overlap = set(ids_by_split[train_split]) & set(ids_by_split[val_split])
+        if overlap:
+            raise DatasetBuildError(
+                f"pool {name!r}: {len(overlap)} task(s) are in both {train_split!r} and {val_split!r}, "
+                f"e.g. {sorted(overlap)[:5]}"
+            )
+        counts: dict[str, dict[str, int]] = {}
+        for split, ids in ids_by_split.items():
+            per_cat: Counter[str] = Counter()
+            for tid in ids:
+                spec = pool.task(tid)
+                rows[split].append(row_from_spec(pool, spec, agent_name))
+                per_cat[spec.category] += 1
+            counts[split] = dict(sorted(per_cat.items()))
+        manifest["pools"][name] = counts
+    for split in splits:
+        if not rows[split]:
+            raise DatasetBuildError(f"split {split!r} has no tasks in pools {list(pool_names)}")
+    keys = {s: {(r["extra_info"]["pool"], r["extra_info"]["task_id"]) for r in rows[s]} for s in splits}
+    if keys[train_split] & keys[val_split]:  # defensive: also catches duplicates across pools' namespaces
+        raise DatasetBuildError("train and validation share tasks")
+    train_path = write_rows(rows[train_split], out / "train.parquet")
+    val_path = write_rows(rows[val_split], out / "val.parquet")
+    manifest["rows"] = {train_split: len(rows[train_split]), val_split: len(rows[val_split])}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return train_path, val_path
+
+
+# --------------------------------------------------------------------------------------------------
+# Actions files
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_call(obj: Any) -> bool:
+    return isinstance(obj, Mapping)
+
+
+def parse_actions(obj: Any) -> list[list[ToolCall]]:
+    """Actions from decoded JSON: a list of turns (lists of calls), or a flat list of calls (one turn).
+
+    ``[]`` means zero turns. Raises :class:`ActionsFormatError` naming the turn/call and the problem.
+    """
+    if not isinstance(obj, list):
+        raise ActionsFormatError(f"actions must be a JSON list (of turns or of calls), got {type(obj).__name__}")
+    if not obj:
+        return []
+    if all(_is_call(x) for x in obj):
+        turns: list[Any] = [obj]
+        flat = True
+    elif all(isinstance(x, list) for x in obj):
+        turns = obj
+        flat = False
+    else:
+        kinds = sorted({type(x).__name__ for x in obj})
+        raise ActionsFormatError(
+            f"actions must be a list of turns (each a list of calls) or a flat list of calls; got a mix of {kinds}"
+        )
+    parsed: list[list[ToolCall]] = []
+    for t, turn in enumerate(turns):
+        calls = []
+        for c, call in enumerate(turn):
+            where = f"call {c}" if flat else f"turn {t}, call {c}"
+            if not _is_call(call):
+                raise ActionsFormatError(
+                    f"{where}: a call must be an object with 'name' and 'arguments', got {type(call).__name__}"
+                )
+            try:
+                calls.append(ToolCall.from_dict(dict(call)))
+            except ToolCallError as exc:
+                raise ActionsFormatError(f"{where}: {exc}") from None
+        parsed.append(calls)
+    return parsed
+
+
+def load_actions(path: str | Path) -> list[list[ToolCall]]:
+    """:func:`parse_actions` of a JSON file; a missing file or invalid JSON is an :class:`ActionsFormatError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ActionsFormatError(f"{path}: cannot read actions file: {exc.strerror or exc}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ActionsFormatError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    try:
+        return parse_actions(obj)
+    except ActionsFormatError as exc:
+        raise ActionsFormatError(f"{path}: {exc}") from None

@@ -1,0 +1,36 @@
+"""``python -m envace.models build [--out DIR] [--force] [--verify]``: build the tiny Qwen3 once; print its path."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m envace.models", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build (or reuse) the tiny Qwen3 checkpoint and print its directory")
+    b.add_argument("--out", default=None, help="target directory (default $ENVACE_CACHE/models/tiny-qwen3)")
+    b.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
+    b.add_argument("--verify", action="store_true", help="afterwards check every file's sha256 against the manifest")
+    sub.add_parser("path", help="print the default directory (builds nothing)")
+    args = parser.parse_args(argv)
+
+    from envace.models import tiny
+
+    if args.cmd == "path":
+        print(tiny.default_model_dir())
+        return 0
+    t0 = time.time()
+    path, built = tiny._ensure(args.out, force=args.force)
+    if args.verify and not tiny.is_complete(path, verify=True):
+        print(f"verification failed: {path}", file=sys.stderr)
+        return 1
+    print(f"{'built' if built else 'reused'} in {time.time() - t0:.1f}s", file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""CPU platform plugin for verl: the ``cpu`` platform and the ``hfcpu`` rollout.
+
+:func:`register_cpu_platform` is called from envace's ``verl.plugins`` entry point
+(:mod:`envace.verl_plugin`) in every process that imports verl. It does nothing where a CUDA
+device exists, so GPU clusters run verl's own NVIDIA platform and vLLM untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["register_cpu_platform", "ROLLOUT_NAME"]
+
+ROLLOUT_NAME = "hfcpu"
+_registered = False
+
+
+def register_cpu_platform(force: bool = False) -> bool:
+    """Register the CPU platform and the ``hfcpu`` rollout with verl's registries.
+
+    Returns True when the CPU path is active in this process.
+    """
+    global _registered
+    from envace.platform.cpu import cpu_platform_active, install_gloo_backend_fix
+
+    if not (force or cpu_platform_active()):
+        return False
+    if _registered:
+        return True
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from envace.platform.rollout import _load_replica_class
+
+    _ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "envace.platform.rollout.HFCPUServerAdapter"
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica_class)
+    install_gloo_backend_fix()
+    # verl registers its FSDP engines for device "cuda"/"npu" only (workers/engine/fsdp/
+    # transformer_impl.py:1143,1594); VERL_ENGINE_DEVICE is verl's own override of the device
+    # used for that lookup (workers/engine/base.py:405), and the FSDP2 engine runs on CPU tensors.
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    _registered = True
+    return True

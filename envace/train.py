@@ -1,0 +1,304 @@
+"""Training entry point: ``python -m envace.train [experiment=NAME] [key=value ...]``.
+
+``scripts/train.sh`` wraps this. It composes ``configs/envace_trainer.yaml`` (verl's
+``ppo_trainer`` + envace's groups), then, before anything heavy starts:
+
+1. validates envace's typed keys (:mod:`envace.config`) and verl's own config;
+2. pre-flight checks with clear errors: a GPU config on a machine without GPUs, a Ray cluster
+   with fewer GPU slots or nodes than the config asks for, a missing model path;
+3. resolves ``builtin:tiny-qwen3`` (builds the embedded model once into the cache) and
+   ``data.*_files: auto`` (builds verl parquet from the environment pools);
+4. connects to (``RAY_ADDRESS``) or starts Ray, and hands the config to verl's own
+   ``run_ppo`` with its V1 ``TaskRunner`` — the real verl trainer, unmodified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from envace.config import ConfigError, EnvAceConfig, validate_envace_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+CONFIG_NAME = "envace_trainer"
+BUILTIN_PREFIX = "builtin:"
+GPU_ROLLOUTS = ("vllm", "sglang", "trtllm")
+
+
+def envace_cache() -> Path:
+    return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace")).expanduser()
+
+
+def compose(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
+    """Compose the training config exactly as ``scripts/train.sh`` does (no side effects)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+# -- pre-flight --------------------------------------------------------------------------------
+def wants_gpu(cfg: DictConfig) -> bool:
+    return cfg.trainer.device == "cuda" or cfg.actor_rollout_ref.rollout.name in GPU_ROLLOUTS
+
+
+def check_platform(cfg: DictConfig) -> None:
+    """A GPU config on a machine (or cluster) without GPUs fails here, not deep inside Ray."""
+    import torch
+
+    if wants_gpu(cfg) and not torch.cuda.is_available() and not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError(
+            f"this config asks for GPUs (trainer.device={cfg.trainer.device}, "
+            f"rollout.name={cfg.actor_rollout_ref.rollout.name}) but this machine has no CUDA device. "
+            "Run on a GPU node, join a GPU Ray cluster with RAY_ADDRESS, or use platform=cpu."
+        )
+    if not wants_gpu(cfg) and torch.cuda.is_available() and os.environ.get("VERL_PLATFORM", "") != "cpu":
+        raise ConfigError(
+            "platform=cpu on a machine with CUDA devices: use platform=gpu, or set VERL_PLATFORM=cpu "
+            "to force the CPU path."
+        )
+    if wants_gpu(cfg) and torch.cuda.is_available() and int(cfg.trainer.nnodes) == 1:
+        have, need = torch.cuda.device_count(), int(cfg.trainer.n_gpus_per_node)
+        if have < need:
+            raise ConfigError(f"trainer.n_gpus_per_node={need} but this machine has {have} CUDA device(s)")
+
+
+def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int) -> None:
+    """The cluster must hold nnodes × n_gpus_per_node device slots (GPU resources) on enough nodes."""
+    nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+    need = nnodes * per_node
+    have = float(cluster.get("GPU", 0))
+    if have < need:
+        raise ConfigError(
+            f"the Ray cluster has {have:g} GPU slot(s) on {n_nodes} node(s), but the config needs "
+            f"trainer.nnodes × trainer.n_gpus_per_node = {nnodes} × {per_node} = {need}"
+        )
+    if n_nodes < nnodes:
+        raise ConfigError(f"trainer.nnodes={nnodes} but the Ray cluster has {n_nodes} alive node(s)")
+
+
+def resolve_model_path(path: str) -> str:
+    """``builtin:tiny-qwen3`` → the cached embedded model (built on first use); else a local dir."""
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX) :]
+        if name != "tiny-qwen3":
+            raise ConfigError(f"unknown builtin model {name!r}; available: tiny-qwen3")
+        from envace.models import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    local = Path(path).expanduser()
+    if not (local / "config.json").is_file():
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={path!r} is not a local model directory (no config.json). "
+            "envace never downloads weights: point it at a checkpoint on disk, or use builtin:tiny-qwen3."
+        )
+    return str(local.resolve())
+
+
+def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
+    """Build (or reuse) the parquet files of ``envace.data``; returns (train, val) paths."""
+    from envace.envs.datasets import build_parquet
+
+    d = ecfg.data
+    pool_kwargs = {k: dict(v) for k, v in (ecfg.agent.pool_kwargs or {}).items()}
+    recipe = {
+        "pools": d.pools,
+        "splits": [d.train_split, d.val_split],
+        "max": d.max_tasks_per_pool,
+        "seed": d.seed,
+        "agent": cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
+        "pool_kwargs": pool_kwargs,
+        "version": 1,
+    }
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    out = Path(d.out_dir).expanduser() if d.out_dir else envace_cache() / "data" / digest
+    train, val = out / "train.parquet", out / "val.parquet"
+    if train.is_file() and val.is_file() and (out / "manifest.json").is_file():
+        return str(train), str(val)
+    t, v = build_parquet(
+        d.pools,
+        out,
+        agent_name=recipe["agent"],
+        splits=(d.train_split, d.val_split),
+        limit_per_pool=d.max_tasks_per_pool,
+        pool_kwargs=pool_kwargs,
+        seed=d.seed,
+    )
+    return str(t), str(v)
+
+
+def fit_prompts(path: str, model_path: str, max_prompt_length: int, chat_kwargs: dict[str, Any]) -> str:
+    """Keep the rows whose rendered prompt *with their own tools* fits ``max_prompt_length``.
+
+    verl's ``filter_overlong_prompts`` renders prompts with the global tool list only, so rows
+    that carry per-task tools (a ``tools`` column) would slip through and later be left-truncated
+    by the agent loop, cutting off the system prompt. Returns the path of the filtered file
+    (written next to the input, reused when present) and prints how many rows were kept.
+    """
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    src = Path(path)
+    digest = hashlib.sha256(f"{model_path}|{max_prompt_length}|{sorted(chat_kwargs.items())}".encode()).hexdigest()
+    dst = src.with_name(f"{src.stem}.fit-{max_prompt_length}-{digest[:8]}.parquet")
+    if dst.is_file():
+        return str(dst)
+    table = pq.read_table(src)
+    if "tools" not in table.column_names:
+        return path
+    tok = AutoTokenizer.from_pretrained(model_path)
+    keep = []
+    for row in table.select(["prompt", "tools"]).to_pylist():
+        tools = json.loads(row["tools"]) if row["tools"] else None
+        text = tok.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False,
+                                       **chat_kwargs)
+        keep.append(len(tok.encode(text, add_special_tokens=False)) <= max_prompt_length)
+    if not any(keep):
+        raise ConfigError(
+            f"no row of {src} fits data.max_prompt_length={max_prompt_length} once its tools are rendered; "
+            "raise data.max_prompt_length"
+        )
+    import pyarrow as pa
+
+    pq.write_table(table.filter(pa.array(keep)), dst)
+    print(f"envace: {sum(keep)}/{len(keep)} rows of {src.name} fit data.max_prompt_length={max_prompt_length}")
+    return str(dst)
+
+
+def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
+    """Validate and resolve a composed config in place; raises ConfigError before heavy work."""
+    ecfg = validate_envace_config(cfg)
+    if ecfg.preflight:
+        check_platform(cfg)
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.model.path = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
+        if cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path is None:
+            from envace.agents import agent_loop_config_path
+
+            cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = agent_loop_config_path()
+        run_dir = Path(str(cfg.trainer.default_local_dir)).expanduser().resolve()
+        cfg.trainer.default_local_dir = str(run_dir)
+        if cfg.data.train_files == "auto" or cfg.data.val_files == "auto":
+            train, val = build_data(cfg, ecfg)
+            if cfg.data.train_files == "auto":
+                cfg.data.train_files = train
+            if cfg.data.val_files == "auto":
+                cfg.data.val_files = val
+        if cfg.data.get("filter_overlong_prompts", False):
+            chat_kwargs = dict(cfg.data.get("apply_chat_template_kwargs", {}) or {})
+            for key in ("train_files", "val_files"):
+                files = cfg.data[key]
+                if isinstance(files, str):
+                    cfg.data[key] = fit_prompts(files, cfg.actor_rollout_ref.model.path,
+                                                int(cfg.data.max_prompt_length), chat_kwargs)
+    return cfg, ecfg
+
+
+def run_env(cfg: DictConfig) -> dict[str, str]:
+    """Environment variables every Ray process of this run gets (trackers' output paths)."""
+    run_dir = Path(cfg.trainer.default_local_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return {
+        "TENSORBOARD_DIR": str(run_dir / "tensorboard"),
+        # verl's file logger truncates its file on open: one file per launch keeps resumed runs whole
+        "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics" / f"metrics-{stamp}.jsonl"),
+        "TOKENIZERS_PARALLELISM": "false",
+        # verl warns once per process about optional engines (megatron, torchtitan, ...) it lacks
+        "PYTHONWARNINGS": "ignore::UserWarning:verl.workers.engine",
+    }
+
+
+def init_ray(cfg: DictConfig) -> None:
+    """Join ``RAY_ADDRESS`` (checking its resources) or start a local Ray, with verl's runtime env."""
+    import ray
+
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    runtime_env = OmegaConf.to_container(
+        OmegaConf.merge(get_ppo_ray_runtime_env(cfg), cfg.ray_kwargs.ray_init.get("runtime_env", {}) or {}),
+        resolve=True,
+    )
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars.update(run_env(cfg))
+    if cfg.transfer_queue.enable:
+        env_vars["TRANSFER_QUEUE_ENABLE"] = "1"
+    runtime_env["env_vars"] = env_vars
+    Path(env_vars["VERL_FILE_LOGGER_PATH"]).parent.mkdir(parents=True, exist_ok=True)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=runtime_env)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        check_ray_resources(cfg, ray.cluster_resources(), len(nodes))
+    else:
+        if int(cfg.trainer.nnodes) > 1:
+            raise ConfigError(
+                f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster: launch with "
+                "NNODES/NODE_RANK/MASTER_ADDR through scripts/train.sh, or set RAY_ADDRESS"
+            )
+        kwargs = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
+        kwargs["runtime_env"] = runtime_env
+        ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        check_ray_resources(cfg, ray.cluster_resources(), 1)
+
+
+def launch(cfg: DictConfig) -> None:
+    """Validate with verl and run its trainer (V1 TaskRunner by default)."""
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    init_ray(cfg)
+    if cfg.trainer.use_v1:
+        run_ppo(cfg, task_runner_class=TaskRunnerV1)
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner
+
+        run_ppo(cfg, task_runner_class=TaskRunner)
+
+
+def main(argv: list[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in overrides):
+        print(__doc__)
+        print("usage: scripts/train.sh [experiment=NAME] [key=value ...]   (Hydra overrides)")
+        return 0
+    try:
+        cfg = compose(overrides)
+        cfg, _ = prepare(cfg)
+    except ConfigError as exc:
+        print(f"envace: config error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # Hydra composition errors name the bad override; keep them short
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(exc, (HydraException, OmegaConfBaseException)):
+            print(f"envace: config error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    try:
+        launch(cfg)
+    except ConfigError as exc:
+        print(f"envace: config error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = cfg.trainer.default_local_dir
+    print(
+        f"envace: training finished. Results in {run_dir}: checkpoints global_step_*/, "
+        f"metrics/*.jsonl, tensorboard/, rollouts/ (plot: python scripts/plot_metrics.py {run_dir})",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

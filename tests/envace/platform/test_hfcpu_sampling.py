@@ -1,0 +1,75 @@
+"""hfcpu's decoding loop: log-probs agree with a full forward pass; sampling controls behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from envace.models import ensure_tiny_model
+from envace.platform.rollout import SamplingSpec, _filter_logits, sample_tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), torch_dtype=torch.float32, attn_implementation="eager")
+    return m.eval()
+
+
+PROMPT = [9707, 11, 1879, 0, 151644, 77091, 198]
+
+
+def full_forward_logprobs(model, prompt, tokens, temperature):
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_rollout_logprobs_match_a_full_forward(model, temperature):
+    spec = SamplingSpec({"temperature": temperature, "max_tokens": 12, "logprobs": True}, 99)
+    toks, lps, _ = sample_tokens(model, PROMPT, spec, eos_ids=set(), generator=torch.Generator().manual_seed(1))
+    assert len(toks) == len(lps) == 12
+    ref = full_forward_logprobs(model, PROMPT, toks, temperature)
+    assert torch.allclose(torch.tensor(lps), ref, atol=1e-4), (lps, ref.tolist())
+
+
+def test_same_seed_same_tokens_and_greedy_equals_top_k_1(model):
+    spec = SamplingSpec({"temperature": 1.0, "max_tokens": 8}, 99)
+    a = sample_tokens(model, PROMPT, spec, set(), torch.Generator().manual_seed(7))[0]
+    b = sample_tokens(model, PROMPT, spec, set(), torch.Generator().manual_seed(7))[0]
+    assert a == b
+    greedy = sample_tokens(model, PROMPT, SamplingSpec({"temperature": 0, "max_tokens": 8}, 99), set())[0]
+    top1 = sample_tokens(model, PROMPT, SamplingSpec({"temperature": 1.0, "top_k": 1, "max_tokens": 8}, 99), set(),
+                         torch.Generator().manual_seed(3))[0]
+    assert greedy == top1
+
+
+def test_stops_at_eos_and_respects_max_tokens(model):
+    greedy = SamplingSpec({"temperature": 0, "max_tokens": 8}, 99)
+    toks, _, finish = sample_tokens(model, PROMPT, greedy, set())
+    assert finish == "length" and len(toks) == 8
+    stop_at = toks[2]
+    toks2, _, finish2 = sample_tokens(model, PROMPT, greedy, {stop_at})
+    assert finish2 == "stop" and toks2 == toks[: toks.index(stop_at) + 1]
+    assert sample_tokens(model, PROMPT, SamplingSpec({"temperature": 0, "max_tokens": 8, "ignore_eos": True}, 99),
+                         {stop_at})[0] == toks
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert torch.isinf(_filter_logits(logits, 2, 1.0)[2:]).all()
+    probs = torch.softmax(logits, -1)  # [0.64, 0.24, 0.09, 0.03]
+    kept = ~torch.isinf(_filter_logits(logits, -1, 0.7))
+    assert kept.tolist() == [True, True, False, False]
+    assert probs[0] < 0.7 < probs[:2].sum()
+
+
+def test_bad_sampling_params_are_rejected():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingSpec({"top_p": 0}, 10)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingSpec({"temperature": -1}, 10)
