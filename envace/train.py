@@ -174,9 +174,21 @@ def fit_prompts(path: str, model_path: str, max_prompt_length: int, chat_kwargs:
     return str(dst)
 
 
+def validate_envsched_config(cfg: DictConfig) -> None:
+    """The ``envsched`` group against ``envsched.EnvSchedConfig`` (unknown keys and bad values fail)."""
+    from envsched import EnvSchedConfig
+    from envsched.config import ConfigError as SchedConfigError
+
+    try:
+        EnvSchedConfig.from_dict(OmegaConf.to_container(cfg.get("envsched", {}) or {}, resolve=True))
+    except SchedConfigError as exc:
+        raise ConfigError(f"envsched: {exc}") from None
+
+
 def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
     """Validate and resolve a composed config in place; raises ConfigError before heavy work."""
     ecfg = validate_envace_config(cfg)
+    validate_envsched_config(cfg)
     if ecfg.preflight:
         check_platform(cfg)
     with open_dict(cfg):
@@ -250,16 +262,37 @@ def init_ray(cfg: DictConfig) -> None:
         check_ray_resources(cfg, ray.cluster_resources(), 1)
 
 
+def task_runner_class():
+    """verl's V1 TaskRunner, plus registration of envace's trainers in its process.
+
+    verl looks the trainer class up by ``trainer.v1.trainer_mode`` inside the TaskRunner actor, so
+    envace's trainer subclasses are registered there (``run_ppo`` takes a TaskRunner class for
+    exactly this kind of extension).
+    """
+    import ray
+
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    class EnvaceTaskRunner(TaskRunnerV1.__ray_actor_class__):
+        def run(self, config: DictConfig):
+            from envace.sched import register_envsched_trainer
+
+            register_envsched_trainer()
+            return super().run(config)
+
+    return ray.remote(EnvaceTaskRunner)
+
+
 def launch(cfg: DictConfig) -> None:
     """Validate with verl and run its trainer (V1 TaskRunner by default)."""
-    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     init_ray(cfg)
     if cfg.trainer.use_v1:
-        run_ppo(cfg, task_runner_class=TaskRunnerV1)
+        run_ppo(cfg, task_runner_class=task_runner_class())
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner
 

@@ -29,7 +29,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.utils.profiler import simple_timer
 
 from envace.config import AgentConfig
-from envace.envs.base import Episode, EnvironmentPool, ToolCall, get_pool
+from envace.envs.base import END_TURN, Episode, EnvironmentPool, ToolCall, get_pool
 from envace.toolcall import parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class EnvAgentLoop(AgentLoopBase):
         pool = shared_pool(pool_name, dict(self.agent_cfg.pool_kwargs.get(pool_name, {}) or {}))
         episode = await asyncio.to_thread(pool.start, task_id)
         tools = episode.tools()
-        messages = episode.spec.initial_messages()
+        messages = episode.initial_messages()
         metrics: dict[str, Any] = {}
         request_id = uuid4().hex
 
@@ -127,6 +127,8 @@ class EnvAgentLoop(AgentLoopBase):
         }
         extra: dict[str, Any] = {}
         n_calls = n_parse_errors = user_turns = assistant_turns = 0
+        last_text = ""
+        actions: list[dict[str, Any]] = []  # executed calls, END_TURN between user turns
         budget_left = True
         while budget_left:
             for _step in range(self.agent_cfg.max_steps_per_turn):
@@ -158,12 +160,14 @@ class EnvAgentLoop(AgentLoopBase):
                         for c in parsed.calls
                     ]
                 state["messages"].append(assistant_msg)
+                last_text = parsed.content
                 if len(state["mask"]) >= self.response_length:
                     budget_left = False
                     break
                 if not parsed.calls and not parsed.errors:
                     break  # the assistant ended its turn
                 n_calls += len(parsed.calls)
+                actions.extend(c.to_dict() for c in parsed.calls[: self.agent_cfg.max_calls_per_step])
                 n_parse_errors += len(parsed.errors)
                 observations = await asyncio.to_thread(self._execute, episode, parsed.calls, parsed.errors)
                 if not await self._append_context(state, observations, tools):
@@ -171,10 +175,11 @@ class EnvAgentLoop(AgentLoopBase):
                     break
             if not budget_left:
                 break
-            next_user = await asyncio.to_thread(episode.end_turn, state["messages"][-1].get("content") or "")
+            next_user = await asyncio.to_thread(episode.end_turn, last_text)
             if next_user is None or user_turns + 1 >= self.agent_cfg.max_user_turns:
                 break
             user_turns += 1
+            actions.append({"name": END_TURN, "arguments": {}})
             new_tools = episode.tools()
             if new_tools != tools:  # e.g. BFCL miss_func reveals a withheld function
                 tools = new_tools
@@ -208,6 +213,8 @@ class EnvAgentLoop(AgentLoopBase):
                     "user_turns": float(user_turns + 1),
                 },
                 "verdict": json.dumps(details, default=str)[:4000],
+                # the executed action sequence, replayable through the pool (EnvSched identifier filter)
+                "actions": json.dumps(actions, ensure_ascii=False, default=str),
                 "turn_scores": [],
                 "tool_rewards": [],
             }

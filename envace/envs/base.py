@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,14 @@ __all__ = [
     "get_pool",
     "available_pools",
     "ToolCallError",
+    "END_TURN",
+    "flatten_turns",
+    "split_turns",
 ]
+
+
+#: name of the marker action separating user turns in a flat action sequence (replays stay multi-turn)
+END_TURN = "__end_turn__"
 
 
 class ToolCallError(ValueError):
@@ -78,6 +85,27 @@ class ToolCall:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "arguments": self.arguments}
+
+
+def flatten_turns(turns: Sequence[Sequence[ToolCall]]) -> list[dict[str, Any]]:
+    """``[[call, ...], ...]`` → a flat list of ``{"name", "arguments"}`` with END_TURN markers between turns."""
+    flat: list[dict[str, Any]] = []
+    for t, turn in enumerate(turns):
+        if t:
+            flat.append({"name": END_TURN, "arguments": {}})
+        flat.extend(c.to_dict() for c in turn)
+    return flat
+
+
+def split_turns(actions: Sequence[Mapping[str, Any]]) -> list[list[ToolCall]]:
+    """Inverse of :func:`flatten_turns`; malformed actions raise :class:`ToolCallError`."""
+    turns: list[list[ToolCall]] = [[]]
+    for a in actions:
+        if isinstance(a, Mapping) and a.get("name") == END_TURN:
+            turns.append([])
+        else:
+            turns[-1].append(ToolCall.from_dict(dict(a) if isinstance(a, Mapping) else a))
+    return turns
 
 
 @dataclass
@@ -138,6 +166,14 @@ class Episode(abc.ABC):
     @abc.abstractmethod
     def fork(self) -> Episode:
         """An independent copy of this episode in its current state."""
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        """The chat messages the agent sees before its first action.
+
+        Defaults to ``spec.initial_messages()``. Episodes whose opening is produced at start time
+        (τ²: the agent's greeting answered by the simulated user) override this.
+        """
+        return self.spec.initial_messages()
 
     @property
     def done(self) -> bool:

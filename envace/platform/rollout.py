@@ -292,7 +292,8 @@ def _load_replica_class():
             ip, _ = await server.get_server_address.remote()
             self.servers = [server]
             self._server_handle = server
-            self._server_address = f"hfcpu://{ip}/{name}"
+            # unique per replica; names the node so logs show where each server runs
+            self._server_address = f"hfcpu://{ip}/{node_id[:12]}/{name}"
 
     return HFCPUReplica
 

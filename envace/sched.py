@@ -1,0 +1,248 @@
+"""EnvSched inside verl: a V1 sync trainer whose batches the scheduler chooses.
+
+verl 0.9.1 removed its curriculum-sampler hook, so the integration is a trainer subclass registered
+with verl's own ``register_trainer`` (select it with ``trainer.v1.trainer_mode=envsched_sync``):
+
+* before each step, ``_next_train_batch`` asks :class:`envsched.EnvScheduler` for the step's task
+  ids and collates those rows of verl's training dataset (instead of drawing from the dataloader);
+* after the step, every completed group's K rewards (verl's ``rm_scores``, read back from
+  TransferQueue) go to ``observe``; the scheduler's per-step metrics join verl's;
+* the scheduler's ``state_dict`` is saved inside verl's checkpoint folder (``envsched.pt``, written
+  before verl marks the checkpoint complete) and restored on resume, so the batch chosen after a
+  resume equals the one an uninterrupted run chooses;
+* ``envsched.scheduler=random`` is the paper's random baseline through the same path.
+
+The scheduler's task pool is built from the environment pools of the training rows
+(:func:`task_records`); its identifier filter replays action sequences through the pools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envace.envs.base import EnvironmentPool, ToolCall, flatten_turns, get_pool, split_turns
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "envsched.pt"
+SELECTIONS_FILE = "envsched_selections.jsonl"
+
+
+def task_key(pool: str, task_id: str) -> str:
+    return f"{pool}/{task_id}"
+
+
+def _render_calls(turns: Sequence[Sequence[ToolCall]]) -> str:
+    lines = []
+    for t, turn in enumerate(turns):
+        lines.append(f"# turn {t}")
+        for call in turn:
+            args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in call.arguments.items())
+            lines.append(f"{call.name}({args})")
+    return "\n".join(lines)
+
+
+def task_records(pools: Mapping[str, EnvironmentPool], refs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """EnvSched pool records (see ``envsched.pool``) for ``(pool, task_id)`` pairs.
+
+    The verifier-code view gets the task's ground-truth call program: BFCL's checker replays it and
+    compares states, τ²'s evaluator replays it and compares database hashes, so it is the per-task
+    part of the verifier. Turn boundaries are kept as ``__end_turn__`` actions so replays stay
+    multi-turn.
+    """
+    records = []
+    for pool_name, task_id in refs:
+        pool = pools[pool_name]
+        spec = pool.task(task_id)
+        turns = pool.gold_actions(task_id)
+        records.append(
+            {
+                "task_id": task_key(pool_name, task_id),
+                "env_id": spec.env_id,
+                "instruction": spec.first_user_message,
+                "initial_state": spec.initial_state_summary,
+                "tools": spec.tools,
+                "verifier_checks": [spec.verifier_text] if spec.verifier_text else [],
+                "verifier_code": _render_calls(turns),
+                "gold_actions": flatten_turns(turns),
+                "meta": {"pool": pool_name, "category": spec.category},
+            }
+        )
+    return records
+
+
+def make_replay(pools: Mapping[str, EnvironmentPool]):
+    """``replay(task_key, actions) -> reward`` through the pools' official verifiers (identifier filter)."""
+
+    def replay(key: str, actions: Sequence[Mapping[str, Any]]) -> float:
+        pool_name, task_id = key.split("/", 1)
+        return float(pools[pool_name].replay(task_id, split_turns(actions)).reward)
+
+    return replay
+
+
+def collect_groups(
+    keys: Sequence[str],
+    uids: Sequence[Any],
+    scores: Sequence[Any],
+    extra_fields: Sequence[Mapping[str, Any] | None],
+    uid_task: Mapping[str, str],
+) -> tuple[dict[str, list[float]], dict[str, list[list[dict[str, Any]]]], int]:
+    """Per-task rewards (one per rollout) and action sequences from a trained batch.
+
+    TransferQueue keys are ``{uid}_{session}_{output index}``; a rollout with several outputs counts
+    once. Rollouts whose verifier failed (``reward_extra_info.verify_failed``) are left out rather
+    than observed as reward 0. Returns (rewards, trajectories, number of unscored rollouts).
+    """
+    rewards: dict[str, list[float]] = defaultdict(list)
+    trajectories: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)
+    seen: set[str] = set()
+    unscored = 0
+    for i, key in enumerate(keys):
+        rollout = key.rsplit("_", 1)[0]
+        if rollout in seen:
+            continue
+        seen.add(rollout)
+        extra = extra_fields[i] or {}
+        if (extra.get("reward_extra_info") or {}).get("verify_failed"):
+            unscored += 1
+            continue
+        task = uid_task[str(uids[i])]
+        rewards[task].append(float(scores[i].sum()))
+        if extra.get("actions") is not None:
+            trajectories[task].append(json.loads(extra["actions"]))
+    # the identifier filter needs trajectories aligned with rewards, for every rollout of a task
+    aligned = {t: trajectories[t] for t in rewards if len(trajectories.get(t, ())) == len(rewards[t])}
+    return dict(rewards), aligned, unscored
+
+
+def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kwargs: Mapping[str, Any] | None = None):
+    """An :class:`envsched.EnvScheduler` over the tasks of ``dataset_rows`` (their ``extra_info``)."""
+    from omegaconf import OmegaConf
+
+    from envsched import EnvSchedConfig, EnvScheduler
+
+    refs = []
+    for row in dataset_rows:
+        info = row.get("extra_info") or {}
+        if not info.get("pool") or not info.get("task_id"):
+            raise ValueError("envsched needs extra_info.pool/task_id in every training row (envace.envs build-data)")
+        refs.append((str(info["pool"]), str(info["task_id"])))
+    pools = {name: get_pool(name, **dict((pool_kwargs or {}).get(name, {}) or {})) for name in {p for p, _ in refs}}
+    raw = OmegaConf.to_container(cfg.envsched, resolve=True) if hasattr(cfg, "envsched") else {}
+    sched_cfg = EnvSchedConfig.from_dict(
+        {**raw, "batch_size": int(cfg.data.train_batch_size), "rollouts_per_task": int(cfg.actor_rollout_ref.rollout.n)}
+    )
+    records = task_records(pools, refs)
+    return EnvScheduler(records, sched_cfg, replay=make_replay(pools)), [task_key(p, t) for p, t in refs]
+
+
+def _register() -> None:
+    import torch
+
+    from verl.trainer.ppo.v1.trainer_base import register_trainer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    @register_trainer("envsched_sync")
+    class EnvSchedTrainer(PPOTrainerSync):
+        """verl's sync trainer with EnvSched choosing every training batch."""
+
+        def _init_dataloader(self) -> None:
+            super()._init_dataloader()
+            rows = self.train_dataset.dataframe.select_columns(["extra_info"]).to_list()
+            pool_kwargs = (self.config.get("envace", {}) or {}).get("agent", {}).get("pool_kwargs", {})
+            t0 = time.perf_counter()
+            self.scheduler, keys = build_scheduler(self.config, rows, pool_kwargs)
+            self._row_of = {k: i for i, k in enumerate(keys)}
+            self._uid_task: dict[str, str] = {}
+            self._sched_build_s = time.perf_counter() - t0
+            logger.info("envsched: %d tasks, graph built in %.2fs", len(keys), self._sched_build_s)
+
+        def _next_train_batch(self, num_prompts: int | None = None):
+            bs = int(self.config.data.train_batch_size)
+            if num_prompts not in (None, bs):
+                raise ValueError(f"envsched chooses whole batches of data.train_batch_size={bs}, asked {num_prompts}")
+            task_ids = self.scheduler.select(self.global_steps)
+            batch_dict = collate_fn([self.train_dataset[self._row_of[t]] for t in task_ids])
+            uids = [str(uuid.uuid4()) for _ in task_ids]
+            self._uid_task.update(zip(uids, task_ids))
+            batch_dict["uid"] = np.array(uids, dtype=object)
+            batch = tu.get_tensordict(batch_dict)
+            tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+            self._log_selection(task_ids)
+            return batch
+
+        def _log_selection(self, task_ids: list[str]) -> None:
+            path = Path(self.config.trainer.default_local_dir) / SELECTIONS_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(json.dumps({"step": self.global_steps, "task_ids": task_ids}) + "\n")
+
+        def step(self, metrics: dict, timing_raw: dict):
+            import transfer_queue as tq
+
+            batch = super().step(metrics, timing_raw)
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores", "extra_fields"]
+            )
+            rewards, trajectories, unscored = collect_groups(
+                batch.keys, list(data["uid"]), data["rm_scores"], list(data["extra_fields"]), self._uid_task
+            )
+            metrics["envsched/unscored_rollouts"] = float(unscored)
+            if not rewards:
+                logger.warning("envsched: step %d produced no scored rollout; nothing to observe", self.global_steps)
+                return batch
+            t0 = time.perf_counter()
+            self.scheduler.observe(self.global_steps, rewards, trajectories or None)
+            metrics.update(self.scheduler.metrics(self.global_steps))
+            metrics["envsched/trainer_observe_time_s"] = time.perf_counter() - t0
+            if self.global_steps == 1:
+                metrics["envsched/static_build_time_s"] = self._sched_build_s
+            return batch
+
+        def _save_checkpoint(self) -> None:
+            # written before verl's own save, which marks the checkpoint complete last
+            folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / (STATE_FILE + ".tmp")
+            torch.save(self.scheduler.state_dict(), tmp)
+            os.replace(tmp, folder / STATE_FILE)
+            super()._save_checkpoint()
+
+        def _load_checkpoint(self) -> None:
+            super()._load_checkpoint()
+            if self.global_steps <= 0:
+                return
+            path = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / STATE_FILE
+            if self.config.trainer.resume_mode == "resume_path":
+                path = Path(self.config.trainer.resume_from_path) / STATE_FILE
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"resuming at step {self.global_steps} but {path} is missing: the checkpoint was not written "
+                    "by the envsched trainer, so the scheduler state cannot be restored"
+                )
+            self.scheduler.load_state_dict(torch.load(path, weights_only=False))
+            logger.info("envsched: restored scheduler state from %s", path)
+
+
+_registered = False
+
+
+def register_envsched_trainer() -> None:
+    """Register ``envsched_sync`` with verl's trainer registry (idempotent)."""
+    global _registered
+    if not _registered:
+        _register()
+        _registered = True
