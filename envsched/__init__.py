@@ -1,0 +1,36 @@
+"""EnvSched: environment-aware scheduling of environment–task pairs for agentic RL.
+
+Standalone library (numpy / scipy / scikit-learn / pydantic / openai); it never imports envace or verl.
+
+Public API::
+
+    from envsched import EnvScheduler, EnvSchedConfig, TaskPool
+    pool = TaskPool.from_jsonl("pool.jsonl")          # or TaskPool.from_records([...])
+    sched = EnvScheduler(pool, EnvSchedConfig(batch_size=64))
+    ids = sched.select(step)                           # list of task ids
+    metrics = sched.observe(step, {tid: [r1, ..., rK]})
+    pred = sched.predict()                             # .v .m .d .q per task
+    state = sched.state_dict(); sched.load_state_dict(state)
+
+See envsched/README.md and the JSONL format in ``envsched.pool``.
+"""
+
+from .config import ConfigError, EnvSchedConfig, LLMExtractorConfig
+from .estimate import Prediction
+from .graph import StaticGraph, build_static_graph
+from .operations import (
+    DeterministicExtractor,
+    Extraction,
+    LLMExtractor,
+    OperationDescription,
+    OperationExtractionError,
+    abstract_text,
+)
+from .pool import Action, PoolFormatError, Task, TaskPool, Tool
+from .scheduler import EnvScheduler
+
+__all__ = [
+    "Action", "ConfigError", "DeterministicExtractor", "EnvSchedConfig", "EnvScheduler", "Extraction",
+    "LLMExtractor", "LLMExtractorConfig", "OperationDescription", "OperationExtractionError", "PoolFormatError",
+    "Prediction", "StaticGraph", "Task", "TaskPool", "Tool", "abstract_text", "build_static_graph",
+]

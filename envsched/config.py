@@ -1,0 +1,226 @@
+"""Typed configuration of the EnvSched scheduler.
+
+Every research constant of the EnvSched paper (§2, Appendices B–D) is a field here, with the paper's
+value as the default.  Unknown keys fail loudly and name the key (``EnvSchedConfig.from_dict``).
+
+Example::
+
+    cfg = EnvSchedConfig.from_dict({"batch_size": 64, "rho": 0.5})
+    cfg = EnvSchedConfig.from_yaml("configs/envsched/envsched.yaml")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration could not be built (unknown key, wrong type, out-of-range value)."""
+
+
+class LLMExtractorConfig(BaseModel):
+    """Settings of the LLM operation extractor (EnvSched App. E); used only when ``operation_extractor='llm'``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # OpenAI-compatible endpoint, e.g. "http://127.0.0.1:8000/v1" (vLLM / `transformers serve`).
+    base_url: str | None = None
+    # Model name sent in the chat-completions request.
+    model: str = "gpt-4o-mini"
+    # Name of the environment variable that holds the API key (the key itself is never stored in config).
+    api_key_env: str = "OPENAI_API_KEY"
+    # Directory of the on-disk cache of validated answers, keyed by the SHA-256 of model + prompt + task.
+    cache_dir: str = ".cache/envsched/operations"
+    # Sampling temperature of the extraction request (0 = as deterministic as the server allows).
+    temperature: float = 0.0
+    # Extra attempts after an answer that fails the schema (the failure reason is fed back to the model).
+    max_retries: int = Field(1, ge=0)
+    # What to do when the answer still fails the schema: "fallback" to the deterministic extractor
+    # (logged, with the reason recorded per task) or "raise" an OperationExtractionError.
+    on_invalid: Literal["fallback", "raise"] = "fallback"
+    # Parallel requests while extracting a whole pool.
+    max_workers: int = Field(8, ge=1)
+    # Per-request timeout in seconds.
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class EnvSchedConfig(BaseModel):
+    """All constants of EnvSched.  Defaults are the paper's values (App. D) unless marked otherwise."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- which scheduler -------------------------------------------------------------------------
+    # "envsched" (the paper's method) or "random" (uniform without replacement, seeded; the paper's baseline).
+    scheduler: Literal["envsched", "random"] = "envsched"
+    # Seed of every random choice (random scheduler, random cold start).
+    seed: int = 0
+
+    # ---- batch ---------------------------------------------------------------------------------
+    # B: environment–task pairs per training batch (§3.1).
+    batch_size: int = Field(64, ge=1)
+    # K: rollouts per pair (§3.1); informational, observe() accepts any group size >= 1.
+    rollouts_per_task: int = Field(8, ge=1)
+    # rho: fraction of the batch assigned to coverage, B_cov = floor(rho * B) (§2.4).
+    rho: float = Field(0.5, ge=0.0, le=1.0)
+
+    # ---- static graph (Eq. 1, App. D) ----------------------------------------------------------
+    # alpha_a: weights of the six concrete TF-IDF views in S_full, in the order
+    # (instruction words 1-2-grams, instruction char 3-5-grams, verifier-check text,
+    #  verifier code structure, initial context, operation description).
+    view_weights: tuple[float, float, float, float, float, float] = (0.28, 0.08, 0.16, 0.12, 0.16, 0.20)
+    # Minimum document frequency of every TF-IDF encoder.
+    tfidf_min_df: int = Field(1, ge=1)
+    # Feature cap of every TF-IDF encoder.
+    tfidf_max_features: int = Field(35_000, ge=1)
+    # Sublinear term frequency (1 + log tf) in every TF-IDF encoder.
+    tfidf_sublinear_tf: bool = True
+    # Store TF-IDF matrices as float32 (halves memory at 100k tasks; similarities differ by < 1e-6).
+    # Implementation choice, not in the paper.
+    tfidf_float32: bool = True
+    # Source of the structured operation description: "deterministic" (tool schemas + ground-truth
+    # call sequences) or "llm" (App. E prompt on an OpenAI-compatible endpoint, see `llm`).
+    operation_extractor: Literal["deterministic", "llm"] = "deterministic"
+    # LLM extractor settings.
+    llm: LLMExtractorConfig = LLMExtractorConfig()
+
+    # ---- neighbours (§2.2, Eq. 3, Eq. 7) -------------------------------------------------------
+    # K_within: observed within-environment neighbours per target (by S_full).
+    k_within: int = Field(6, ge=0)
+    # K_cross: observed cross-environment neighbours per target (by S_abs).
+    k_cross: int = Field(12, ge=0)
+    # A neighbour must have similarity strictly above this value (zero-similarity pairs carry no
+    # evidence and are never retrieved by the sparse neighbour search).  Implementation choice.
+    min_neighbor_similarity: float = Field(0.0, ge=0.0, lt=1.0)
+    # Lower bound of the adaptive bandwidth sigma in Eq. 7.
+    bandwidth_floor: float = Field(0.05, gt=0.0)
+    # Clip interval of the neighbour history weight W_j inside the square root of Eq. 7.
+    neighbor_weight_clip: tuple[float, float] = (0.1, 3.0)
+
+    # ---- estimation (Eq. 3-4, 6-13) ----------------------------------------------------------
+    # lambda_g: shrinkage of each relation estimate toward the global reference b_t (Eq. 3).
+    lambda_g: float = Field(2.0, ge=0.0)
+    # lambda_s: shrinkage of the task history toward the graph prior P (Eq. 4).
+    lambda_s: float = Field(2.0, ge=0.0)
+    # Weight of the within-environment relation in the graph prior P (Eq. 4); cross gets 1 - this.
+    fusion_within: float = Field(0.5, ge=0.0, le=1.0)
+    # h_long: long half-life in training steps (Eq. 10, 13).
+    h_long: float = Field(8.0, gt=0.0)
+    # h_short: short half-life in training steps (Eq. 10, 13).
+    h_short: float = Field(2.0, gt=0.0)
+    # Clip interval I_v of the centred variance (Eq. 6); rewards on [0, 1] have variance <= 0.25.
+    clip_v: tuple[float, float] = (0.0, 0.25)
+    # Clip interval I_m of the centred mean (Eq. 6).
+    clip_m: tuple[float, float] = (0.0, 1.0)
+    # Clip interval I_d of the centred dispersion (Eq. 6).
+    clip_d: tuple[float, float] = (0.0, 1.0)
+    # Floor of the Bernoulli variance m(1-m) in the dispersion d = v / max(m(1-m), floor) (Eq. 9).
+    dispersion_floor: float = Field(0.01, gt=0.0)
+    # Weight of pr(v_hat) in the quantile mapping of Eq. 12; pr(f) gets 1 - this (paper: 0.65 / 0.35).
+    quantile_weight_v: float = Field(0.65, ge=0.0, le=1.0)
+    # eta_decline: penalty on a recent decline u_long - u_short (Eq. 13).
+    eta_decline: float = Field(0.5, ge=0.0)
+
+    # ---- scheduling (§2.4, App. C) -------------------------------------------------------------
+    # c0: exposure-count scale of omega = (1 + c / c0)^(-1/2).
+    exposure_c0: float = Field(16.0, gt=0.0)
+    # lambda_sim: batch similarity penalty of Eq. 5.
+    lambda_sim: float = Field(0.08, ge=0.0)
+    # C1: at most this many tasks of one environment per batch.
+    cap_env_round: int = Field(4, ge=1)
+    # C3: at most this many tasks of one environment over the current and two previous steps.
+    cap_env_window: int = Field(11, ge=1)
+    # Length of the rolling window of C3, in steps (paper: three).
+    cap_env_window_steps: int = Field(3, ge=1)
+    # C_task: a task may be selected in at most this many consecutive steps.
+    cap_task_consecutive: int = Field(2, ge=1)
+    # When the hard caps leave fewer than B candidates (tiny pools), relax them in the order
+    # C_task -> C3 -> C1 and count the relaxation in the metrics instead of returning a short batch.
+    # Implementation choice (the paper's pool never hits this).
+    relax_caps_when_short: bool = True
+
+    # ---- cold start (App. C) -------------------------------------------------------------------
+    # "structural": one representative per environment by highest mean within-environment similarity,
+    # then novelty; "random": uniform random batch (the robustness study of §3.4.2).
+    cold_start: Literal["structural", "random"] = "structural"
+    # At most this many tasks of one environment in the cold-start batch.
+    cold_start_env_cap: int = Field(2, ge=1)
+    # Weight of global (cross-structure, S_abs) novelty vs within-environment (S_full) novelty when
+    # filling the cold-start batch; the paper says "combining" without weights.  Implementation choice.
+    cold_start_global_weight: float = Field(0.5, ge=0.0, le=1.0)
+
+    # ---- progress filter (App. C) ----------------------------------------------------------------
+    # Enable the progress filter (exploitation eligibility only).
+    progress_filter: bool = True
+    # A task needs at least this many scorable transitions before it can be filtered.
+    progress_min_transitions: int = Field(3, ge=1)
+    # Ridge regularisation strength of the progress predictor (sklearn Ridge alpha); not in the paper.
+    progress_ridge_alpha: float = Field(1.0, gt=0.0)
+    # Minimum number of earlier-step transitions needed to fit the predictor; not in the paper.
+    progress_min_fit_transitions: int = Field(8, ge=2)
+    # Shrinkage of the task's mean residual toward the environment/neighbour reference
+    # (est = (n * r_task + s * ref) / (n + s)); the paper says "combined" without a formula.
+    progress_shrinkage: float = Field(2.0, ge=0.0)
+
+    # ---- identifier filter (App. C) --------------------------------------------------------------
+    # Enable the identifier filter (needs a replay callable and observed trajectories).
+    identifier_filter: bool = True
+    # Replayed reward must agree with the stored reward within this tolerance.
+    replay_tolerance: float = Field(1e-4, gt=0.0)
+    # Trajectories with reward >= this are "high-reward" and examined; not in the paper.
+    identifier_min_reward: float = 0.5
+    # At most this many trajectories per task and step are replayed (highest reward first).
+    identifier_max_checks_per_task: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvSchedConfig:
+        for name in ("clip_v", "clip_m", "clip_d", "neighbor_weight_clip"):
+            lo, hi = getattr(self, name)
+            if lo > hi:
+                raise ValueError(f"{name}: lower bound {lo} exceeds upper bound {hi}")
+        if any(w < 0 for w in self.view_weights) or sum(self.view_weights) <= 0:
+            raise ValueError("view_weights must be non-negative with a positive sum")
+        return self
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None = None, **overrides: Any) -> EnvSchedConfig:
+        """Build a config; unknown or invalid keys raise ConfigError naming the key."""
+        merged = dict(data or {})
+        merged.update(overrides)
+        try:
+            return cls.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EnvSchedConfig:
+        """Load a YAML mapping (optionally nested under a top-level ``envsched:`` key)."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at top level, got {type(data).__name__}")
+        if set(data) == {"envsched"}:
+            data = data["envsched"] or {}
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def replace(self, **changes: Any) -> EnvSchedConfig:
+        """A copy with some fields changed (validated like from_dict)."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown config key '{key}'")
+        else:
+            parts.append(f"config key '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)

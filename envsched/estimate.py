@@ -1,0 +1,277 @@
+"""Online estimation of task informativeness (EnvSched §2.3, Appendix B, Eq. 2–4 and 6–13).
+
+Every function is vectorised over the whole pool and cites the equation it implements.  Statistics are
+indexed by y in {v, m, d}; "h" is a half-life (h_long = 8, h_short = 2 by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.stats import rankdata
+
+from .config import EnvSchedConfig
+
+STATS = ("v", "m", "d")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Observation statistics
+# ---------------------------------------------------------------------------------------------------
+
+
+def group_statistics(rewards: np.ndarray, dispersion_floor: float = 0.01) -> tuple[float, float, float]:
+    """EnvSched Eq. 2 / Eq. 9: mean m, population variance v and mean-corrected dispersion d of one group.
+
+    m = (1/K) sum_k r_k,  v = (1/K) sum_k (r_k - m)^2,  d = clip_[0,1]( v / max(m(1-m), floor) ).
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or r.size == 0:
+        raise ValueError("a reward group must be a non-empty 1-D sequence")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f"non-finite reward in group {r.tolist()}")
+    m = float(r.mean())
+    v = float(np.var(r))  # ddof=0: population variance over all K rollouts
+    d = float(np.clip(v / max(m * (1.0 - m), dispersion_floor), 0.0, 1.0))
+    return m, v, d
+
+
+def half_life_weight(t: float, s: np.ndarray, h: float) -> np.ndarray:
+    """EnvSched Eq. 10: w_{t,s}^(h) = 2^{-(t - s) / h}."""
+    return np.power(2.0, -(t - np.asarray(s, dtype=np.float64)) / h)
+
+
+def exposure_factor(count: np.ndarray, c0: float) -> np.ndarray:
+    """EnvSched §2.4: omega_{i,t} = (1 + c_{i,t} / c0)^{-1/2}."""
+    return (1.0 + np.asarray(count, dtype=np.float64) / c0) ** -0.5
+
+
+# ---------------------------------------------------------------------------------------------------
+# Centering and task histories (Eq. 6, 11)
+# ---------------------------------------------------------------------------------------------------
+
+
+def global_reference(step_values: np.ndarray, steps: np.ndarray, t: float, h: float) -> float:
+    """EnvSched Eq. 6 (left): b_t = sum_{s<t} w_{t,s} b_s / sum_{s<t} w_{t,s}; b_s = step mean of y.
+
+    ``step_values[k]`` is b_{steps[k]}.  Only steps s < t count.  Returns 0.0 when no step is available.
+    """
+    steps = np.asarray(steps, dtype=np.float64)
+    keep = steps < t
+    if not keep.any():
+        return 0.0
+    w = half_life_weight(t, steps[keep], h)
+    return float(np.sum(w * np.asarray(step_values, dtype=np.float64)[keep]) / np.sum(w))
+
+
+def center(y: np.ndarray, b_s: np.ndarray, b_t: float, interval: tuple[float, float]) -> np.ndarray:
+    """EnvSched Eq. 6 (right): y~_{i,s} = clip_{I_y}( y_{i,s} - b_s + b_t )."""
+    return np.clip(np.asarray(y, dtype=np.float64) - b_s + b_t, interval[0], interval[1])
+
+
+def task_history(node: np.ndarray, step: np.ndarray, y_tilde: np.ndarray, t: float, h: float, n: int, b_t: float) -> tuple[np.ndarray, np.ndarray]:
+    """EnvSched Eq. 11: W_{i,t} = sum_{s in H_t(i)} w_{t,s},  y-bar_{i,t} = sum w y~ / W.
+
+    H_t(i) holds the observation steps s < t of task i; a task without history gets W = 0, y-bar = b_t.
+    """
+    node = np.asarray(node, dtype=np.int64)
+    step = np.asarray(step, dtype=np.float64)
+    keep = step < t
+    w = half_life_weight(t, step[keep], h)
+    W = np.bincount(node[keep], weights=w, minlength=n)
+    num = np.bincount(node[keep], weights=w * np.asarray(y_tilde)[keep], minlength=n)
+    ybar = np.full(n, b_t, dtype=np.float64)
+    has = W > 0
+    ybar[has] = num[has] / W[has]
+    return W, ybar
+
+
+# ---------------------------------------------------------------------------------------------------
+# Neighbour aggregation (Eq. 7, 3) and fusion (Eq. 4)
+# ---------------------------------------------------------------------------------------------------
+
+
+def neighbor_weights(nbr_sim: np.ndarray, nbr_W: np.ndarray, available: np.ndarray, bandwidth_floor: float = 0.05, w_clip: tuple[float, float] = (0.1, 3.0)) -> np.ndarray:
+    """EnvSched Eq. 7: adaptive-bandwidth neighbour weights a_ij.
+
+    delta_ij = clip_[0,1](1 - S_ij);  sigma_i = max{ median_{j in N(i)} delta_ij, floor };
+    a_ij = exp(-1/2 (delta_ij / sigma_i)^2) * sqrt(clip_[0.1,3](W_j)).
+    ``available`` masks the entries of N(i) (unavailable entries get weight 0 and do not enter the median).
+    """
+    nbr_sim = np.asarray(nbr_sim, dtype=np.float64)
+    avail = np.asarray(available, dtype=bool)
+    delta = np.clip(1.0 - np.where(avail, nbr_sim, 0.0), 0.0, 1.0)
+    sigma = np.maximum(_masked_row_median(delta, avail), bandwidth_floor)
+    kern = np.exp(-0.5 * (delta / sigma[:, None]) ** 2)
+    a = kern * np.sqrt(np.clip(nbr_W, w_clip[0], w_clip[1]))
+    return np.where(avail, a, 0.0)
+
+
+def _masked_row_median(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Median of each row over the masked entries (rows with no entry -> 1.0)."""
+    n, k = x.shape
+    if k == 0:
+        return np.ones(n)
+    srt = np.sort(np.where(mask, x, np.inf), axis=1)
+    c = mask.sum(axis=1)
+    lo = np.take_along_axis(srt, np.maximum((c - 1) // 2, 0)[:, None], 1)[:, 0]
+    hi = np.take_along_axis(srt, np.minimum(c // 2, k - 1)[:, None], 1)[:, 0]
+    return np.where(c > 0, 0.5 * (lo + hi), 1.0)
+
+
+def relation_estimate(a: np.ndarray, nbr_ybar: np.ndarray, b_t: float, lambda_g: float) -> np.ndarray:
+    """EnvSched Eq. 3: G_i = (sum_j a_ij y-bar_j + lambda_g b_t) / (sum_j a_ij + lambda_g).
+
+    A target with no available neighbour gets b_t (App. B).
+    """
+    num = np.sum(a * nbr_ybar, axis=1) + lambda_g * b_t
+    den = np.sum(a, axis=1) + lambda_g
+    out = np.full(a.shape[0], b_t, dtype=np.float64)
+    ok = den > 0
+    out[ok] = num[ok] / den[ok]
+    return out
+
+
+def fuse(G_in: np.ndarray, G_cross: np.ndarray, W: np.ndarray, ybar: np.ndarray, lambda_s: float, w_in: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """EnvSched Eq. 4: P = 1/2 G^in + 1/2 G^cross;  y-hat = (W y-bar + lambda_s P) / (W + lambda_s).
+
+    Returns (P, y_hat).  With W = 0 (no own history) y-hat = P.
+    """
+    P = w_in * G_in + (1.0 - w_in) * G_cross
+    den = W + lambda_s
+    yhat = np.where(den > 0, (W * ybar + lambda_s * P) / np.where(den > 0, den, 1.0), P)
+    return P, yhat
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scoring (Eq. 8, 12, 13)
+# ---------------------------------------------------------------------------------------------------
+
+
+def percentile_rank(z: np.ndarray) -> np.ndarray:
+    """EnvSched Eq. 8: pr(z_i) = (rank_avg(z_i) - 0.5) / N over the full pool, average ranks for ties."""
+    z = np.asarray(z, dtype=np.float64)
+    return (rankdata(z, method="average") - 0.5) / z.size
+
+
+def reconstructed_variance(d_hat: np.ndarray, m_hat: np.ndarray) -> np.ndarray:
+    """EnvSched Eq. 12 (left): f = d-hat * m-hat * (1 - m-hat)."""
+    return d_hat * m_hat * (1.0 - m_hat)
+
+
+def quantile_score(v_hat: np.ndarray, f: np.ndarray, weight_v: float = 0.65) -> np.ndarray:
+    """EnvSched Eq. 12 (right): u = Q_{v-hat}[ 0.65 pr(v-hat) + 0.35 pr(f) ], Q linear-interpolated."""
+    p = weight_v * percentile_rank(v_hat) + (1.0 - weight_v) * percentile_rank(f)
+    return np.quantile(v_hat, p, method="linear")
+
+
+def decline_priority(u_long: np.ndarray, u_short: np.ndarray, eta: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """EnvSched Eq. 13: u = u_long - eta max{u_long - u_short, 0};  q = pr(u).  Returns (u, q)."""
+    u = u_long - eta * np.maximum(u_long - u_short, 0.0)
+    return u, percentile_rank(u)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Observation log and the full prediction pass
+# ---------------------------------------------------------------------------------------------------
+
+
+class ObservationLog:
+    """Append-only log of group statistics (node, step, m, v, d)."""
+
+    def __init__(self) -> None:
+        self._cols: dict[str, list] = {"node": [], "step": [], "m": [], "v": [], "d": []}
+        self._cache: dict[str, np.ndarray] | None = None
+
+    def add(self, node: int, step: int, m: float, v: float, d: float) -> None:
+        for k, x in zip(("node", "step", "m", "v", "d"), (node, step, m, v, d)):
+            self._cols[k].append(x)
+        self._cache = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self._cache is None:
+            self._cache = {
+                "node": np.asarray(self._cols["node"], dtype=np.int64),
+                "step": np.asarray(self._cols["step"], dtype=np.int64),
+                **{k: np.asarray(self._cols[k], dtype=np.float64) for k in STATS},
+            }
+        return self._cache
+
+    def __len__(self) -> int:
+        return len(self._cols["node"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v.copy() for k, v in self.arrays().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._cols = {
+            "node": [int(x) for x in state["node"]],
+            "step": [int(x) for x in state["step"]],
+            **{k: [float(x) for x in state[k]] for k in STATS},
+        }
+        self._cache = None
+
+
+@dataclass
+class Prediction:
+    """Output of ``predict``: per-task arrays aligned with ``task_ids`` (pool order)."""
+
+    task_ids: list[str]
+    v: np.ndarray  # predicted variance v-hat (long half-life), Eq. 4
+    m: np.ndarray  # predicted mean m-hat (long half-life), Eq. 4
+    d: np.ndarray  # predicted dispersion d-hat (long half-life), Eq. 4
+    f: np.ndarray  # reconstructed variance d m (1 - m), Eq. 12
+    u_long: np.ndarray  # Eq. 12 with h_long
+    u_short: np.ndarray  # Eq. 12 with h_short
+    u: np.ndarray  # Eq. 13
+    q: np.ndarray  # informativeness score q = pr(u), Eq. 13
+    reference: dict[str, float] = field(default_factory=dict)  # b_t^y for the long half-life
+    step: int = 0
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """{task_id: {"v": .., "m": .., "d": .., "q": ..}}."""
+        return {tid: {"v": float(self.v[i]), "m": float(self.m[i]), "d": float(self.d[i]), "q": float(self.q[i])} for i, tid in enumerate(self.task_ids)}
+
+
+def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig) -> dict[str, Any]:
+    """One prediction pass for half-life h: Eq. 6, 11, 7, 3, 4 for y in {v, m, d}, then Eq. 12."""
+    obs = log.arrays()
+    intervals = {"v": cfg.clip_v, "m": cfg.clip_m, "d": cfg.clip_d}
+    keep = obs["step"] < t
+    steps_u, inv = np.unique(obs["step"][keep], return_inverse=True)
+    out: dict[str, Any] = {"b": {}}
+    W = None
+    ybars: dict[str, np.ndarray] = {}
+    for y in STATS:
+        vals = obs[y][keep]
+        step_means = np.bincount(inv, weights=vals, minlength=len(steps_u)) / np.maximum(np.bincount(inv, minlength=len(steps_u)), 1)
+        b_t = global_reference(step_means, steps_u, t, h)
+        y_tilde = center(vals, step_means[inv], b_t, intervals[y])
+        W, ybar = task_history(obs["node"][keep], obs["step"][keep], y_tilde, t, h, n, b_t)
+        ybars[y] = ybar
+        out["b"][y] = b_t
+    assert W is not None
+    weights = {}
+    for rel in ("in", "cross"):
+        idx = nbr_idx[rel]
+        safe = np.maximum(idx, 0)
+        avail = (idx >= 0) & (W[safe] > 0)
+        weights[rel] = (safe, neighbor_weights(nbr_sim[rel], W[safe], avail, cfg.bandwidth_floor, cfg.neighbor_weight_clip))
+    for y in STATS:
+        G = {rel: relation_estimate(a, ybars[y][safe], out["b"][y], cfg.lambda_g) for rel, (safe, a) in weights.items()}
+        _, out[y] = fuse(G["in"], G["cross"], W, ybars[y], cfg.lambda_s, cfg.fusion_within)
+    out["f"] = reconstructed_variance(out["d"], out["m"])
+    out["u"] = quantile_score(out["v"], out["f"], cfg.quantile_weight_v)
+    out["W"] = W
+    return out
+
+
+def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig) -> Prediction:
+    """EnvSched Eq. 12–13 over both half-lives: q_{i,t} for every task of the pool."""
+    n = len(task_ids)
+    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg)
+    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg)
+    u, q = decline_priority(long["u"], short["u"], cfg.eta_decline)
+    return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t)

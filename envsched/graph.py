@@ -1,0 +1,471 @@
+"""Static dual-relation graph (EnvSched §2.2, Eq. 1, Appendix D) and sparse neighbour search.
+
+Six concrete TF-IDF views h^(a) (scikit-learn ``TfidfVectorizer``, min_df 1, 35,000-feature cap, sublinear tf,
+L2-normalised rows) and one abstract view g (TF-IDF of the App. E abstraction).  Because every view is
+L2-normalised, ``cos(h_i, h_j) = h_i . h_j`` and EnvSched Eq. 1 becomes one sparse dot product:
+
+    S_full_ij = sum_a alpha_a cos(h_i^(a), h_j^(a)) = x_i . x_j,   x_i = [sqrt(alpha_a) h_i^(a)]_a
+    S_abs_ij  = g_i . g_j
+
+No N x N matrix is ever formed: similarities are computed for the rows and columns that are needed
+(new observed nodes, batch members, environment members).  ``NeighborIndex`` keeps, for each node, the
+K_within / K_cross most similar *observed* nodes in fixed-capacity arrays and merges newly observed nodes in
+O(N * (K + Delta)) per step (the incremental scheme of §3.3.2).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import logging
+import re
+import time
+import tokenize
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.feature_extraction.text import TfidfVectorizer
+
+from .config import EnvSchedConfig
+from .operations import (
+    DeterministicExtractor,
+    Extraction,
+    LLMExtractor,
+    OperationDescription,
+    abstract_text,
+    concrete_text,
+    extract_all,
+)
+from .pool import TaskPool
+
+log = logging.getLogger(__name__)
+
+VIEW_NAMES = ("instruction_words", "instruction_chars", "verifier_checks", "verifier_code", "initial_context", "operations")
+
+
+def code_structure(code: str) -> str:
+    """Structural tokens of verifier code (view 4): AST node types, called names, attributes, operators.
+
+    Python is parsed with ``ast``; anything else falls back to the token stream with literals replaced by
+    type placeholders.
+    """
+    if not code.strip():
+        return ""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return " ".join(_fallback_code_tokens(code))
+    toks: list[str] = []
+    for node in ast.walk(tree):
+        toks.append(type(node).__name__)
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name:
+                toks.append(f"call:{name}")
+        elif isinstance(node, ast.Attribute):
+            toks.append(f"attr:{node.attr}")
+        elif isinstance(node, ast.Name):
+            toks.append(f"name:{node.id}")
+        elif isinstance(node, ast.Compare):
+            toks.extend(f"cmp:{type(op).__name__}" for op in node.ops)
+        elif isinstance(node, ast.Constant):
+            toks.append(f"const:{type(node.value).__name__}")
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            toks.append(f"key:{node.slice.value}")
+    return " ".join(toks)
+
+
+def _fallback_code_tokens(code: str) -> list[str]:
+    out = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.NAME:
+                out.append(tok.string)
+            elif tok.type == tokenize.OP:
+                out.append(f"op:{tok.string}")
+            elif tok.type == tokenize.NUMBER:
+                out.append("const:num")
+            elif tok.type == tokenize.STRING:
+                out.append("const:str")
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        out = re.findall(r"[A-Za-z_]\w*|[=!<>]=|[<>]", code)
+    return out
+
+
+def _tfidf(texts: Sequence[str], cfg: EnvSchedConfig, **kw: Any) -> sp.csr_matrix:
+    """One view's TF-IDF encoder (App. D settings); rows are L2-normalised, empty rows stay zero."""
+    dtype = np.float32 if cfg.tfidf_float32 else np.float64
+    if not any(t.strip() for t in texts):
+        return sp.csr_matrix((len(texts), 1), dtype=dtype)
+    vec = TfidfVectorizer(min_df=cfg.tfidf_min_df, max_features=cfg.tfidf_max_features, sublinear_tf=cfg.tfidf_sublinear_tf, dtype=dtype, **kw)
+    try:
+        return vec.fit_transform(texts).tocsr()
+    except ValueError:  # e.g. only stop-word-like tokens
+        return sp.csr_matrix((len(texts), 1), dtype=dtype)
+
+
+@dataclass
+class StaticGraph:
+    """Fixed representations of the pool: S_full via ``x_full`` and S_abs via ``x_abs`` (Eq. 1)."""
+
+    x_full: sp.csr_matrix
+    x_abs: sp.csr_matrix
+    env: np.ndarray
+    env_members: list[np.ndarray]
+    descriptions: list[OperationDescription]
+    extractor_counts: dict[str, int]
+    fallback_reasons: dict[str, str] = field(default_factory=dict)
+    build_seconds: float = 0.0
+    view_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _rep_score: np.ndarray | None = field(default=None, repr=False)
+    _fmap: np.ndarray | None = field(default=None, repr=False)
+    _block_values: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        return self.x_full.shape[0]
+
+    def report(self) -> dict[str, Any]:
+        """Which extractor produced the operation descriptions, view sizes, build time."""
+        return {
+            "extractors": dict(self.extractor_counts),
+            "fallbacks": len(self.fallback_reasons),
+            "views": {k: list(v) for k, v in self.view_shapes.items()},
+            "abstract_features": int(self.x_abs.shape[1]),
+            "nnz_full": int(self.x_full.nnz),
+            "build_seconds": self.build_seconds,
+        }
+
+    # ---- similarities (Eq. 1), never N x N ------------------------------------------------------
+    def sim_full(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Dense |rows| x |cols| block of S_full (Eq. 1), computed from the sparse rows."""
+        return sparse_row_block_dot(self.x_full, np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64))
+
+    def sim_abs(self, rows: np.ndarray | None, cols: np.ndarray) -> np.ndarray:
+        """Dense |rows| x |cols| block of S_abs (rows=None: all nodes)."""
+        left = self.x_abs if rows is None else self.x_abs[rows]
+        right = self.x_abs[cols].T.toarray()
+        return np.asarray(left @ right, dtype=np.float64)
+
+    def sim_abs32(self, cols: np.ndarray) -> np.ndarray:
+        """N x |cols| block of S_abs in the dtype of the abstract view (float32 by default); equals
+        ``sim_abs(None, cols)`` before its cast to float64."""
+        return np.asarray(self.x_abs @ self.x_abs[cols].T.toarray())
+
+    def mean_within_env_similarity(self) -> np.ndarray:
+        """mean_{j in env(i), j != i} S_full_ij for every i (static; computed once, then cached)."""
+        if self._rep_score is None:
+            out = np.zeros(self.n)
+            for members in self.env_members:
+                if len(members) < 2:
+                    continue
+                xe = self.x_full[members]
+                total = np.asarray(xe.sum(axis=0), dtype=np.float64).ravel()  # environment centroid * n_e
+                dots = np.asarray(xe @ total).ravel()
+                self_sim = np.asarray(xe.multiply(xe).sum(axis=1)).ravel()
+                out[members] = (dots - self_sim) / (len(members) - 1)
+            self._rep_score = out
+        return self._rep_score
+
+    def feature_block(self, capacity: int) -> FeatureBlock:
+        """A FeatureBlock over x_full that reuses this graph's scratch buffers (release with close_block)."""
+        return FeatureBlock(self.x_full, self.scratch_map(), capacity, self._block_values)
+
+    def close_block(self, block: FeatureBlock) -> None:
+        self._block_values = block.close()
+
+    def scratch_map(self) -> np.ndarray:
+        """A reusable feature -> slot map (all -1 between uses) for ``FeatureBlock``."""
+        if self._fmap is None:
+            self._fmap = np.full(self.x_full.shape[1], -1, dtype=np.int64)
+        return self._fmap
+
+
+class FeatureBlock:
+    """Dense copy of a few rows of a sparse matrix, addressable by feature id through a scratch map.
+
+    ``dot(rows)`` returns x[rows] @ block.T for many small calls without scipy conversions: the cost is the
+    number of stored entries of ``rows``.  Call ``close()`` to reset the scratch map.
+    """
+
+    def __init__(self, x: sp.csr_matrix, fmap: np.ndarray, capacity: int, values: np.ndarray | None = None):
+        self.x, self.fmap = x, fmap
+        self.used: list[np.ndarray] = []
+        self.n_feat = 0
+        self.values = values if values is not None and values.shape[1] >= capacity else np.zeros((1024, capacity))
+        self.m = 0
+
+    def add(self, j: int) -> None:
+        cols = self.x.indices[self.x.indptr[j] : self.x.indptr[j + 1]]
+        vals = self.x.data[self.x.indptr[j] : self.x.indptr[j + 1]]
+        new = cols[self.fmap[cols] < 0]
+        if len(new):
+            self.fmap[new] = np.arange(self.n_feat, self.n_feat + len(new))
+            self.used.append(new)
+            self.n_feat += len(new)
+            if self.n_feat > self.values.shape[0]:
+                grown = np.zeros((max(2 * self.values.shape[0], self.n_feat), self.values.shape[1]))
+                grown[: self.values.shape[0]] = self.values
+                self.values = grown
+        if self.m >= self.values.shape[1]:
+            self.values = np.concatenate([self.values, np.zeros_like(self.values)], axis=1)
+        self.values[self.fmap[cols], self.m] = vals
+        self.m += 1
+
+    def dot(self, rows: np.ndarray, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """x[rows] @ (block columns start..stop).T as a dense |rows| x (stop - start) array."""
+        stop = self.m if stop is None else stop
+        out = np.zeros((len(rows), stop - start))
+        if len(rows) == 0 or stop <= start:
+            return out
+        rc, rv, own = _gather_rows(self.x, rows)
+        slot = self.fmap[rc]
+        hit = slot >= 0
+        if not hit.any():
+            return out
+        prod = rv[hit, None].astype(np.float64) * self.values[slot[hit], start:stop]
+        owner = own[hit]  # sorted
+        starts = np.searchsorted(owner, np.arange(len(rows)))
+        counts = np.diff(np.append(starts, len(owner)))
+        res = np.add.reduceat(prod, np.minimum(starts, len(owner) - 1), axis=0)
+        res[counts == 0] = 0.0
+        return res
+
+    def close(self) -> np.ndarray:
+        """Reset the scratch map and zero the used values; returns the value buffer for reuse."""
+        for u in self.used:
+            self.fmap[u] = -1
+        self.used = []
+        self.values[: self.n_feat, : self.m] = 0.0
+        self.n_feat = self.m = 0
+        return self.values
+
+
+def _gather_rows(x: sp.csr_matrix, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(column indices, values, owning row position) of the stored entries of ``rows``, in row order."""
+    starts = x.indptr[rows]
+    lens = x.indptr[rows + 1] - starts
+    total = int(lens.sum())
+    offs = np.cumsum(lens) - lens
+    pos = np.repeat(starts - offs, lens) + np.arange(total)
+    owner = np.repeat(np.arange(len(rows)), lens)
+    return x.indices[pos], x.data[pos], owner
+
+
+def sparse_row_block_dot(x: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Dense block (x[rows] @ x[cols].T) without scipy's per-call conversions (small blocks, many calls)."""
+    out = np.zeros((len(rows), len(cols)))
+    if len(rows) == 0 or len(cols) == 0:
+        return out
+    cc, cv, cown = _gather_rows(x, cols)
+    if len(cc) == 0:
+        return out
+    feats, inv = np.unique(cc, return_inverse=True)
+    dense = np.zeros((len(feats), len(cols)))
+    dense[inv, cown] = cv
+    rc, rv, rown = _gather_rows(x, rows)
+    pos = np.searchsorted(feats, rc)
+    pos_c = np.minimum(pos, len(feats) - 1)
+    hit = feats[pos_c] == rc
+    if not hit.any():
+        return out
+    prod = rv[hit, None].astype(np.float64) * dense[pos_c[hit]]
+    owner = rown[hit]
+    uniq, first = np.unique(owner, return_index=True)
+    out[uniq] = np.add.reduceat(prod, first, axis=0)
+    return out
+
+
+def view_texts(pool: TaskPool, descriptions: Sequence[OperationDescription]) -> dict[str, list[str]]:
+    tasks = pool.tasks
+    return {
+        "instruction_words": [t.instruction for t in tasks],
+        "instruction_chars": [t.instruction for t in tasks],
+        "verifier_checks": ["\n".join(t.verifier_checks) for t in tasks],
+        "verifier_code": [code_structure(t.verifier_code) for t in tasks],
+        "initial_context": [t.initial_state for t in tasks],
+        "operations": [concrete_text(d) for d in descriptions],
+    }
+
+
+def make_extractor(cfg: EnvSchedConfig, client: Any = None) -> Any:
+    if cfg.operation_extractor == "llm":
+        return LLMExtractor.from_config(cfg.llm, client=client)
+    return DeterministicExtractor()
+
+
+def build_static_graph(
+    pool: TaskPool,
+    cfg: EnvSchedConfig,
+    *,
+    extractor: Any = None,
+    extractions: Sequence[Extraction] | None = None,
+) -> StaticGraph:
+    """Build the six concrete views and the abstract view (EnvSched Eq. 1, App. D–E)."""
+    t0 = time.perf_counter()
+    if extractions is None:
+        extractor = extractor if extractor is not None else make_extractor(cfg)
+        extractions = extract_all(pool.tasks, extractor)
+    if len(extractions) != len(pool):
+        raise ValueError(f"{len(extractions)} extractions for {len(pool)} tasks")
+    descriptions = [e.description for e in extractions]
+    counts = Counter(e.extractor for e in extractions)
+    fallbacks = {pool.task_ids[i]: e.reason for i, e in enumerate(extractions) if e.reason}
+    log.info("envsched: operation descriptions by extractor: %s", dict(counts))
+
+    texts = view_texts(pool, descriptions)
+    kwargs = {
+        "instruction_words": {"ngram_range": (1, 2)},
+        "instruction_chars": {"analyzer": "char_wb", "ngram_range": (3, 5)},
+        "verifier_checks": {"ngram_range": (1, 2)},
+        "verifier_code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)},
+        "initial_context": {"ngram_range": (1, 2)},
+        "operations": {"ngram_range": (1, 2)},
+    }
+    blocks, shapes = [], {}
+    for name, weight in zip(VIEW_NAMES, cfg.view_weights):
+        h = _tfidf(texts[name], cfg, **kwargs[name])
+        shapes[name] = h.shape
+        blocks.append(h * np.sqrt(weight))
+    x_full = sp.hstack(blocks, format="csr")
+    x_abs = _tfidf([abstract_text(d) for d in descriptions], cfg, token_pattern=r"\S+", lowercase=False)
+    order = np.argsort(pool.env, kind="stable")
+    bounds = np.searchsorted(pool.env[order], np.arange(pool.n_envs + 1))
+    members = [order[bounds[e] : bounds[e + 1]] for e in range(pool.n_envs)]
+    graph = StaticGraph(
+        x_full=x_full, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,
+        extractor_counts=dict(counts), fallback_reasons=fallbacks, build_seconds=time.perf_counter() - t0,
+        view_shapes=shapes,
+    )
+    graph.mean_within_env_similarity()  # cold-start representatives use static structure only
+    graph.build_seconds = time.perf_counter() - t0
+    return graph
+
+
+# ---------------------------------------------------------------------------------------------------
+# Observed-neighbour sets N_t^in(i), N_t^cross(i) (§2.2)
+# ---------------------------------------------------------------------------------------------------
+
+_IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
+_SIM_SCALE = float(2**30)
+_SIM_RES = 1.0 / _SIM_SCALE
+
+
+def merge_topk(idx: np.ndarray, sim: np.ndarray, cand_idx: np.ndarray, cand_sim: np.ndarray, k: int, min_sim: float) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise top-k of the union of existing and candidate neighbours.
+
+    Total order: similarity (quantised to 2^-30) descending, then node index ascending, so the result does
+    not depend on the order in which nodes became observed.  Entries with sim <= min_sim are dropped
+    (index -1, similarity -inf).
+    """
+    all_idx = np.concatenate([idx, cand_idx], axis=1)
+    all_sim = np.concatenate([sim, cand_sim], axis=1)
+    valid = (all_idx >= 0) & (all_sim > min_sim)
+    q = np.where(valid, np.floor(np.clip(all_sim, 0.0, 1.0) * _SIM_SCALE), -1.0).astype(np.int64)
+    key = q * (1 << _IDX_BITS) + ((1 << _IDX_BITS) - 1 - np.maximum(all_idx, 0))
+    if all_idx.shape[1] > k:
+        part = np.argpartition(-key, k - 1, axis=1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(all_idx.shape[1]), all_idx.shape).copy()
+    pkey = np.take_along_axis(key, part, 1)
+    order = np.argsort(-pkey, axis=1, kind="stable")
+    part = np.take_along_axis(part, order, 1)
+    out_idx = np.take_along_axis(all_idx, part, 1)
+    out_sim = np.take_along_axis(all_sim, part, 1)
+    ok = np.take_along_axis(valid, part, 1)
+    out_idx = np.where(ok, out_idx, -1)
+    out_sim = np.where(ok, out_sim, -np.inf)
+    if out_idx.shape[1] < k:  # pad
+        pad = k - out_idx.shape[1]
+        out_idx = np.pad(out_idx, ((0, 0), (0, pad)), constant_values=-1)
+        out_sim = np.pad(out_sim, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return out_idx, out_sim
+
+
+class NeighborIndex:
+    """Fixed-capacity arrays of the K most similar observed neighbours of every node, per relation."""
+
+    def __init__(self, graph: StaticGraph, k_within: int, k_cross: int, min_sim: float = 0.0):
+        n = graph.n
+        self.graph, self.min_sim = graph, min_sim
+        self.k = {"in": k_within, "cross": k_cross}
+        self.idx = {r: np.full((n, k), -1, dtype=np.int64) for r, k in self.k.items()}
+        self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
+        self.observed = np.zeros(n, dtype=bool)
+
+    def add_observed(self, nodes: np.ndarray) -> None:
+        """Merge nodes that became observed this step into every target's neighbour arrays."""
+        nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+        nodes = nodes[~self.observed[nodes]]
+        if len(nodes) == 0:
+            return
+        self.observed[nodes] = True
+        g, env = self.graph, self.graph.env
+        # within-environment relation: S_full, only rows of the new nodes' environments
+        if self.k["in"] > 0:
+            nodes_by_env = nodes[np.argsort(env[nodes], kind="stable")]
+            envs, first = np.unique(env[nodes_by_env], return_index=True)
+            bounds = np.append(first, len(nodes_by_env))
+            block = g.feature_block(len(nodes_by_env))
+            try:
+                for j in nodes_by_env:
+                    block.add(int(j))
+                width = int(np.diff(bounds).max())
+                rows_l, ci_l, cs_l = [], [], []
+                for e, a, b in zip(envs, bounds[:-1], bounds[1:]):
+                    rows = g.env_members[e]
+                    new_e = nodes_by_env[a:b]
+                    s = np.full((len(rows), width), -np.inf)
+                    s[:, : b - a] = block.dot(rows, int(a), int(b))
+                    s[:, : b - a][rows[:, None] == new_e[None, :]] = -np.inf  # no self edges
+                    ci = np.full((len(rows), width), -1, dtype=np.int64)
+                    ci[:, : b - a] = new_e
+                    rows_l.append(rows), ci_l.append(ci), cs_l.append(s)
+            finally:
+                g.close_block(block)
+            self._merge("in", np.concatenate(rows_l), np.concatenate(ci_l), np.concatenate(cs_l))
+        # cross-environment relation: S_abs, rows in other environments
+        if self.k["cross"] > 0:
+            self._add_cross(nodes)
+
+    def _add_cross(self, nodes: np.ndarray) -> None:
+        """Merge ``nodes`` into N^cross of every node of another environment.
+
+        Only rows whose top-K can change are merged: a candidate enters a full row only if its quantised
+        similarity is >= that of the row's K-th entry, i.e. (since floor(x) > x - 1) only if its similarity is
+        >= the K-th similarity - 2^-30.  Rows below that bound keep exactly the entries ``merge_topk`` would
+        return.  The N x Delta block stays float32 (the precision of the S_abs product) until the merged rows.
+        """
+        g, env = self.graph, self.graph.env
+        s = g.sim_abs32(nodes)  # N x Delta, float32 (exactly the values sim_abs returns, before the float64 cast)
+        node_env = env[nodes]
+        for e in np.unique(node_env):  # same environment -> not a cross edge
+            s[np.ix_(g.env_members[e], np.flatnonzero(node_env == e))] = -np.inf
+        best = s.max(axis=1).astype(np.float64)
+        k = self.k["cross"]
+        kth_idx, kth_sim = self.idx["cross"][:, k - 1], self.sim["cross"][:, k - 1]
+        may_enter = (kth_idx < 0) | (best >= kth_sim - 2.0 * _SIM_RES)
+        rows = np.flatnonzero((best > self.min_sim) & may_enter)
+        if len(rows):
+            self._merge("cross", rows, np.broadcast_to(nodes, (len(rows), len(nodes))), s[rows].astype(np.float64))
+
+    def _merge(self, rel: str, rows: np.ndarray, cand_idx: np.ndarray, s: np.ndarray) -> None:
+        self.idx[rel][rows], self.sim[rel][rows] = merge_topk(self.idx[rel][rows], self.sim[rel][rows], cand_idx, s, self.k[rel], self.min_sim)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "observed": self.observed.copy(),
+            **{f"idx_{r}": a.copy() for r, a in self.idx.items()},
+            **{f"sim_{r}": a.copy() for r, a in self.sim.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.observed = np.asarray(state["observed"], dtype=bool).copy()
+        for r in self.idx:
+            self.idx[r] = np.asarray(state[f"idx_{r}"], dtype=np.int64).copy()
+            self.sim[r] = np.asarray(state[f"sim_{r}"], dtype=np.float64).copy()

@@ -1,0 +1,606 @@
+"""Structured operation descriptions (EnvSched §2.2, Appendix E).
+
+* ``OperationDescription`` — the App. E schema (operations with types, gates with provenance,
+  dependencies, reward groups, conflicts), validated with pydantic including cross-references.
+* ``DeterministicExtractor`` — derives a description from tool schemas and the ground-truth call
+  sequence, without an LLM.
+* ``LLMExtractor`` — asks an OpenAI-compatible chat endpoint (``response_format=json_object``),
+  validates the answer, caches it on disk keyed by a content hash; an answer that fails the schema is
+  retried once with the error, then falls back to the deterministic extractor with a logged reason
+  (or raises ``OperationExtractionError`` when configured so).  Never returns an unvalidated answer.
+* ``abstract_text`` — the deterministic abstraction of App. E.1 (tool names -> operation types,
+  identifiers and field names removed, literals -> type placeholders) whose TF-IDF gives S_abs (Eq. 1).
+* ``concrete_text`` — the complete (concrete) description, the sixth within-environment view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .pool import Task
+
+log = logging.getLogger(__name__)
+
+OpType = Literal["lookup", "update", "create", "delete", "validate", "authorize"]
+GateType = Literal["identifier_resolution", "state_precondition", "authorization"]
+Provenance = Literal["task_literal", "unique_lookup", "broad_lookup", "prior_tool_output", "agent_generated", "unavailable"]
+GroupRelation = Literal["shared_operation", "shared_gate", "initially_satisfied", "independent"]
+ConflictType = Literal["order", "mutual_exclusion", "destructive"]
+TargetKind = Literal[
+    "entity_by_name", "entity_by_id", "entity_by_attribute", "entity_list", "entity_field",
+    "status", "relation", "record", "constraint", "permission", "other",
+]
+LiteralType = Literal["<string>", "<int>", "<float>", "<bool>", "<date>", "<id>", "<list>", "<object>", "<null>"]
+
+PROMPT_VERSION = "envsched-ops-v1"
+
+MUTATING = ("update", "create", "delete")
+
+
+class OperationExtractionError(RuntimeError):
+    """The LLM answer could not be turned into a valid OperationDescription."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Operation(_Strict):
+    id: str = Field(min_length=1)
+    type: OpType
+    tool: str | None = None  # concrete tool name (removed by the abstraction)
+    target_kind: TargetKind = "other"  # abstract kind of the object acted on (kept by the abstraction)
+    description: str = ""  # free text (removed by the abstraction)
+    arguments: dict[str, LiteralType] = Field(default_factory=dict)  # field name -> literal type
+    depends_on: list[str] = Field(default_factory=list)
+
+
+class Gate(_Strict):
+    id: str = Field(min_length=1)
+    type: GateType
+    provenance: Provenance
+    blocks: list[str] = Field(default_factory=list)  # operation ids that cannot run until the gate holds
+    description: str = ""
+
+
+class Dependency(_Strict):
+    source: str  # must finish first
+    target: str
+
+
+class RewardGroup(_Strict):
+    checks: list[int] = Field(min_length=1)  # 0-based indices into the task's verifier checks
+    relation: GroupRelation
+    controlled_by: list[str] = Field(default_factory=list)  # operation or gate ids
+
+
+class Conflict(_Strict):
+    first: str
+    second: str
+    type: ConflictType
+
+
+class OperationDescription(_Strict):
+    """App. E output schema.  Every reference must name an existing operation/gate id."""
+
+    operations: list[Operation] = Field(min_length=1)
+    gates: list[Gate] = Field(default_factory=list)
+    dependencies: list[Dependency] = Field(default_factory=list)
+    reward_groups: list[RewardGroup] = Field(default_factory=list)
+    conflicts: list[Conflict] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _references(self) -> OperationDescription:
+        ops = [o.id for o in self.operations]
+        if len(set(ops)) != len(ops):
+            raise ValueError(f"duplicate operation ids {sorted({o for o in ops if ops.count(o) > 1})}")
+        op_set, gate_set = set(ops), {g.id for g in self.gates}
+        for o in self.operations:
+            bad = [d for d in o.depends_on if d not in op_set]
+            if bad:
+                raise ValueError(f"operation {o.id!r} depends on unknown operation(s) {bad}")
+        for g in self.gates:
+            bad = [b for b in g.blocks if b not in op_set]
+            if bad:
+                raise ValueError(f"gate {g.id!r} blocks unknown operation(s) {bad}")
+        for d in self.dependencies:
+            for end in (d.source, d.target):
+                if end not in op_set:
+                    raise ValueError(f"dependency references unknown operation {end!r}")
+        for r in self.reward_groups:
+            bad = [c for c in r.controlled_by if c not in op_set | gate_set]
+            if bad:
+                raise ValueError(f"reward group controlled by unknown id(s) {bad}")
+            if any(c < 0 for c in r.checks):
+                raise ValueError("reward group check indices must be >= 0")
+        for c in self.conflicts:
+            for end in (c.first, c.second):
+                if end not in op_set:
+                    raise ValueError(f"conflict references unknown operation {end!r}")
+        return self
+
+    def validate_for(self, task: Task) -> None:
+        """Task-specific checks: check indices exist."""
+        n = len(task.verifier_checks)
+        for r in self.reward_groups:
+            bad = [c for c in r.checks if c >= n]
+            if bad:
+                raise ValueError(f"reward group names check index {bad} but the task has {n} checks")
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """A validated description and where it came from."""
+
+    description: OperationDescription
+    extractor: str  # "deterministic" | "llm" | "llm-cache" | "deterministic-fallback"
+    reason: str = ""  # why a fallback happened
+
+
+# ---------------------------------------------------------------------------------------------------
+# Deterministic extractor
+# ---------------------------------------------------------------------------------------------------
+
+_VERBS: list[tuple[OpType, frozenset[str]]] = [
+    ("authorize", frozenset({"authorize", "authorized", "authorization", "authenticate", "auth", "login", "permission", "permissions"})),
+    ("lookup", frozenset({"get", "find", "list", "search", "query", "lookup", "fetch", "retrieve", "read", "view", "show", "count", "describe", "browse"})),
+    ("validate", frozenset({"check", "verify", "validate", "is", "has", "can", "confirm", "ensure", "test"})),
+    ("delete", frozenset({"delete", "remove", "cancel", "drop", "revoke", "release", "unassign", "clear", "archive", "withdraw", "retract"})),
+    ("create", frozenset({"create", "add", "insert", "register", "book", "new", "make", "schedule", "open", "post", "submit", "issue", "enroll", "log", "report"})),
+    ("update", frozenset({"update", "set", "modify", "change", "edit", "assign", "transfer", "move", "reschedule", "rename", "replace", "approve", "reject", "mark", "apply", "enable", "disable", "toggle", "increase", "decrease", "reset", "resolve", "advance", "amend"})),
+]
+_RELATION_VERBS = frozenset({"assign", "transfer", "move", "reschedule", "replace", "unassign", "link", "attach"})
+
+
+def split_identifier(name: str) -> list[str]:
+    """``getUserByName`` / ``get_user_by_name`` -> ['get', 'user', 'by', 'name']."""
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return [p for p in re.split(r"[^A-Za-z0-9]+", name.lower()) if p]
+
+
+def tool_operation_type(tool_name: str) -> OpType:
+    """Map a tool name to an App. E operation type by its verb (first word first, then any word)."""
+    words = split_identifier(tool_name)
+    if set(words) & _VERBS[0][1]:  # authorization words win wherever they appear (is_authorized_user...)
+        return "authorize"
+    for w in words:  # then the first verb-like word
+        for op, verbs in _VERBS:
+            if w in verbs:
+                return op
+    return "update"
+
+
+def literal_type(value: Any, key: str = "") -> LiteralType:
+    """Type placeholder of a literal (App. E.1 step 4)."""
+    if value is None:
+        return "<null>"
+    if isinstance(value, bool):
+        return "<bool>"
+    if isinstance(value, int):
+        return "<id>" if _is_id_key(key) else "<int>"
+    if isinstance(value, float):
+        return "<float>"
+    if isinstance(value, list):
+        return "<list>"
+    if isinstance(value, dict):
+        return "<object>"
+    s = str(value)
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}([ T].*)?", s):
+        return "<date>"
+    if _is_id_key(key) or _looks_like_id(s):
+        return "<id>"
+    return "<string>"
+
+
+def _is_id_key(key: str) -> bool:
+    """``id``, ``user_id``, ``policy-ids``, ``userId`` are identifier fields; ``paid`` / ``valid`` are not."""
+    return bool(re.search(r"(^|[_-])ids?$", key.lower()) or re.search(r"[a-z0-9]Ids?$", key))
+
+
+def _looks_like_id(s: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z]{0,6}[-_]?\d[\w-]{1,}", s)) and any(ch.isdigit() for ch in s)
+
+
+def _target_kind(op: OpType, tool_name: str, arg_names: Sequence[str]) -> TargetKind:
+    words = set(split_identifier(tool_name))
+    names = [a.lower() for a in arg_names]
+    if op == "lookup":
+        if words & {"list", "search", "all"} or not names:
+            return "entity_list"
+        if any("name" in a for a in names):
+            return "entity_by_name"
+        if any(_is_id_key(a) for a in names):
+            return "entity_by_id"
+        return "entity_by_attribute"
+    if op == "update":
+        if words & _RELATION_VERBS:
+            return "relation"
+        if words & {"status", "state"}:
+            return "status"
+        return "entity_field"
+    if op in ("create", "delete"):
+        return "relation" if words & _RELATION_VERBS else "record"
+    if op == "validate":
+        return "constraint"
+    return "permission"
+
+
+def _flat_values(value: Any) -> list[str]:
+    if isinstance(value, Mapping):
+        return [v for x in value.values() for v in _flat_values(x)]
+    if isinstance(value, (list, tuple)):
+        return [v for x in value for v in _flat_values(x)]
+    if value is None or isinstance(value, bool):
+        return []
+    s = str(value).strip()
+    return [s] if len(s) >= 2 else []
+
+
+class DeterministicExtractor:
+    """Operation description from tool schemas and the ground-truth call sequence (no LLM).
+
+    Operations are the gold calls in order (or, without gold calls, the tools named in the instruction /
+    verifier, else all tools).  Dependencies link each call to earlier calls that share an argument value,
+    and each state change to the lookups/validations/authorizations since the previous state change.
+    Gates: an identifier argument not given in the instruction -> identifier_resolution gate (provenance
+    from an earlier lookup / prior output / agent-generated for creates / unavailable); each authorize call
+    -> authorization gate on later state changes; each validate call -> state_precondition gate on the next
+    state change.  Reward groups: checks grouped by the set of operations whose tool words or argument
+    values they mention.  Conflicts: validate/authorize before a state change -> order; delete followed by a
+    call on the same value -> destructive.
+    """
+
+    name = "deterministic"
+
+    def extract(self, task: Task) -> Extraction:
+        return Extraction(self.describe(task), self.name)
+
+    def describe(self, task: Task) -> OperationDescription:
+        tools = {t.name: t for t in task.tools}
+        calls: list[tuple[str, dict[str, Any]]] = [(a.name, dict(a.arguments)) for a in task.gold_actions]
+        if not calls:
+            text = " ".join([task.instruction, task.verifier_code, *task.verifier_checks]).lower()
+            named = [t.name for t in task.tools if t.name.lower() in text]
+            calls = [(n, {}) for n in (named or [t.name for t in task.tools])]
+        if not calls:
+            calls = [("respond", {})]
+        instr = " ".join([task.instruction, task.initial_state]).lower()
+
+        ops: list[Operation] = []
+        gates: list[Gate] = []
+        deps: set[tuple[str, str]] = set()
+        conflicts: list[Conflict] = []
+        values_of: list[set[str]] = []
+        since_change: list[str] = []
+        for k, (name, args) in enumerate(calls):
+            oid = f"op{k}"
+            typ = tool_operation_type(name)
+            arg_names = list(args) or (tools[name].param_names() if name in tools else [])
+            vals = {v.lower() for v in _flat_values(args)}
+            for j, prev_vals in enumerate(values_of):
+                if vals & prev_vals:
+                    deps.add((f"op{j}", oid))
+            if typ in MUTATING:
+                for prev in since_change:
+                    deps.add((prev, oid))
+            ops.append(
+                Operation(
+                    id=oid, type=typ, tool=name, target_kind=_target_kind(typ, name, arg_names),
+                    description=(tools[name].description if name in tools else ""),
+                    arguments={a: literal_type(args.get(a), a) if a in args else "<string>" for a in arg_names},
+                )
+            )
+            # identifier gates
+            earlier_lookup = any(o.type == "lookup" for o in ops[:-1])
+            for a, v in args.items():
+                if not (_is_id_key(a) or (isinstance(v, str) and _looks_like_id(v))):
+                    continue
+                sv = str(v).lower()
+                if sv and sv in instr:
+                    prov: Provenance = "task_literal"
+                elif any(sv in pv for pv in values_of):
+                    prov = "prior_tool_output"
+                elif earlier_lookup:
+                    prov = "unique_lookup"
+                elif typ == "create":
+                    prov = "agent_generated"
+                else:
+                    prov = "unavailable"
+                gates.append(Gate(id=f"g{len(gates)}", type="identifier_resolution", provenance=prov, blocks=[oid]))
+            values_of.append(vals)
+            if typ in MUTATING:
+                since_change = []
+            else:
+                since_change.append(oid)
+        # authorization / precondition gates and order conflicts
+        for k, o in enumerate(ops):
+            later_changes = [p.id for p in ops[k + 1 :] if p.type in MUTATING]
+            if o.type == "authorize" and later_changes:
+                gates.append(Gate(id=f"g{len(gates)}", type="authorization", provenance="prior_tool_output", blocks=later_changes))
+                conflicts.append(Conflict(first=o.id, second=later_changes[0], type="order"))
+            if o.type == "validate" and later_changes:
+                gates.append(Gate(id=f"g{len(gates)}", type="state_precondition", provenance="prior_tool_output", blocks=later_changes[:1]))
+                conflicts.append(Conflict(first=o.id, second=later_changes[0], type="order"))
+            if o.type == "delete":
+                for p, pv in zip(ops[k + 1 :], values_of[k + 1 :]):
+                    if pv & values_of[k] and p.type != "lookup":
+                        conflicts.append(Conflict(first=o.id, second=p.id, type="destructive"))
+                        break
+        for src, dst in deps:
+            op = ops[int(dst[2:])]
+            if src not in op.depends_on:
+                op.depends_on.append(src)
+        for o in ops:
+            o.depends_on.sort(key=lambda s: int(s[2:]))
+        # reward groups
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for c, check in enumerate(task.verifier_checks):
+            low = check.lower()
+            ctrl = []
+            for o, vals in zip(ops, values_of):
+                words = [w for w in split_identifier(o.tool or "") if len(w) > 3 and w not in _STOP]
+                if any(v in low for v in vals if len(v) >= 3) or any(w in low for w in words):
+                    if o.type in MUTATING or o.type in ("validate", "authorize"):
+                        ctrl.append(o.id)
+            groups.setdefault(tuple(ctrl), []).append(c)
+        reward_groups = []
+        for ctrl, checks in groups.items():
+            if not ctrl:
+                rel: GroupRelation = "independent"
+            elif len(ctrl) == 1 and ops[int(ctrl[0][2:])].type in ("validate", "authorize"):
+                rel = "shared_gate"
+            else:
+                rel = "shared_operation"
+            reward_groups.append(RewardGroup(checks=checks, relation=rel, controlled_by=list(ctrl)))
+        return OperationDescription(
+            operations=ops, gates=gates,
+            dependencies=[Dependency(source=s, target=t) for s, t in sorted(deps, key=lambda e: (int(e[0][2:]), int(e[1][2:])))],
+            reward_groups=reward_groups, conflicts=conflicts,
+        )
+
+
+_STOP = frozenset({"with", "from", "into", "user", "info", "data", "details", "record", "records", "item", "items", "by"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# LLM extractor
+# ---------------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = """You analyse one task of an executable tool-use environment and describe, as JSON, the \
+operations it requires and how they depend on each other and on the verifier's checks.
+Answer with one JSON object and nothing else, with exactly these keys:
+{"operations": [{"id": str, "type": OP, "tool": str|null, "target_kind": KIND, "description": str,
+                 "arguments": {field_name: LITERAL}, "depends_on": [operation id]}],
+ "gates": [{"id": str, "type": GATE, "provenance": PROV, "blocks": [operation id], "description": str}],
+ "dependencies": [{"source": operation id, "target": operation id}],
+ "reward_groups": [{"checks": [0-based verifier check index], "relation": REL, "controlled_by": [operation or gate id]}],
+ "conflicts": [{"first": operation id, "second": operation id, "type": CONFLICT}]}
+Fixed vocabularies (use only these strings):
+OP: lookup (read data), update (modify existing records), create (add entities), delete (remove records),
+    validate (check constraints without changing state), authorize (check permissions).
+KIND: entity_by_name, entity_by_id, entity_by_attribute, entity_list, entity_field, status, relation, record,
+      constraint, permission, other.
+LITERAL: <string>, <int>, <float>, <bool>, <date>, <id>, <list>, <object>, <null>.
+GATE: identifier_resolution (a needed identifier must first be resolved), state_precondition (a state must
+      hold before an operation), authorization (a permission is required).
+PROV (where the gated information comes from): task_literal, unique_lookup, broad_lookup, prior_tool_output,
+      agent_generated, unavailable.
+REL: shared_operation (checks written by the same operation), shared_gate (checks that fail together when a
+     gate fails), initially_satisfied (already true in the initial state), independent.
+CONFLICT: order (A must precede B without a data dependency), mutual_exclusion (A and B cannot both run),
+          destructive (A removes a precondition of B).
+An operation depends on another when it needs that operation's output or effect. A dependency edge goes from
+the operation that must finish first (source) to the one that waits (target). Partition every verifier check
+into exactly one reward group. Every id you reference must be defined."""
+
+
+def build_user_message(task: Task) -> str:
+    """App. E.3: structured JSON, tasks of one environment share the ``shared_environment`` object."""
+    payload = {
+        "shared_environment": {
+            "environment_id": task.env_id,
+            "tools": [{"name": t.name, "description": t.description, "parameters": dict(t.parameters)} for t in task.tools],
+        },
+        "task": {
+            "instruction": task.instruction,
+            "initial_state": task.initial_state,
+            "verifier_checks": [{"index": i, "text": c} for i, c in enumerate(task.verifier_checks)],
+            "verifier_code": task.verifier_code,
+        },
+    }
+    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
+
+
+def parse_description(text: str, task: Task) -> OperationDescription:
+    """Parse and validate an LLM answer; raises ValueError with a human-readable reason."""
+    body = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, flags=re.DOTALL)
+    if fence:
+        body = fence.group(1)
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"answer is not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"answer is a JSON {type(data).__name__}, expected an object")
+    try:
+        desc = OperationDescription.model_validate(data)
+    except ValidationError as exc:
+        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()[:5])
+        raise ValueError(f"answer fails the App. E schema: {errs}") from None
+    desc.validate_for(task)
+    return desc
+
+
+class LLMExtractor:
+    """App. E extraction through an OpenAI-compatible chat-completions endpoint, with an on-disk cache.
+
+    ``client`` is anything with ``client.chat.completions.create(...)`` returning an object whose
+    ``choices[0].message.content`` is the answer (an ``openai.OpenAI`` instance, or a fake in tests).
+    """
+
+    name = "llm"
+
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        model: str = "gpt-4o-mini",
+        base_url: str | None = None,
+        api_key: str | None = None,
+        cache_dir: str | Path | None = None,
+        temperature: float = 0.0,
+        max_retries: int = 1,
+        on_invalid: Literal["fallback", "raise"] = "fallback",
+        max_workers: int = 8,
+        timeout_s: float = 120.0,
+        fallback: DeterministicExtractor | None = None,
+    ):
+        if client is None:
+            import openai
+
+            client = openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout_s)
+        self.client = client
+        self.model = model
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.temperature = temperature
+        self.max_retries = max_retries
+        self.on_invalid = on_invalid
+        self.max_workers = max_workers
+        self.fallback = fallback or DeterministicExtractor()
+
+    @classmethod
+    def from_config(cls, cfg: Any, client: Any = None) -> LLMExtractor:
+        import os
+
+        return cls(
+            client, model=cfg.model, base_url=cfg.base_url, api_key=os.environ.get(cfg.api_key_env),
+            cache_dir=cfg.cache_dir, temperature=cfg.temperature, max_retries=cfg.max_retries,
+            on_invalid=cfg.on_invalid, max_workers=cfg.max_workers, timeout_s=cfg.timeout_s,
+        )
+
+    def cache_key(self, task: Task) -> str:
+        blob = json.dumps([PROMPT_VERSION, self.model, SYSTEM_PROMPT, build_user_message(task)], ensure_ascii=False)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+    def _cache_path(self, key: str) -> Path | None:
+        return self.cache_dir / f"{key[:2]}/{key}.json" if self.cache_dir else None
+
+    def extract(self, task: Task) -> Extraction:
+        key = self.cache_key(task)
+        path = self._cache_path(key)
+        if path is not None and path.exists():
+            try:
+                return Extraction(parse_description(path.read_text(encoding="utf-8"), task), "llm-cache")
+            except ValueError as exc:  # corrupt cache entry: ignore it and ask again
+                log.warning("envsched: ignoring invalid cache entry %s (%s)", path, exc)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": build_user_message(task)}]
+        reason = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self.client.chat.completions.create(
+                    model=self.model, messages=messages, temperature=self.temperature,
+                    response_format={"type": "json_object"},
+                )
+                content = resp.choices[0].message.content or ""
+            except Exception as exc:  # noqa: BLE001 - network / server errors become the fallback reason
+                reason = f"request failed: {type(exc).__name__}: {exc}"
+                content = None
+            if content is not None:
+                try:
+                    desc = parse_description(content, task)
+                except ValueError as exc:
+                    reason = str(exc)
+                    messages = messages[:2] + [
+                        {"role": "assistant", "content": content},
+                        {"role": "user", "content": f"Your answer was invalid: {reason}. Answer again with a corrected JSON object."},
+                    ]
+                else:
+                    if path is not None:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        tmp = path.with_suffix(".tmp")
+                        tmp.write_text(desc.model_dump_json(), encoding="utf-8")
+                        tmp.replace(path)
+                    return Extraction(desc, "llm")
+        msg = f"task {task.task_id!r}: LLM operation extraction failed after {self.max_retries + 1} attempt(s): {reason}"
+        if self.on_invalid == "raise":
+            raise OperationExtractionError(msg)
+        log.warning("envsched: %s; falling back to the deterministic extractor", msg)
+        return Extraction(self.fallback.describe(task), "deterministic-fallback", reason)
+
+    def extract_many(self, tasks: Sequence[Task]) -> list[Extraction]:
+        if self.max_workers <= 1 or len(tasks) <= 1:
+            return [self.extract(t) for t in tasks]
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            return list(pool.map(self.extract, tasks))
+
+
+def extract_all(tasks: Sequence[Task], extractor: Any) -> list[Extraction]:
+    if hasattr(extractor, "extract_many"):
+        return extractor.extract_many(tasks)
+    return [extractor.extract(t) for t in tasks]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Texts for TF-IDF
+# ---------------------------------------------------------------------------------------------------
+
+
+def _size_bucket(n: int) -> str:
+    return "1" if n <= 1 else "2" if n == 2 else "3-4" if n <= 4 else "5+"
+
+
+def abstract_text(desc: OperationDescription) -> str:
+    """Deterministic abstraction of App. E.1 -> one token string (TF-IDF gives g_i of Eq. 1).
+
+    Tool names become operation types, identifiers / field names / free text are dropped, argument literals
+    become type placeholders; dependency structure, gate types and provenance, group relations and conflict
+    types are kept.  Operation ids are replaced by the operation's abstract label.
+    """
+    label = {o.id: f"{o.type}({o.target_kind})" for o in desc.operations}
+    toks: list[str] = []
+    for o in desc.operations:
+        toks.append(f"op:{o.type}")
+        toks.append(f"op:{label[o.id]}")
+        toks.extend(f"arg:{o.type}:{t}" for t in sorted(o.arguments.values()))
+    seq = [o.type for o in desc.operations]
+    toks.extend(f"seq:{a}>{b}" for a, b in zip(seq, seq[1:]))
+    toks.extend(f"seq3:{a}>{b}>{c}" for a, b, c in zip(seq, seq[1:], seq[2:]))
+    edges = {(d.source, d.target) for d in desc.dependencies} | {(s, o.id) for o in desc.operations for s in o.depends_on}
+    toks.extend(f"dep:{label[s]}>{label[t]}" for s, t in sorted(edges))
+    for g in desc.gates:
+        toks.append(f"gate:{g.type}")
+        toks.append(f"gate:{g.type}:{g.provenance}")
+        toks.extend(f"gate:{g.type}>{label[b]}" for b in g.blocks)
+    for r in desc.reward_groups:
+        toks.append(f"group:{r.relation}")
+        toks.append(f"group:{r.relation}:n{_size_bucket(len(r.checks))}")
+    for c in desc.conflicts:
+        toks.append(f"conflict:{c.type}")
+        toks.append(f"conflict:{c.type}:{label[c.first]}>{label[c.second]}")
+    toks.append(f"size:ops{_size_bucket(len(desc.operations))}")
+    return " ".join(toks)
+
+
+def concrete_text(desc: OperationDescription) -> str:
+    """The complete operation description (tool names, field names, free text): within-environment view 6."""
+    parts = []
+    for o in desc.operations:
+        parts.append(f"{o.type} {o.tool or ''} {o.target_kind} {' '.join(o.arguments)} {o.description}")
+    for g in desc.gates:
+        parts.append(f"gate {g.type} {g.provenance} {g.description}")
+    for r in desc.reward_groups:
+        parts.append(f"group {r.relation} {len(r.checks)}")
+    for c in desc.conflicts:
+        parts.append(f"conflict {c.type}")
+    return " ; ".join(parts)

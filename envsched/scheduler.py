@@ -1,0 +1,366 @@
+"""The EnvSched scheduler: rollout -> update -> propagation -> selection (EnvSched §2.1, Figure 2).
+
+    sched = EnvScheduler(TaskPool.from_jsonl("pool.jsonl"), EnvSchedConfig())
+    for step in range(steps):
+        ids = sched.select(step)                       # B task ids
+        rewards = {tid: run_k_rollouts(tid) for tid in ids}
+        metrics = sched.observe(step, rewards)         # {"envsched/...": float}
+    state = sched.state_dict(); sched2.load_state_dict(state)   # exact resume
+
+``config.scheduler == "random"`` gives the seeded uniform baseline with the same API and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .config import ConfigError, EnvSchedConfig
+from .estimate import ObservationLog, Prediction, exposure_factor, group_statistics, predict_all
+from .filters import IdentifierFilter, ProgressFilter, ReplayFn
+from .graph import NeighborIndex, StaticGraph, build_static_graph
+from .pool import Task, TaskPool
+from .select import BatchBuilder, CapState, cold_start_batch
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+PREFIX = "envsched/"
+
+
+class EnvScheduler:
+    """Chooses each batch of environment–task pairs (EnvSched §2.4) from predicted informativeness (§2.3).
+
+    Args:
+        pool: a TaskPool, or plain records in the JSONL record format (see ``envsched.pool``).
+        config: an EnvSchedConfig or a plain dict (unknown keys raise ConfigError).
+        graph: a prebuilt StaticGraph (otherwise built from the pool; lazily in random mode).
+        extractor: operation extractor for the graph build (default from ``config.operation_extractor``).
+        replay: ``replay(task_id, actions) -> reward`` used by the identifier filter (optional).
+        identifier_detector: ``detector(task, actions) -> [suspicious action indices]`` (optional).
+    """
+
+    def __init__(
+        self,
+        pool: TaskPool | Iterable[Mapping[str, Any] | Task],
+        config: EnvSchedConfig | Mapping[str, Any] | None = None,
+        *,
+        graph: StaticGraph | None = None,
+        extractor: Any = None,
+        replay: ReplayFn | None = None,
+        identifier_detector: Callable[..., list[int]] | None = None,
+    ):
+        self.pool = pool if isinstance(pool, TaskPool) else TaskPool.from_records(pool)
+        if config is None:
+            config = EnvSchedConfig()
+        elif not isinstance(config, EnvSchedConfig):
+            config = EnvSchedConfig.from_dict(dict(config))
+        self.cfg = config
+        n = len(self.pool)
+        if self.cfg.batch_size > n:
+            raise ConfigError(f"config key 'batch_size': {self.cfg.batch_size} exceeds the pool size {n}")
+        self._extractor = extractor
+        self._graph = graph
+        self._neighbors: NeighborIndex | None = None
+        self.env = self.pool.env
+        self.log = ObservationLog()
+        self.obs_count = np.zeros(n, dtype=np.int64)
+        self.sel_count = np.zeros(n, dtype=np.int64)
+        self.available = np.ones(n, dtype=bool)  # False: removed by the identifier filter
+        self.selections: dict[int, np.ndarray] = {}
+        self.selection_phases: dict[int, list[str]] = {}
+        self.rng = np.random.Generator(np.random.PCG64(self.cfg.seed))
+        self.progress = ProgressFilter(self.cfg, self.env, self.pool.n_envs)
+        self.identifier = IdentifierFilter(self.cfg, replay, identifier_detector)
+        self.counters = {"identifier_checked": 0, "identifier_filtered": 0, "replay_mismatch": 0, "replay_error": 0}
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._pred_cache: tuple[int, int, Prediction] | None = None
+        if self.cfg.scheduler == "envsched":
+            _ = self.neighbors  # build the graph now (a cost paid once, before training)
+
+    # ---- static structure ----------------------------------------------------------------------
+    @property
+    def graph(self) -> StaticGraph:
+        if self._graph is None:
+            self._graph = build_static_graph(self.pool, self.cfg, extractor=self._extractor)
+        return self._graph
+
+    @property
+    def neighbors(self) -> NeighborIndex:
+        if self._neighbors is None:
+            nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
+            observed = np.flatnonzero(self.obs_count > 0)
+            if len(observed):
+                nb.add_observed(observed)  # order-independent: merge_topk uses a total order
+            self._neighbors = nb
+        return self._neighbors
+
+    def graph_report(self) -> dict[str, Any]:
+        """Which operation extractor was used (counts), view sizes, build time."""
+        return self.graph.report()
+
+    # ---- prediction (§2.3) ---------------------------------------------------------------------
+    def predict(self, step: int | None = None) -> Prediction:
+        """Per-task predicted variance v, mean m, dispersion d and score q for training step ``step``
+        (default: the step after the last observed/selected one), from observations of earlier steps."""
+        if step is None:
+            last = [max(self.selections, default=-1)]
+            if len(self.log):
+                last.append(int(self.log.arrays()["step"].max()))
+            step = max(last) + 1
+        key = (step, len(self.log))
+        if self._pred_cache is not None and self._pred_cache[:2] == key:
+            return self._pred_cache[2]
+        nb = self.neighbors
+        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg)
+        self._pred_cache = (*key, pred)
+        return pred
+
+    # ---- selection (§2.4) ----------------------------------------------------------------------
+    def select(self, step: int) -> list[str]:
+        """Task ids of the batch for training step ``step`` (a step already selected returns the same batch)."""
+        step = int(step)
+        if step in self.selections:
+            return [self.pool.task_ids[i] for i in self.selections[step]]
+        if self.selections and step < max(self.selections):
+            raise ValueError(f"select({step}) after select({max(self.selections)}): steps must not go backwards")
+        t0 = time.perf_counter()
+        B = self.cfg.batch_size
+        metrics: dict[str, float] = {}
+        if self.cfg.scheduler == "random":
+            pool_idx = np.flatnonzero(self.available)
+            chosen = self.rng.choice(pool_idx, size=min(B, len(pool_idx)), replace=False).tolist()
+            phases = ["random"] * len(chosen)
+        elif not self.selections and len(self.log) == 0:
+            if self.cfg.cold_start == "random":
+                chosen = self.rng.choice(np.flatnonzero(self.available), size=B, replace=False).tolist()
+            else:
+                chosen = cold_start_batch(self.graph, self.cfg, B, self.available)
+            phases = ["cold_start"] * len(chosen)
+        else:
+            chosen, phases, metrics = self._select_envsched(step)
+        sel = np.asarray(chosen, dtype=np.int64)
+        self.selections[step] = sel
+        self.selection_phases[step] = phases
+        np.add.at(self.sel_count, sel, 1)
+        metrics.update(self._selection_metrics(step, sel, phases))
+        metrics["select_time_s"] = time.perf_counter() - t0
+        self._metrics[step] = {**self._metrics.get(step, {}), **metrics}
+        return [self.pool.task_ids[i] for i in sel]
+
+    def _cap_state(self, step: int) -> CapState:
+        cfg, n = self.cfg, len(self.pool)
+        window = np.zeros(self.pool.n_envs, dtype=np.int64)
+        for s in range(step - cfg.cap_env_window_steps + 1, step):
+            if s in self.selections:
+                window += np.bincount(self.env[self.selections[s]], minlength=self.pool.n_envs)
+        blocked = np.ones(n, dtype=bool)
+        for s in range(step - cfg.cap_task_consecutive, step):
+            mask = np.zeros(n, dtype=bool)
+            if s in self.selections:
+                mask[self.selections[s]] = True
+            blocked &= mask
+        return CapState(window_env_count=window, blocked_tasks=blocked)
+
+    def _select_envsched(self, step: int) -> tuple[list[int], list[str], dict[str, float]]:
+        cfg = self.cfg
+        pred = self.predict(step)
+        builder = BatchBuilder(self.graph, cfg, self._cap_state(step), self.available.copy())
+        try:
+            return self._fill(builder, step, pred.q)
+        finally:
+            builder.close()
+
+    def _fill(self, builder: BatchBuilder, step: int, q: np.ndarray) -> tuple[list[int], list[str], dict[str, float]]:
+        cfg = self.cfg
+        B = cfg.batch_size
+        b_cov = int(np.floor(cfg.rho * B))
+        env_exposure = np.bincount(self.env, weights=self.sel_count, minlength=self.pool.n_envs)
+        for _ in range(b_cov):
+            i = builder.coverage_pick(q, env_exposure, self.obs_count)
+            if i is None:
+                break
+            builder.add(i, "coverage")
+        progress_block = np.zeros(len(self.pool), dtype=bool)
+        if cfg.progress_filter:
+            nb = self.neighbors
+            progress_block = self.progress.blocked([nb.idx["in"], nb.idx["cross"]])
+        score = q * exposure_factor(self.sel_count, cfg.exposure_c0)
+        ignored_progress = 0
+        while len(builder.selected) < B:
+            i, used_filtered = builder.exploitation_pick(score, ~progress_block)
+            if i is None:
+                break
+            ignored_progress += used_filtered
+            builder.add(i, "exploitation")
+        metrics = {
+            "progress_filtered": float(progress_block.sum()),
+            "progress_filter_ignored": float(ignored_progress),
+            "cap_relaxations": float(builder.relaxations),
+        }
+        return builder.selected, builder.phases, metrics
+
+    # ---- observation ---------------------------------------------------------------------------
+    def observe(
+        self,
+        step: int,
+        rewards: Mapping[str, Sequence[float]],
+        trajectories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]] | None = None,
+    ) -> dict[str, float]:
+        """Record the K rewards of each rolled-out task at ``step`` (Eq. 2); optionally the saved action
+        sequences (aligned with the rewards) for the identifier filter.  Returns the step's metrics."""
+        t0 = time.perf_counter()
+        step = int(step)
+        if not rewards:
+            raise ValueError("observe() needs at least one task's rewards")
+        nodes, ms, vs = [], [], []
+        for tid, group in rewards.items():
+            if tid not in self.pool.index:
+                raise KeyError(f"observe(): unknown task_id {tid!r}")
+            try:
+                m, v, d = group_statistics(np.asarray(list(group), dtype=np.float64), self.cfg.dispersion_floor)
+            except ValueError as exc:
+                raise ValueError(f"observe(): task {tid!r}: {exc}") from None
+            i = self.pool.index[tid]
+            self.log.add(i, step, m, v, d)
+            nodes.append(i), ms.append(m), vs.append(v)
+        nodes_a = np.asarray(nodes, dtype=np.int64)
+        self.obs_count[nodes_a] += 1
+        if self._neighbors is not None:
+            self._neighbors.add_observed(nodes_a)
+        self.progress.observe(step, nodes_a, np.asarray(ms), np.asarray(vs))
+        if trajectories and self.cfg.identifier_filter:
+            self._identifier_pass(rewards, trajectories)
+        self._pred_cache = None
+        va = np.asarray(vs)
+        metrics = {
+            "realized_var_mean": float(va.mean()),
+            "realized_var_median": float(np.median(va)),
+            "realized_reward_mean": float(np.mean(ms)),
+            "realized_reward_median": float(np.median(ms)),
+            "zero_var_fraction": float(np.mean(va <= 1e-12)),
+            "observed_groups": float(len(nodes)),
+            "identifier_filtered": float(self.counters["identifier_filtered"]),
+            "identifier_checked": float(self.counters["identifier_checked"]),
+            "replay_mismatch": float(self.counters["replay_mismatch"]),
+        }
+        if trajectories:
+            used = {(int(self.env[self.pool.index[t]]), a.get("name")) for t, trajs in trajectories.items() if t in self.pool.index for traj in trajs for a in traj if isinstance(a, Mapping)}
+            metrics["tools_used_per_batch"] = float(len(used))
+        metrics["observe_time_s"] = time.perf_counter() - t0
+        merged = {**self._metrics.get(step, {}), **metrics}
+        merged["schedule_time_s"] = merged.get("select_time_s", 0.0) + merged["observe_time_s"]
+        self._metrics[step] = merged
+        return self.metrics(step)
+
+    def _identifier_pass(self, rewards: Mapping[str, Sequence[float]], trajectories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]) -> None:
+        cfg = self.cfg
+        for tid, trajs in trajectories.items():
+            i = self.pool.index.get(tid)
+            if i is None or not self.available[i] or tid not in rewards:
+                continue
+            rs = list(rewards[tid])
+            order = sorted(range(min(len(rs), len(trajs))), key=lambda k: -rs[k])
+            checked = 0
+            for k in order:
+                if rs[k] < cfg.identifier_min_reward or checked >= cfg.identifier_max_checks_per_task:
+                    break
+                res = self.identifier.check(self.pool[i], float(rs[k]), trajs[k])
+                if res.outcome == "clean":
+                    continue
+                checked += 1
+                self.counters["identifier_checked"] += 1
+                if res.outcome == "filtered":
+                    self.available[i] = False
+                    self.counters["identifier_filtered"] += 1
+                    log.info("envsched: identifier filter removed %s (replay %.4f -> %.4f)", tid, res.replay_reward, res.reduced_reward)
+                    break
+                if res.outcome in ("replay_mismatch", "replay_error"):
+                    self.counters[res.outcome] += 1
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def _selection_metrics(self, step: int, sel: np.ndarray, phases: list[str]) -> dict[str, float]:
+        tools = set()
+        for i in sel:
+            t = self.pool[int(i)]
+            names = [a.name for a in t.gold_actions] or [tl.name for tl in t.tools]
+            tools.update((t.env_id, nm) for nm in names)
+        out = {
+            "step": float(step),
+            "batch_size": float(len(sel)),
+            "envs_per_batch": float(len(np.unique(self.env[sel]))) if len(sel) else 0.0,
+            "tools_per_batch": float(len(tools)),
+            "coverage_count": float(phases.count("coverage")),
+            "exploitation_count": float(phases.count("exploitation")),
+            "cold_start_count": float(phases.count("cold_start")),
+            "random_count": float(phases.count("random")),
+            "identifier_filtered": float(self.counters["identifier_filtered"]),
+        }
+        if self.cfg.scheduler == "envsched" and len(sel):
+            pred = self.predict(step)
+            out["predicted_var_mean"] = float(pred.v[sel].mean())
+            out["predicted_q_mean"] = float(pred.q[sel].mean())
+        return out
+
+    def metrics(self, step: int | None = None) -> dict[str, float]:
+        """Flat ``{"envsched/<name>": float}`` metrics of ``step`` (default: latest)."""
+        if not self._metrics:
+            return {}
+        step = max(self._metrics) if step is None else step
+        return {PREFIX + k: float(v) for k, v in self._metrics.get(step, {}).items()}
+
+    # ---- checkpointing -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything select() depends on (numpy arrays and plain Python values; pickle/torch.save-able)."""
+        steps = sorted(self.selections)
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "pool_fingerprint": self.pool.fingerprint(),
+            "config": self.cfg.to_dict(),
+            "log": self.log.state_dict(),
+            "obs_count": self.obs_count.copy(),
+            "sel_count": self.sel_count.copy(),
+            "available": self.available.copy(),
+            "selection_steps": np.asarray(steps, dtype=np.int64),
+            "selections": [self.selections[s].copy() for s in steps],
+            "selection_phases": [list(self.selection_phases[s]) for s in steps],
+            "rng": self.rng.bit_generator.state,
+            "progress": self.progress.state_dict(),
+            "counters": dict(self.counters),
+            "metrics": {int(k): dict(v) for k, v in self._metrics.items()},
+            "neighbors": self._neighbors.state_dict() if self._neighbors is not None else None,
+        }
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported envsched state version {state.get('version')!r}")
+        if state["pool_fingerprint"] != self.pool.fingerprint():
+            raise ValueError("envsched state was saved for a different task pool (task ids / environments differ)")
+        saved = EnvSchedConfig.from_dict(state["config"])
+        if saved != self.cfg:
+            diff = sorted(k for k, v in saved.to_dict().items() if self.cfg.to_dict().get(k) != v)
+            log.warning("envsched: loading state saved with different config values for %s", diff)
+        self.log.load_state_dict(state["log"])
+        self.obs_count = np.asarray(state["obs_count"], dtype=np.int64).copy()
+        self.sel_count = np.asarray(state["sel_count"], dtype=np.int64).copy()
+        self.available = np.asarray(state["available"], dtype=bool).copy()
+        steps = [int(s) for s in state["selection_steps"]]
+        self.selections = {s: np.asarray(a, dtype=np.int64).copy() for s, a in zip(steps, state["selections"])}
+        self.selection_phases = {s: list(p) for s, p in zip(steps, state["selection_phases"])}
+        self.rng = np.random.Generator(np.random.PCG64())
+        self.rng.bit_generator.state = state["rng"]
+        self.progress.load_state_dict(state["progress"])
+        self.counters = dict(state["counters"])
+        self._metrics = {int(k): dict(v) for k, v in state["metrics"].items()}
+        self._pred_cache = None
+        if state.get("neighbors") is not None:
+            nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
+            nb.load_state_dict(state["neighbors"])
+            self._neighbors = nb
+        else:
+            self._neighbors = None  # rebuilt from the observed set on first use

@@ -1,0 +1,308 @@
+"""Coverage-aware batch construction (EnvSched §2.4, Eq. 5, Appendix C) and cold start.
+
+``BatchBuilder`` grows one shared batch.  Every pick is the arg-max of Eq. 5,
+
+    i* = argmax_{i in A} [ a_i^phase - lambda_sim * max_{j in B} S_full_ij ],
+
+evaluated lazily: the penalty max_{j in B} S_full_ij only grows as the batch grows, so a cached penalty
+gives an upper bound of each candidate's score and only the top candidates are refreshed (exact arg-max,
+no N x B similarity matrix).  Hard caps (C1 per batch, C3 over a rolling window, C_task consecutive
+selections) restrict A; the coverage phase further restricts A lexicographically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+from .config import EnvSchedConfig
+from .graph import StaticGraph, _gather_rows
+
+try:  # scipy's compiled CSR x dense kernels, called without building matrix objects (many tiny products)
+    from scipy.sparse._sparsetools import csr_matvec as _csr_matvec, csr_matvecs as _csr_matvecs
+except ImportError:  # pragma: no cover - private module moved: same kernels through the public API
+    _csr_matvec = _csr_matvecs = None
+
+_CHUNK = 16  # first lazy-evaluation chunk; later chunks grow x4
+_FEW_MEMBERS = 4  # nodes missing at most this many members are refreshed member by member
+
+
+class PenaltyBlock:
+    """Batch members' rows of S_full's feature matrix, for the Eq. 5 penalties max_{j in B} S_full_ij.
+
+    Member features are mapped to compact slots through the graph's scratch map (slot 0 stands for features
+    no member has and is always zero).  The members are stored twice, member-major (one contiguous vector per
+    member: a node's similarity to the newest member is one sparse mat-vec) and slot-major (all members at once
+    for nodes that have not seen several members).  Both paths sum x_ik x_jk in the node's stored feature
+    order, so a similarity does not depend on which path or which other nodes computed it.
+    """
+
+    def __init__(self, x: sp.csr_matrix, fmap: np.ndarray, capacity: int):
+        self.x, self.fmap = x, fmap
+        self.cap = max(int(capacity), 1)
+        self.used: list[np.ndarray] = []
+        self.n_feat = 0
+        lens = np.diff(x.indptr)
+        # room for every feature the batch can bring (no regrowth); np.zeros pages are touched only when written
+        width = min(x.shape[1], self.cap * int(lens.max() if len(lens) else 0)) + 1
+        self.by_member = np.zeros((self.cap, width))  # [member, slot]
+        self.by_slot = np.zeros((width, self.cap))  # [slot, member]
+        self.m = 0
+
+    def add(self, j: int) -> None:
+        x = self.x
+        cols = x.indices[x.indptr[j] : x.indptr[j + 1]]
+        vals = x.data[x.indptr[j] : x.indptr[j + 1]]
+        new = cols[self.fmap[cols] < 0]
+        if len(new):
+            self.fmap[new] = np.arange(self.n_feat, self.n_feat + len(new))
+            self.used.append(new)
+            self.n_feat += len(new)
+        if self.n_feat + 1 > self.by_member.shape[1]:
+            size = max(2 * self.by_member.shape[1], self.n_feat + 1)
+            grown = np.zeros((self.by_member.shape[0], size))
+            grown[:, : self.by_member.shape[1]] = self.by_member
+            self.by_member = grown
+            grown = np.zeros((size, self.by_slot.shape[1]))
+            grown[: self.by_slot.shape[0]] = self.by_slot
+            self.by_slot = grown
+        if self.m >= self.cap:
+            self.cap *= 2
+            self.by_member = np.concatenate([self.by_member, np.zeros_like(self.by_member)], axis=0)
+            self.by_slot = np.concatenate([self.by_slot, np.zeros_like(self.by_slot)], axis=1)
+        slots = self.fmap[cols] + 1
+        self.by_member[self.m, slots] = vals
+        self.by_slot[slots, self.m] = vals
+        self.m += 1
+
+    def _rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CSR (indptr, slot, value) of x[rows] in slot space (features of no member -> slot 0)."""
+        rc, rv, _ = _gather_rows(self.x, rows)
+        lens = self.x.indptr[rows + 1] - self.x.indptr[rows]
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        return indptr, (self.fmap[rc] + 1).astype(np.int64), rv.astype(np.float64)
+
+    def max_sim(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """max_{start_r <= j < m} x_r . x_(member j) for each row r (-inf where start_r >= m)."""
+        n_rows, m, width = len(rows), self.m, self.n_feat + 1
+        out = np.full(n_rows, -np.inf)
+        if n_rows == 0 or m == 0:
+            return out
+        few = start >= m - _FEW_MEMBERS  # seen all but the newest few members: one mat-vec per member
+        for grp, per_member in ((np.flatnonzero(few & (start < m)), True), (np.flatnonzero(~few), False)):
+            if len(grp) == 0:
+                continue
+            indptr, slots, vals = self._rows(rows[grp])
+            st = start[grp]
+            if per_member:
+                best = np.full(len(grp), -np.inf)
+                y = np.empty(len(grp))
+                for j in range(int(st.min()), m):
+                    vec = self.by_member[j, :width]
+                    if _csr_matvec is not None:
+                        y.fill(0.0)
+                        _csr_matvec(len(grp), width, indptr, slots, vals, vec, y)
+                    else:
+                        y = sp.csr_matrix((vals, slots, indptr), shape=(len(grp), width)) @ vec
+                    np.maximum(best, np.where(st <= j, y, -np.inf), out=best)
+                out[grp] = best
+            else:
+                mat = self.by_slot[:width]  # contiguous: all stored members at once
+                if _csr_matvecs is not None:
+                    y2 = np.zeros((len(grp), self.cap))
+                    _csr_matvecs(len(grp), width, self.cap, indptr, slots, vals, mat.ravel(), y2.ravel())
+                else:
+                    y2 = sp.csr_matrix((vals, slots, indptr), shape=(len(grp), width)) @ mat
+                cols = np.arange(self.cap)[None, :]
+                y2 = np.where((cols >= st[:, None]) & (cols < m), y2, -np.inf)
+                out[grp] = y2.max(axis=1)
+        return out
+
+    def close(self) -> None:
+        """Reset the scratch map (all -1 again)."""
+        for u in self.used:
+            self.fmap[u] = -1
+        self.used = []
+
+
+@dataclass
+class CapState:
+    """What the hard caps of App. C need from earlier steps."""
+
+    window_env_count: np.ndarray  # selections per environment in the previous (window - 1) steps (C3)
+    blocked_tasks: np.ndarray  # bool: selected in each of the previous C_task steps (C_task)
+
+
+@dataclass
+class BatchBuilder:
+    graph: StaticGraph
+    cfg: EnvSchedConfig
+    caps: CapState
+    available: np.ndarray  # bool: not removed by the identifier filter
+    selected: list[int] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    relaxations: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.graph.n
+        self.env = self.graph.env
+        self.batch_env_count = np.zeros(len(self.graph.env_members), dtype=np.int64)
+        self.in_batch = np.zeros(n, dtype=bool)
+        self.pen = np.zeros(n)
+        self.pen_upto = np.zeros(n, dtype=np.int64)
+        self.block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(self.cfg.batch_size, 1))
+
+    # ---- eligibility ---------------------------------------------------------------------------
+    def eligible(self, level: int = 0, extra: np.ndarray | None = None) -> np.ndarray:
+        """Candidates under the hard caps; ``level`` relaxes C_task (>=1), C3 (>=2), C1 (>=3)."""
+        ok = self.available & ~self.in_batch
+        if extra is not None:
+            ok &= extra
+        cfg = self.cfg
+        if level < 1:
+            ok &= ~self.caps.blocked_tasks
+        if level < 2:
+            ok &= (self.caps.window_env_count + self.batch_env_count)[self.env] < cfg.cap_env_window
+        if level < 3:
+            ok &= self.batch_env_count[self.env] < cfg.cap_env_round
+        return ok
+
+    def candidates(self, extra: np.ndarray | None = None) -> np.ndarray:
+        """Eligible candidates, relaxing caps only when none is left and relaxation is enabled."""
+        top = 3 if self.cfg.relax_caps_when_short else 0
+        for level in range(top + 1):
+            c = np.flatnonzero(self.eligible(level, extra))
+            if len(c):
+                self.relaxations += level > 0
+                return c
+        return np.zeros(0, dtype=np.int64)
+
+    # ---- Eq. 5 ---------------------------------------------------------------------------------
+    def _refresh(self, nodes: np.ndarray) -> None:
+        """Bring the cached penalty max_{j in B} S_full_ij of ``nodes`` up to date (each node is compared only
+        with the batch members added since its last refresh)."""
+        m = len(self.selected)
+        start = self.pen_upto[nodes]
+        todo = start < m
+        if not todo.any():
+            return
+        nodes, start = nodes[todo], start[todo]
+        self.pen[nodes] = np.maximum(self.pen[nodes], self.block.max_sim(nodes, start))
+        self.pen_upto[nodes] = m
+
+    def pick(self, cands: np.ndarray, score: np.ndarray) -> int:
+        """EnvSched Eq. 5: arg-max of score - lambda_sim * max_{j in B} S_full_ij over ``cands``; ties go to
+        the lowest node index (as with an empty batch or lambda_sim = 0).
+
+        Lazy evaluation: the cached penalty is a lower bound of the current one (it only grows with the batch),
+        so score - lambda_sim * cached penalty bounds each candidate's value from above.  Candidates are
+        refreshed in chunks of the highest bounds (16, 64, 256, ...) until no unrefreshed bound reaches the best
+        value; the result is the exact arg-max whatever the chunking.
+        """
+        lam = self.cfg.lambda_sim
+        if not self.selected or lam == 0.0:
+            return int(cands[np.argmax(score)])
+        ub = score - lam * self.pen[cands]
+        open_ = np.ones(len(cands), dtype=bool)
+        best_val, best = -np.inf, -1
+        size, rest = _CHUNK, np.arange(len(cands))
+        while len(rest):
+            top = rest if len(rest) <= size else rest[np.argpartition(-ub[rest], size - 1)[:size]]
+            nodes = cands[top]
+            self._refresh(nodes)
+            val = score[top] - lam * self.pen[nodes]
+            vmax = float(val.max())
+            if vmax >= best_val:
+                i = int(nodes[val == vmax].min())
+                best = i if vmax > best_val or best < 0 else min(best, i)
+                best_val = vmax
+            open_[top] = False
+            rest = np.flatnonzero(open_)
+            if not len(rest) or ub[rest].max() < best_val:
+                break
+            size *= 4
+        return best
+
+    def add(self, i: int, phase: str) -> None:
+        self.selected.append(int(i))
+        self.phases.append(phase)
+        self.in_batch[i] = True
+        self.batch_env_count[self.env[i]] += 1
+        self.block.add(int(i))
+
+    def close(self) -> None:
+        """Release the scratch map of the penalty block."""
+        self.block.close()
+
+    # ---- phases (§2.4) -----------------------------------------------------------------------------
+    def coverage_pick(self, q: np.ndarray, env_exposure: np.ndarray, obs_count: np.ndarray) -> int | None:
+        """Coverage: restrict lexicographically by (batch env coverage, cumulative env exposure, task
+        observation count), then Eq. 5 with a = q."""
+        c = self.candidates()
+        if len(c) == 0:
+            return None
+        for key_of in (lambda c: self.batch_env_count[self.env[c]], lambda c: env_exposure[self.env[c]], lambda c: obs_count[c]):
+            key = key_of(c)
+            c = c[key == key.min()]
+        return self.pick(c, q[c])
+
+    def exploitation_pick(self, score: np.ndarray, progress_ok: np.ndarray) -> tuple[int | None, bool]:
+        """Exploitation: Eq. 5 with a = q * omega over candidates that pass the progress filter.
+        Returns (node, used_filtered) where used_filtered says the progress filter had to be ignored."""
+        c = self.candidates(progress_ok)
+        used_filtered = False
+        if len(c) == 0:
+            c = self.candidates()
+            used_filtered = len(c) > 0
+        if len(c) == 0:
+            return None, False
+        return self.pick(c, score[c]), used_filtered
+
+
+def cold_start_batch(graph: StaticGraph, cfg: EnvSchedConfig, batch_size: int, available: np.ndarray) -> list[int]:
+    """App. C cold start: one representative per environment (highest mean within-environment similarity),
+    then fill by combined global (S_abs) and within-environment (S_full) novelty, <= cap per environment."""
+    rep_score = graph.mean_within_env_similarity()
+    reps = []
+    for members in graph.env_members:
+        m = members[available[members]]
+        if len(m):
+            reps.append(int(m[np.argmax(rep_score[m])]))  # ties -> lowest index (members are sorted)
+    reps_arr = np.asarray(reps, dtype=np.int64)
+    n = graph.n
+    chosen: list[int] = []
+    glob_max = np.zeros(n)  # max S_abs to the batch
+    env_max = np.zeros(n)  # max S_full to batch members of the same environment
+    env_count = np.zeros(len(graph.env_members), dtype=np.int64)
+    in_batch = np.zeros(n, dtype=bool)
+
+    def add(i: int) -> None:
+        chosen.append(i)
+        in_batch[i] = True
+        env_count[graph.env[i]] += 1
+        np.maximum(glob_max, graph.sim_abs(None, np.array([i]))[:, 0], out=glob_max)
+        members = graph.env_members[graph.env[i]]
+        env_max[members] = np.maximum(env_max[members], graph.sim_full(members, np.array([i]))[:, 0])
+
+    w = cfg.cold_start_global_weight
+    if len(reps_arr) <= batch_size:
+        for i in reps_arr:
+            add(int(i))
+    else:  # more environments than slots: representatives chosen by global novelty
+        add(int(reps_arr[np.argmax(rep_score[reps_arr])]))
+        while len(chosen) < batch_size:
+            left = reps_arr[~in_batch[reps_arr]]
+            add(int(left[np.argmax(1.0 - glob_max[left])]))
+    while len(chosen) < batch_size:
+        ok = available & ~in_batch & (env_count[graph.env] < cfg.cold_start_env_cap)
+        if not ok.any():
+            ok = available & ~in_batch
+            if not ok.any():
+                break
+        c = np.flatnonzero(ok)
+        novelty = w * (1.0 - glob_max[c]) + (1.0 - w) * (1.0 - env_max[c])
+        add(int(c[np.argmax(novelty)]))
+    return chosen

@@ -1,0 +1,148 @@
+"""LLM operation extraction (App. E): fake client, schema failures, cache, and the real openai client
+against a local stdlib HTTP server."""
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from envsched import EnvSchedConfig, LLMExtractor, OperationExtractionError, TaskPool, build_static_graph
+
+GOOD = {
+    "operations": [
+        {"id": "a", "type": "lookup", "tool": "get_user_by_name", "target_kind": "entity_by_name", "arguments": {"name": "<string>"}},
+        {"id": "b", "type": "update", "tool": "set_user_status", "target_kind": "status", "depends_on": ["a"], "arguments": {"status": "<string>"}},
+    ],
+    "gates": [{"id": "g", "type": "identifier_resolution", "provenance": "unique_lookup", "blocks": ["b"]}],
+    "dependencies": [{"source": "a", "target": "b"}],
+    "reward_groups": [{"checks": [0], "relation": "shared_operation", "controlled_by": ["b"]}],
+    "conflicts": [],
+}
+
+RECORD = {
+    "task_id": "t1", "env_id": "users", "instruction": "Update user Alice's status to active",
+    "tools": [{"name": "get_user_by_name", "description": "find a user"}, {"name": "set_user_status"}],
+    "verifier_checks": ["user status is active"],
+    "gold_actions": [{"name": "get_user_by_name", "arguments": {"name": "Alice"}}, {"name": "set_user_status", "arguments": {"user_id": "U-7", "status": "active"}}],
+}
+
+
+class FakeClient:
+    """Minimal object with the openai client's chat.completions.create shape."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.calls = []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+
+    def _create(self, **kw):
+        self.calls.append(kw)
+        content = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=content))])
+
+
+def _task():
+    return TaskPool.from_records([RECORD])[0]
+
+
+def test_valid_answer_is_validated_and_cached(tmp_path):
+    client = FakeClient([json.dumps(GOOD)])
+    ext = LLMExtractor(client, model="m", cache_dir=tmp_path)
+    r = ext.extract(_task())
+    assert r.extractor == "llm" and r.description.operations[1].depends_on == ["a"]
+    kw = client.calls[0]
+    assert kw["response_format"] == {"type": "json_object"} and kw["model"] == "m"
+    user = json.loads(kw["messages"][1]["content"])
+    assert user["shared_environment"]["environment_id"] == "users" and user["task"]["verifier_checks"][0]["index"] == 0
+    r2 = LLMExtractor(FakeClient(["unused"]), model="m", cache_dir=tmp_path).extract(_task())
+    assert r2.extractor == "llm-cache" and r2.description == r.description
+    # a different model is a different cache key
+    assert LLMExtractor(FakeClient([json.dumps(GOOD)]), model="other", cache_dir=tmp_path).extract(_task()).extractor == "llm"
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("not json at all", "not JSON"),
+        (json.dumps({**GOOD, "operations": [{"id": "a", "type": "teleport"}]}), "operations.0.type"),
+        (json.dumps({**GOOD, "dependencies": [{"source": "a", "target": "zzz"}]}), "unknown operation 'zzz'"),
+        (json.dumps({**GOOD, "reward_groups": [{"checks": [5], "relation": "shared_gate"}]}), "check index [5]"),
+        (json.dumps([1, 2]), "expected an object"),
+    ],
+)
+def test_invalid_answer_falls_back_with_logged_reason(tmp_path, caplog, bad, reason):
+    client = FakeClient([bad])
+    ext = LLMExtractor(client, cache_dir=tmp_path, max_retries=1)
+    with caplog.at_level(logging.WARNING, logger="envsched.operations"):
+        r = ext.extract(_task())
+    assert r.extractor == "deterministic-fallback"
+    assert reason in r.reason
+    assert reason in caplog.text and "falling back" in caplog.text
+    assert len(client.calls) == 2  # one retry with the error fed back
+    assert "invalid" in client.calls[1]["messages"][-1]["content"]
+    assert not list(tmp_path.rglob("*.json"))  # nothing invalid is cached
+
+
+def test_invalid_answer_raises_when_configured():
+    ext = LLMExtractor(FakeClient(['{"operations": []}']), max_retries=0, on_invalid="raise")
+    with pytest.raises(OperationExtractionError, match="t1.*operations"):
+        ext.extract(_task())
+
+
+def test_retry_recovers():
+    client = FakeClient(["{bad", json.dumps(GOOD)])
+    assert LLMExtractor(client, max_retries=1).extract(_task()).extractor == "llm"
+
+
+def test_graph_report_names_extractor(tmp_path):
+    pool = TaskPool.from_records([RECORD, {**RECORD, "task_id": "t2", "instruction": "Update user Bob to inactive"}])
+    g = build_static_graph(pool, EnvSchedConfig(), extractor=LLMExtractor(FakeClient([json.dumps(GOOD)]), cache_dir=tmp_path, max_workers=2))
+    assert g.report()["extractors"] == {"llm": 2}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    answer = json.dumps(GOOD)
+    seen: list = []  # noqa: RUF012 - shared across handler instances on purpose
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append((self.path, body))
+        payload = {
+            "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": type(self).answer}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_real_openai_client_against_local_server(tmp_path, monkeypatch):
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("ENVSCHED_TEST_KEY", "sk-local")
+        cfg = EnvSchedConfig.from_dict({"operation_extractor": "llm", "llm": {
+            "base_url": f"http://127.0.0.1:{server.server_port}/v1", "model": "local-model",
+            "api_key_env": "ENVSCHED_TEST_KEY", "cache_dir": str(tmp_path), "max_workers": 1, "timeout_s": 10}})
+        pool = TaskPool.from_records([RECORD])
+        g = build_static_graph(pool, cfg)  # builds openai.OpenAI(base_url=...) from the config
+        assert g.report()["extractors"] == {"llm": 1}
+        path, body = _Handler.seen[-1]
+        assert path == "/v1/chat/completions" and body["model"] == "local-model"
+        assert body["response_format"] == {"type": "json_object"}
+    finally:
+        server.shutdown()
+        server.server_close()
