@@ -10,7 +10,8 @@
 # or, on an existing Ray cluster: RAY_ADDRESS=10.0.0.1:6379 scripts/train.sh experiment=...
 #
 # Environment: RAY_PORT (6379), GPUS_PER_NODE (auto: nvidia-smi, else 1 logical slot on CPU),
-# RAY_NUM_CPUS (auto), RAY_STOP_ON_EXIT (1: the head stops the Ray cluster it started).
+# RAY_NUM_CPUS (auto), RAY_STOP_ON_EXIT (1: the head stops the Ray cluster it started),
+# RAY_AUTH_TOKEN (same value on every node: enables Ray token authentication; unset: off).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,6 +32,11 @@ gpus_here() {
 
 if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
   : "${MASTER_ADDR:?MASTER_ADDR (the head node address) is required when NNODES > 1}"
+  # Ray token authentication: on with a shared RAY_AUTH_TOKEN (the same value on every node),
+  # otherwise off, since each node would generate a different token of its own.
+  if [[ -z "${RAY_AUTH_MODE:-}" ]]; then
+    if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then export RAY_AUTH_MODE=token; else export RAY_AUTH_MODE=disabled; fi
+  fi
   GPUS_PER_NODE="${GPUS_PER_NODE:-$(gpus_here)}"
   CPUS_ARG=()
   [[ -n "${RAY_NUM_CPUS:-}" ]] && CPUS_ARG=(--num-cpus="$RAY_NUM_CPUS")
