@@ -1,0 +1,26 @@
+"""Benchmark evaluation: BFCL multi-turn and τ²-bench against OpenAI-compatible endpoints.
+
+Entry point: ``python -m envace.eval {bfcl,tau2,table} ...`` (see :mod:`envace.eval.cli`), wrapped by
+``scripts/eval_bfcl.sh`` and ``scripts/eval_tau2.sh``. Building blocks:
+
+* :mod:`envace.eval.client`: chat client with robust tool-call parsing (:class:`ChatClient`);
+* :mod:`envace.eval.runner`: the agent loop and the per-task runner hook (:func:`register_runner`);
+* :mod:`envace.eval.driver`: task selection and the resumable, concurrent driver (:func:`evaluate`);
+* :mod:`envace.eval.store`: the append-only result files;
+* :mod:`envace.eval.report`: summaries and the paper-layout table;
+* :mod:`envace.eval.server`: serving a checkpoint with vLLM or ``transformers serve``.
+"""
+
+from envace.eval.client import ChatClient, ChatReply, EndpointConfig, parse_assistant_output
+from envace.eval.runner import AgentLoopRunner, LoopLimits, TaskRecord, register_runner
+
+__all__ = [
+    "AgentLoopRunner",
+    "ChatClient",
+    "ChatReply",
+    "EndpointConfig",
+    "LoopLimits",
+    "TaskRecord",
+    "parse_assistant_output",
+    "register_runner",
+]

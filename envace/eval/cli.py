@@ -1,0 +1,374 @@
+"""``python -m envace.eval {bfcl,tau2,table} ...``: benchmark evaluation against an OpenAI-compatible
+endpoint or a checkpoint served on the fly.
+
+Examples::
+
+    # a running server (vLLM, transformers serve, any OpenAI-compatible API)
+    python -m envace.eval tau2 --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --out runs/q8b-tau2
+    # a checkpoint: starts `vllm serve` (GPU) or `transformers serve` (CPU), evaluates, stops it
+    python -m envace.eval bfcl --checkpoint ckpt/step_470 --server vllm --concurrency 32
+    # one table from several runs (rows grouped by --label / model)
+    python -m envace.eval table runs/q8b-tau2 runs/q8b-bfcl
+
+Runs are resumable: every finished task is appended to ``OUT/results.jsonl`` at once and a rerun with
+the same ``--out`` skips those tasks. Outputs: ``results.jsonl`` (per-task records with transcripts),
+``summary.json``, ``report.json`` (summary + records without transcripts), ``table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
+
+__all__ = ["build_parser", "main"]
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
+    ep = p.add_argument_group("model endpoint (one of --base-url/--model or --checkpoint)")
+    ep.add_argument("--base-url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    ep.add_argument("--model", help="model name to request (default with --checkpoint: the checkpoint path)")
+    ep.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY or 'EMPTY')")
+    ep.add_argument("--checkpoint", help="serve this checkpoint for the run (see --server)")
+    ep.add_argument(
+        "--server",
+        choices=("vllm", "transformers"),
+        default="vllm",
+        help="server for --checkpoint: vLLM (GPU) or `transformers serve` (CPU)",
+    )
+    ep.add_argument("--server-port", type=int, default=None, help="port for --checkpoint (default: a free one)")
+    ep.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the server command (repeatable), e.g. --server-arg=--tensor-parallel-size=2",
+    )
+    ep.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
+    ep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per chat request")
+
+    gen = p.add_argument_group("generation (defaults: the paper's acting temperature 0.6, top-p 0.95)")
+    gen.add_argument("--temperature", type=float, default=0.6)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--max-tokens", type=int, default=None, help="max new tokens per completion (server default)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="forwarded to the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
+
+    loop = p.add_argument_group("agent loop")
+    loop.add_argument("--max-turns", type=int, default=50, help="user turns per task")
+    loop.add_argument("--max-steps-per-turn", type=int, default=20, help="completions per user turn")
+    loop.add_argument(
+        "--runner", default="agent_loop", help="per-task strategy registered with envace.eval.runner.register_runner"
+    )
+    loop.add_argument("--runner-arg", action="append", default=[], metavar="KEY=VALUE", help="option for --runner")
+
+    sel = p.add_argument_group("task selection")
+    sel.add_argument("--split", choices=("train", "test"), default=None, help="only this split (default: all tasks)")
+    sel.add_argument("--limit", type=int, default=None, help="at most N tasks per category (the first N)")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--out", default=None, help=f"output directory (default: results/eval/{bench.name}/<label>)")
+    run.add_argument("--label", default=None, help="row label in the table (default: the model name)")
+    run.add_argument("--concurrency", type=int, default=1, help="tasks in flight at once")
+    run.add_argument("--no-transcripts", action="store_true", help="do not store conversations in results.jsonl")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--force-resume", action="store_true", help="resume even if OUT/run.json differs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m envace.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bfcl = sub.add_parser("bfcl", help="BFCL multi-turn (base, miss_func, miss_param, long_context)")
+    _add_common(bfcl, BENCHMARKS["bfcl"])
+    bfcl.add_argument(
+        "--categories",
+        nargs="+",
+        default=None,
+        metavar="CAT",
+        help="subset of: base miss_func miss_param long_context (multi_turn_ prefix optional)",
+    )
+
+    tau2 = sub.add_parser("tau2", help="τ²-bench (airline, retail, telecom)")
+    _add_common(tau2, BENCHMARKS["tau2"])
+    tau2.add_argument("--domains", nargs="+", default=None, metavar="DOMAIN", help="subset of: airline retail telecom")
+    us = tau2.add_argument_group("simulated user (default: the agent's endpoint)")
+    us.add_argument("--user-base-url", default=None)
+    us.add_argument("--user-model", default=None)
+    us.add_argument("--user-api-key", default=None)
+    us.add_argument("--user-temperature", type=float, default=0.0, help="τ²'s default is 0.0")
+    us.add_argument("--user-max-tokens", type=int, default=None)
+    jg = tau2.add_argument_group("NL-assertion judge (only tasks whose reward basis has NL_ASSERTION need one)")
+    jg.add_argument("--judge-base-url", default=None)
+    jg.add_argument("--judge-model", default=None)
+    jg.add_argument("--judge-api-key", default=None)
+    tl = tau2.add_argument_group("τ² orchestrator limits")
+    tl.add_argument("--tau2-max-steps", type=int, default=200, help="τ²'s max_steps (messages)")
+    tl.add_argument("--tau2-max-errors", type=int, default=10, help="τ²'s max_errors (failed tool calls)")
+
+    table = sub.add_parser("table", help="print one table from the summary.json of several runs")
+    table.add_argument("runs", nargs="+", help="output directories of previous runs")
+    table.add_argument("--markdown", action="store_true")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text.strip("/")).strip("_")[-80:] or "model"
+
+
+def _runner_options(pairs: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"--runner-arg expects KEY=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = value
+    return out
+
+
+@contextlib.contextmanager
+def _endpoint(args: argparse.Namespace, out_dir: Path) -> Iterator[tuple[str, str]]:
+    """Yield (base_url, model): the given endpoint, or a server launched for --checkpoint."""
+    if args.checkpoint:
+        from envace.eval.server import launch_server
+
+        print(
+            f"[envace.eval] starting {args.server} server for {args.checkpoint} (log: {out_dir / 'server.log'})",
+            file=sys.stderr,
+        )
+        with launch_server(
+            args.checkpoint,
+            args.server,
+            port=args.server_port,
+            startup_timeout=args.server_timeout,
+            extra_args=args.server_arg,
+            log_path=out_dir / "server.log",
+        ) as server:
+            print(f"[envace.eval] server ready at {server.base_url}", file=sys.stderr)
+            yield server.base_url, args.model or server.model
+    else:
+        yield args.base_url, args.model
+
+
+def _default_label(args: argparse.Namespace) -> str:
+    name = args.checkpoint or args.model
+    return Path(name).name if (args.checkpoint or Path(name).exists()) else name
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.checkpoint and args.base_url:
+        parser.error("give either --checkpoint or --base-url, not both")
+    if not args.checkpoint and not (args.base_url and args.model):
+        parser.error("give --base-url and --model (an OpenAI-compatible endpoint), or --checkpoint PATH")
+    for name in ("concurrency", "max_turns", "max_steps_per_turn"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be >= 1")
+    if args.checkpoint:
+        from envace.eval.server import server_command
+
+        server_command(args.server, args.checkpoint, "127.0.0.1", 0)  # fails early if the server is missing
+
+
+def _identity(args: argparse.Namespace, bench: Benchmark, model: str) -> dict[str, Any]:
+    """Settings that change per-task results (a resumed run must match them)."""
+    ident: dict[str, Any] = {
+        "benchmark": bench.name,
+        "model": args.checkpoint or model,
+        "split": args.split,
+        "runner": args.runner,
+        "runner_options": _runner_options(args.runner_arg),
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "chat_template_kwargs": args.chat_template_kwargs,
+        "max_turns": args.max_turns,
+        "max_steps_per_turn": args.max_steps_per_turn,
+    }
+    if bench.name == "tau2":
+        ident.update(
+            user_model=args.user_model or "<agent model>",
+            user_temperature=args.user_temperature,
+            user_max_tokens=args.user_max_tokens,
+            judge_model=args.judge_model,
+            tau2_max_steps=args.tau2_max_steps,
+            tau2_max_errors=args.tau2_max_errors,
+        )
+    return ident
+
+
+def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from envace.envs.base import get_pool
+    from envace.eval.client import ChatClient, EndpointConfig
+    from envace.eval.driver import evaluate, select_tasks
+    from envace.eval.runner import LoopLimits, RunContext, build_runner
+    from envace.eval.store import ResultStore
+
+    bench = BENCHMARKS[args.command]
+    _validate(args, parser)
+    label = args.label or _default_label(args)
+    out_dir = Path(args.out or Path("results") / "eval" / bench.name / _slug(label))
+    store = ResultStore(out_dir)
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+    extra_body = {"chat_template_kwargs": args.chat_template_kwargs} if args.chat_template_kwargs else {}
+
+    if bench.name == "tau2":
+        pool = get_pool(
+            "tau2",
+            domains=tuple(args.domains or bench.categories),
+            max_steps=args.tau2_max_steps,
+            max_errors=args.tau2_max_errors,
+        )
+        categories = args.domains
+    else:
+        pool = get_pool(bench.pool)
+        categories = args.categories
+    selected = select_tasks(pool, bench, split=args.split, categories=categories, limit=args.limit)
+    store.check_run_config(_identity(args, bench, args.model or ""), force=args.force_resume)
+    store.repair()
+    todo = [t for t in selected if t not in store.completed()]
+    print(
+        f"[envace.eval] {bench.name}: {len(selected)} task(s) selected, {len(selected) - len(todo)} already "
+        f"done in {store.results_path}",
+        file=sys.stderr,
+    )
+
+    outcome = None
+    with contextlib.ExitStack() as stack:
+        if todo:
+            base_url, model = stack.enter_context(_endpoint(args, out_dir))
+        else:
+            base_url, model = args.base_url or "", args.model or args.checkpoint or ""
+        agent_cfg = EndpointConfig(
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            timeout=args.request_timeout,
+            extra_body=extra_body,
+        )
+        start_kwargs: dict[str, Any] = {}
+        if bench.name == "tau2":
+            start_kwargs["user"] = EndpointConfig(
+                base_url=args.user_base_url or base_url,
+                model=args.user_model or model,
+                api_key=args.user_api_key or api_key,
+                temperature=args.user_temperature,
+                max_tokens=args.user_max_tokens,
+                seed=args.seed,
+                timeout=args.request_timeout,
+                extra_body=extra_body,
+            )
+            start_kwargs["judge"] = (
+                EndpointConfig(
+                    base_url=args.judge_base_url or base_url,
+                    model=args.judge_model,
+                    api_key=args.judge_api_key or api_key,
+                    temperature=0.0,
+                    timeout=args.request_timeout,
+                )
+                if args.judge_model
+                else None
+            )
+            # One client per endpoint, shared by all episodes (thread-safe).
+            start_kwargs = {k: (ChatClient(v) if v is not None else None) for k, v in start_kwargs.items()}
+        ctx = RunContext(
+            client=ChatClient(agent_cfg),
+            limits=LoopLimits(args.max_turns, args.max_steps_per_turn),
+            start_kwargs=start_kwargs,
+            keep_transcript=not args.no_transcripts,
+            options=_runner_options(args.runner_arg),
+        )
+        runner = build_runner(args.runner, ctx)
+        outcome = evaluate(
+            pool, bench, selected, runner, store, concurrency=args.concurrency, progress=not args.no_progress
+        )
+
+    summary = outcome.summary
+    table = format_table([(label, {bench.name: summary})])
+    store.write_json(
+        "summary.json",
+        {
+            "label": label,
+            "benchmark": bench.name,
+            "identity": _identity(args, bench, args.model or ""),
+            "summary": summary,
+        },
+    )
+    store.write_json(
+        "report.json",
+        {"label": label, "summary": summary, "records": [{**r.to_json(), "messages": None} for r in outcome.records]},
+    )
+    store.write_text("table.md", format_table([(label, {bench.name: summary})], markdown=True) + "\n")
+    print(table)
+    print(describe(summary))
+    print(
+        f"[envace.eval] ran {outcome.ran}, skipped {outcome.skipped} (already done), "
+        f"{outcome.errors} infrastructure error(s); results in {out_dir}",
+        file=sys.stderr,
+    )
+    return 0 if summary["complete"] else 1
+
+
+def run_table(args: argparse.Namespace) -> int:
+    rows: dict[str, dict[str, Any]] = {}
+    for run in args.runs:
+        path = Path(run) / "summary.json"
+        if not path.exists():
+            raise SystemExit(f"{path} not found (is {run} an envace.eval output directory?)")
+        data = json.loads(path.read_text())
+        rows.setdefault(data["label"], {})[data["benchmark"]] = data["summary"]
+    print(format_table(list(rows.items()), markdown=args.markdown))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "table":
+        return run_table(args)
+    from envace.eval.driver import EvalAborted
+    from envace.eval.server import ServerLaunchError
+    from envace.eval.store import RunConfigMismatch
+
+    try:
+        return run_benchmark(args, parser)
+    except (EvalAborted, ServerLaunchError, RunConfigMismatch, ValueError, KeyError) as exc:
+        if os.environ.get("ENVACE_DEBUG"):
+            raise
+        print(f"envace.eval: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nenvace.eval: interrupted; finished tasks are saved, rerun the same command to resume", file=sys.stderr)
+        return 130

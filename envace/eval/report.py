@@ -1,0 +1,175 @@
+"""Benchmarks, per-category summaries and the results table in the EnvACE paper's layout.
+
+The table has one row per model and the column groups of the paper's τ²/Multi-Turn results
+(Tables 1 and 3): τ²-bench Airline | Retail | Telecom | Avg., BFCL Multi-Turn Base | Miss Func. |
+Miss Param. | Long Ctx. | Avg., and Overall. Scores are mean rewards in percent; a group's Avg. is the
+unweighted mean of its categories (as in the paper: 31.4 = mean(38.0, 42.3, 14.0)); Overall is the
+mean of the two group averages. Cells without results show "–", as in the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from envace.eval.runner import TaskRecord
+
+__all__ = ["BENCHMARKS", "Benchmark", "format_table", "normalize_category", "summarize"]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # CLI name
+    pool: str  # environment pool registry name
+    title: str  # column-group title
+    categories: tuple[str, ...]  # column order
+    labels: tuple[str, ...]  # column headers
+
+    def label(self, category: str) -> str:
+        return dict(zip(self.categories, self.labels, strict=True)).get(category, category)
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "tau2": Benchmark(
+        name="tau2",
+        pool="tau2",
+        title="τ²-bench (%)",
+        categories=("airline", "retail", "telecom"),
+        labels=("Airline", "Retail", "Telecom"),
+    ),
+    "bfcl": Benchmark(
+        name="bfcl",
+        pool="bfcl_multi_turn",
+        title="Multi-Turn (%)",
+        categories=("base", "miss_func", "miss_param", "long_context"),
+        labels=("Base", "Miss Func.", "Miss Param.", "Long Ctx."),
+    ),
+}
+TABLE_ORDER = ("tau2", "bfcl")
+
+
+def normalize_category(benchmark: str, category: str) -> str:
+    """``multi_turn_miss_func`` / ``miss_func`` → ``miss_func``; τ² domains pass through."""
+    if benchmark == "bfcl":
+        return category.removeprefix("BFCL_v4_").removeprefix("BFCL_v3_").removeprefix("multi_turn_")
+    return category
+
+
+def summarize(benchmark: Benchmark, records: Iterable[TaskRecord], expected: Mapping[str, str]) -> dict[str, Any]:
+    """Summary of ``records`` restricted to the ``expected`` task ids (id → category).
+
+    Per category: tasks expected, finished, mean reward (%) over finished tasks, passed, unjudged,
+    malformed tool calls, model-side errors. ``complete`` is False while tasks are missing.
+    """
+    by_id = {r.task_id: r for r in records if r.task_id in expected}
+    cats: dict[str, dict[str, Any]] = {}
+    order = [c for c in benchmark.categories if c in set(expected.values())]
+    order += sorted(set(expected.values()) - set(order))
+    for cat in order:
+        ids = [t for t, c in expected.items() if c == cat]
+        done = [by_id[t] for t in ids if t in by_id]
+        cats[cat] = {
+            "label": benchmark.label(cat),
+            "expected": len(ids),
+            "finished": len(done),
+            "score": (100.0 * sum(r.reward for r in done) / len(done)) if done else None,
+            "passed": sum(1 for r in done if r.passed),
+            "unjudged": sum(1 for r in done if r.unjudged),
+            "malformed_tool_calls": sum(r.malformed_tool_calls for r in done),
+            "model_errors": sum(1 for r in done if r.error),
+            "stop_reasons": _count(r.stop_reason for r in done),
+        }
+    scores = [c["score"] for c in cats.values() if c["score"] is not None]
+    finished = sum(c["finished"] for c in cats.values())
+    return {
+        "benchmark": benchmark.name,
+        "categories": cats,
+        "average": (sum(scores) / len(scores)) if scores else None,
+        "expected": len(expected),
+        "finished": finished,
+        "complete": finished == len(expected),
+    }
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def _cell(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def table_rows(
+    rows: Sequence[tuple[str, Mapping[str, Mapping[str, Any]]]],
+) -> tuple[list[str], list[str], list[list[str]]]:
+    """(group header, column header, body) of the paper-layout table.
+
+    ``rows``: (model label, {benchmark name: summary}) pairs.
+    """
+    group = ["Model"]
+    header = [""]
+    for name in TABLE_ORDER:
+        bench = BENCHMARKS[name]
+        group += [bench.title] + [""] * len(bench.categories)
+        header += list(bench.labels) + ["Avg."]
+    group.append("Overall (%)")
+    header.append("")
+    body: list[list[str]] = []
+    for model, summaries in rows:
+        line = [model]
+        averages: list[float | None] = []
+        for name in TABLE_ORDER:
+            summary = summaries.get(name)
+            cats = summary["categories"] if summary else {}
+            for cat in BENCHMARKS[name].categories:
+                line.append(_cell(cats.get(cat, {}).get("score")))
+            avg = summary["average"] if summary else None
+            # The group average is only meaningful when every category has results.
+            if summary and any(cats.get(c, {}).get("score") is None for c in BENCHMARKS[name].categories):
+                avg = None
+            averages.append(avg)
+            line.append(_cell(avg))
+        overall = sum(averages) / len(averages) if all(a is not None for a in averages) else None  # type: ignore[arg-type]
+        line.append(_cell(overall))
+        body.append(line)
+    return group, header, body
+
+
+def format_table(rows: Sequence[tuple[str, Mapping[str, Mapping[str, Any]]]], *, markdown: bool = False) -> str:
+    group, header, body = table_rows(rows)
+    if markdown:
+        out = ["| " + " | ".join(group) + " |", "|" + "---|" * len(group), "| " + " | ".join(header) + " |"]
+        out += ["| " + " | ".join(r) + " |" for r in body]
+        return "\n".join(out)
+    widths = [max(len(r[i]) for r in [group, header, *body]) for i in range(len(header))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+
+    return "\n".join([fmt(group), fmt(header), "  ".join("-" * w for w in widths), *map(fmt, body)])
+
+
+def describe(summary: Mapping[str, Any]) -> str:
+    """A short per-category line block: finished/expected, passed, unjudged, malformed calls."""
+    lines = []
+    for c in summary["categories"].values():
+        extra = []
+        if c["unjudged"]:
+            extra.append(f"{c['unjudged']} unjudged (no NL judge; score covers the other checks)")
+        if c["malformed_tool_calls"]:
+            extra.append(f"{c['malformed_tool_calls']} malformed tool calls")
+        if c["model_errors"]:
+            extra.append(f"{c['model_errors']} model request errors")
+        lines.append(
+            f"  {c['label']:<12} {c['finished']}/{c['expected']} tasks, {c['passed']} passed, "
+            f"score {_cell(c['score'])}" + (f" ({'; '.join(extra)})" if extra else "")
+        )
+    if not summary["complete"]:
+        lines.append(
+            f"  INCOMPLETE: {summary['expected'] - summary['finished']} task(s) without a result; rerun to finish"
+        )
+    return "\n".join(lines)

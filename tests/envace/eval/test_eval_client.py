@@ -1,0 +1,194 @@
+"""Tool-call parsing and the chat client (against a stdlib OpenAI-compatible stub server)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envace.eval.client import ChatClient, EndpointConfig, ModelRequestError, parse_assistant_output, strip_think
+
+
+def block(obj: Any) -> str:
+    return f"<tool_call>\n{json.dumps(obj)}\n</tool_call>"
+
+
+def test_plain_text() -> None:
+    r = parse_assistant_output("Hello there.")
+    assert (r.content, r.tool_calls, r.malformed, r.wants_tools) == ("Hello there.", [], [], False)
+    assert r.assistant_message() == {"role": "assistant", "content": "Hello there."}
+
+
+def test_qwen_blocks_parsed_from_content() -> None:
+    text = (
+        "Let me check.\n"
+        + block({"name": "ls", "arguments": {"a": 1}})
+        + "\n"
+        + block({"name": "cd", "arguments": '{"folder": "x"}'})
+    )
+    r = parse_assistant_output(text)
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [("ls", {"a": 1}), ("cd", {"folder": "x"})]
+    assert r.content == "Let me check." and r.wants_tools
+    ids = [c.id for c in r.tool_calls]
+    assert all(ids) and len(set(ids)) == 2
+    msg = r.assistant_message()
+    assert [tc["id"] for tc in msg["tool_calls"]] == ids
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
+
+
+def test_malformed_blocks_become_error_observations() -> None:
+    text = (
+        block({"name": "ok", "arguments": {}})
+        + "<tool_call>{not json}</tool_call>"
+        + block({"arguments": {}})
+        + block(["x"])
+        + '<tool_call>{"name": "cut", "argu'
+    )
+    r = parse_assistant_output(text)
+    assert [c.name for c in r.tool_calls] == ["ok"]
+    errors = [m.error for m in r.malformed]
+    assert len(errors) == 4
+    assert errors[0].startswith("invalid JSON") and "no string 'name'" in errors[1]
+    assert "must be a JSON object" in errors[2] and errors[3].startswith("invalid JSON")
+    assert all("could not be parsed" in m.observation() for m in r.malformed)
+    assert "{not json}" in r.assistant_message()["content"]  # the model sees what it wrote
+
+
+def test_unterminated_but_valid_block_is_malformed() -> None:
+    r = parse_assistant_output('<tool_call>{"name": "ls", "arguments": {}}')
+    assert not r.tool_calls and r.malformed[0].error == "unterminated <tool_call> block"
+
+
+def test_parameters_alias_and_think() -> None:
+    r = parse_assistant_output("<think>plan: call ls</think>\n" + block({"name": "ls", "parameters": {"p": 2}}))
+    assert r.tool_calls[0].arguments == {"p": 2} and r.reasoning == "plan: call ls" and r.content == ""
+    # tool calls inside <think> are thoughts, not calls
+    r = parse_assistant_output("<think>" + block({"name": "ls", "arguments": {}}) + "</think>Done.")
+    assert not r.tool_calls and r.content == "Done."
+
+
+@pytest.mark.parametrize(
+    "text,visible,reasoning",
+    [
+        ("a</think>b", "b", "a"),  # template prefilled <think>
+        ("<think>never closed", "", "never closed"),
+        ("x<think>y</think>z", "xz", "y"),
+        ("no thinking", "no thinking", None),
+    ],
+)
+def test_strip_think(text: str, visible: str, reasoning: str | None) -> None:
+    assert strip_think(text) == (visible, reasoning)
+
+
+def test_server_tool_calls_are_authoritative() -> None:
+    api = [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "cd", "arguments": "{bad"}},
+    ]
+    r = parse_assistant_output(block({"name": "ls", "arguments": {"a": 1}}) + " trailing", api)
+    assert [(c.id, c.name) for c in r.tool_calls] == [("c1", "ls")]
+    assert len(r.malformed) == 1 and "not valid JSON" in r.malformed[0].error
+    assert r.content == "trailing"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list('<>/{}":,[] abtool_call\nthink')), max_size=120))
+def test_parser_never_raises(text: str) -> None:
+    r = parse_assistant_output(text)
+    assert isinstance(r.content, str)
+    r.assistant_message()
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+
+class _Stub(BaseHTTPRequestHandler):
+    responses: ClassVar[list[tuple[int, dict[str, Any]]]] = []
+    bodies: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        status, payload = type(self).responses.pop(0)
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture()
+def stub() -> Iterator[str]:
+    _Stub.responses, _Stub.bodies = [], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+def completion(content: str | None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": content, "tool_calls": tool_calls},
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
+
+
+def test_client_transformers_serve_style_reply(stub: str) -> None:
+    raw = block({"name": "ls", "arguments": {"a": 1}})
+    _Stub.responses = [
+        (
+            200,
+            completion(
+                raw, [{"id": "r_tool_call_0", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1}'}}]
+            ),
+        )
+    ]
+    client = ChatClient(
+        EndpointConfig(
+            base_url=stub,
+            model="m",
+            temperature=0.6,
+            top_p=0.95,
+            max_tokens=32,
+            max_retries=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+    )
+    r = client.complete([{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {"name": "ls"}}])
+    assert [(c.id, c.name, c.arguments) for c in r.tool_calls] == [("r_tool_call_0", "ls", {"a": 1})]
+    assert r.content == "" and r.usage == {"prompt_tokens": 7, "completion_tokens": 3}
+    sent = _Stub.bodies[0]
+    assert (sent["model"], sent["temperature"], sent["top_p"], sent["max_tokens"]) == ("m", 0.6, 0.95, 32)
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False} and sent["tools"]
+
+
+def test_client_errors(stub: str) -> None:
+    client = ChatClient(EndpointConfig(base_url=stub, model="m", max_retries=0))
+    _Stub.responses = [(400, {"error": {"message": "context too long"}}), (500, {"error": {"message": "boom"}})]
+    with pytest.raises(ModelRequestError) as bad:
+        client.complete([{"role": "user", "content": "hi"}])
+    assert bad.value.retryable is False
+    with pytest.raises(ModelRequestError) as down:
+        client.complete([{"role": "user", "content": "hi"}])
+    assert down.value.retryable is True

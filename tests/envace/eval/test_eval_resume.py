@@ -1,0 +1,198 @@
+"""Resumable evaluation: interrupted runs lose nothing, reruns skip finished tasks and give the same
+table; infrastructure failures are retried; settings mismatches are refused."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
+from envace.eval.client import ModelRequestError
+from envace.eval.driver import EvalAborted, evaluate, select_tasks
+from envace.eval.report import BENCHMARKS, format_table, summarize
+from envace.eval.runner import TaskRecord
+from envace.eval.store import ResultStore, RunConfigMismatch
+
+BENCH = BENCHMARKS["bfcl"]
+CATS = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+
+
+class CatalogPool(EnvironmentPool):
+    """12 tasks over the four BFCL categories; nothing runs (the runner fakes everything)."""
+
+    name = "catalog"
+
+    def task_ids(self, split: str | None = None) -> list[str]:
+        return [f"t{i:02d}" for i in range(12)]
+
+    def task(self, task_id: str) -> TaskSpec:
+        i = int(task_id[1:])
+        return TaskSpec(
+            pool="catalog",
+            task_id=task_id,
+            env_id="e",
+            category=CATS[i % 4],
+            split="test",
+            system_prompt=None,
+            first_user_message="q",
+            tools=[],
+        )
+
+    def start(self, task_id: str, **kwargs: Any) -> Any:
+        raise AssertionError("the fake runner never starts episodes")
+
+    def gold_actions(self, task_id: str) -> list[list[ToolCall]]:
+        return []
+
+
+class FakeRunner:
+    """Deterministic rewards; can interrupt or fail on chosen tasks; counts what it ran."""
+
+    def __init__(self, interrupt_at: str | None = None, fail: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.ran: list[str] = []
+        self.interrupt_at, self.fail = interrupt_at, set(fail)
+
+    def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord:
+        if task_id == self.interrupt_at:  # Ctrl-C arrives while this task is in flight
+            _thread.interrupt_main()
+            time.sleep(0.5)
+            raise RuntimeError("killed with the process")
+        if task_id in self.fail:
+            raise ModelRequestError("connection refused", retryable=True)
+        self.ran.append(task_id)
+        i = int(task_id[1:])
+        reward = 1.0 if i % 3 == 0 else 0.0
+        spec = pool.task(task_id)
+        return TaskRecord(
+            task_id=task_id,
+            category=spec.category,
+            split=spec.split,
+            reward=reward,
+            passed=reward == 1.0,
+            turns=i % 4 + 1,
+            messages=[{"role": "user", "content": "q"}],
+        )
+
+
+def run(out: Path, runner: FakeRunner, concurrency: int = 1, **sel: Any) -> tuple[Any, str]:
+    pool = CatalogPool()
+    selected = select_tasks(pool, BENCH, **sel)
+    outcome = evaluate(pool, BENCH, selected, runner, ResultStore(out), concurrency=concurrency, progress=False)
+    return outcome, format_table([("fake", {"bfcl": outcome.summary})])
+
+
+def strip(records: list[TaskRecord]) -> list[dict[str, Any]]:
+    return [{**r.to_json(), "elapsed_s": None} for r in records]
+
+
+def test_selection_limit_is_per_category_and_deterministic() -> None:
+    pool = CatalogPool()
+    sel = select_tasks(pool, BENCH, limit=2)
+    assert list(sel) == ["t00", "t01", "t02", "t03", "t04", "t05", "t06", "t07"]
+    assert set(sel.values()) == set(BENCH.categories)
+    assert list(select_tasks(pool, BENCH, categories=["miss_func", "multi_turn_long_context"], limit=1)) == [
+        "t01",
+        "t03",
+    ]
+    with pytest.raises(ValueError, match="unknown bfcl categories"):
+        select_tasks(pool, BENCH, categories=["web_search"])
+
+
+def test_interrupted_run_resumes_to_the_same_table(tmp_path: Path) -> None:
+    full, full_table = run(tmp_path / "full", FakeRunner())
+    assert full.summary["complete"] and full.ran == 12
+    # 4 of 12 tasks pass (i % 3 == 0); per category: base t00,t04,t08 → 1 of 3 ...
+    assert full.summary["categories"]["base"]["passed"] == 1
+
+    out = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run(out, FakeRunner(interrupt_at="t05"))
+    saved = ResultStore(out).completed()
+    assert sorted(saved) == ["t00", "t01", "t02", "t03", "t04"]  # every finished task was persisted
+    with (out / "results.jsonl").open("a") as fh:  # and the process died mid-write of another record
+        fh.write('{"task_id": "t05", "category": "multi_')
+
+    resumed_runner = FakeRunner()
+    with pytest.warns(UserWarning, match="unreadable record set aside"):
+        resumed, resumed_table = run(out, resumed_runner)
+    assert (out / "results.jsonl.corrupt").read_text().startswith('{"task_id": "t05"')
+    assert resumed_runner.ran == [f"t{i:02d}" for i in range(5, 12)]
+    assert (resumed.ran, resumed.skipped) == (7, 5)
+    assert resumed_table == full_table
+    assert strip(resumed.records) == strip(full.records)
+    assert resumed.summary == full.summary
+
+    again_runner = FakeRunner()
+    _, again_table = run(out, again_runner)  # everything done: nothing runs
+    assert again_runner.ran == [] and again_table == full_table
+
+
+def test_concurrency_gives_the_same_results(tmp_path: Path) -> None:
+    _, serial = run(tmp_path / "serial", FakeRunner())
+    outcome, parallel = run(tmp_path / "parallel", FakeRunner(), concurrency=4)
+    assert parallel == serial and outcome.ran == 12
+    lines = (tmp_path / "parallel" / "results.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["task_id"] for line in lines) == [f"t{i:02d}" for i in range(12)]
+
+
+def test_infrastructure_errors_are_logged_and_retried(tmp_path: Path) -> None:
+    first, _ = run(tmp_path, FakeRunner(fail={"t02", "t07"}))
+    assert first.errors == 2 and not first.summary["complete"] and first.summary["finished"] == 10
+    errors = [json.loads(line) for line in (tmp_path / "errors.jsonl").read_text().splitlines()]
+    assert {e["task_id"] for e in errors} == {"t02", "t07"} and "connection refused" in errors[0]["error"]
+    retry = FakeRunner()
+    second, _ = run(tmp_path, retry)
+    assert retry.ran == ["t02", "t07"] and second.summary["complete"]
+
+
+def test_consecutive_failures_abort(tmp_path: Path) -> None:
+    pool = CatalogPool()
+    sel = select_tasks(pool, BENCH)
+    with pytest.raises(EvalAborted, match="consecutive tasks failed"):
+        evaluate(
+            pool, BENCH, sel, FakeRunner(fail=set(sel)), ResultStore(tmp_path), progress=False, max_consecutive_errors=3
+        )
+
+
+def test_run_config_mismatch_is_refused(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path)
+    store.check_run_config({"model": "a", "temperature": 0.6})
+    store.check_run_config({"model": "a", "temperature": 0.6})
+    with pytest.raises(RunConfigMismatch, match="temperature: 0.6 -> 0.0"):
+        store.check_run_config({"model": "a", "temperature": 0.0})
+    store.check_run_config({"model": "a", "temperature": 0.0}, force=True)
+
+
+def test_table_layout() -> None:
+    recs = [
+        TaskRecord(task_id=f"{d}/{i}", category=d, split="test", reward=float(i == 0), passed=i == 0)
+        for d in ("airline", "retail", "telecom")
+        for i in range(2)
+    ]
+    tau = summarize(BENCHMARKS["tau2"], recs, {r.task_id: r.category for r in recs})
+    assert tau["average"] == 50.0
+    table = format_table([("m", {"tau2": tau})])
+    header = table.splitlines()[1].split()
+    assert header == [
+        "Airline",
+        "Retail",
+        "Telecom",
+        "Avg.",
+        "Base",
+        "Miss",
+        "Func.",
+        "Miss",
+        "Param.",
+        "Long",
+        "Ctx.",
+        "Avg.",
+    ]
+    row = table.splitlines()[-1].split()
+    assert row == ["m", "50.0", "50.0", "50.0", "50.0", "–", "–", "–", "–", "–", "–"]
+    md = format_table([("m", {"tau2": tau})], markdown=True)
+    assert md.splitlines()[0].startswith("| Model | τ²-bench (%) |") and "Overall (%)" in md
