@@ -77,9 +77,16 @@ class EnvAgentLoop(AgentLoopBase):
         self.response_length = self.rollout_config.response_length
 
     # -- helpers -------------------------------------------------------------------------------
-    def _execute(self, episode: Episode, calls: list[ToolCall], errors: list[str]) -> list[dict[str, Any]]:
-        """Run the parsed calls; parse errors and calls over the cap become error observations."""
+    def _execute(
+        self, episode: Episode, calls: list[ToolCall], errors: list[str]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Run the parsed calls; parse errors and calls over the cap become error observations.
+
+        Returns the tool messages and the executed actions (``name``, ``arguments``, ``output``: the
+        observation, which EnvSched's identifier filter treats as context the agent was given).
+        """
         messages: list[dict[str, Any]] = []
+        executed: list[dict[str, Any]] = []
         for err in errors:
             messages.append({"role": "tool", "content": f"Error: malformed tool call: {err}"})
         cap = self.agent_cfg.max_calls_per_step
@@ -92,10 +99,11 @@ class EnvAgentLoop(AgentLoopBase):
                 except Exception as exc:  # an environment bug must not kill the whole batch
                     logger.exception("environment raised on %s", call.name)
                     text = f"Error: the environment failed on '{call.name}': {type(exc).__name__}: {exc}"
+                executed.append({**call.to_dict(), "output": str(text)})
             messages.append(
                 {"role": "tool", "content": truncate_middle(str(text), self.agent_cfg.max_observation_chars)}
             )
-        return messages
+        return messages, executed
 
     async def _append_context(self, state: dict[str, Any], new_messages: list[dict[str, Any]], tools) -> bool:
         """Append environment/user messages as mask-0 tokens. Returns False when out of budget."""
@@ -128,7 +136,7 @@ class EnvAgentLoop(AgentLoopBase):
         extra: dict[str, Any] = {}
         n_calls = n_parse_errors = user_turns = assistant_turns = 0
         last_text = ""
-        actions: list[dict[str, Any]] = []  # executed calls, END_TURN between user turns
+        actions: list[dict[str, Any]] = []  # executed calls with outputs, END_TURN between user turns
         budget_left = True
         while budget_left:
             for _step in range(self.agent_cfg.max_steps_per_turn):
@@ -167,9 +175,9 @@ class EnvAgentLoop(AgentLoopBase):
                 if not parsed.calls and not parsed.errors:
                     break  # the assistant ended its turn
                 n_calls += len(parsed.calls)
-                actions.extend(c.to_dict() for c in parsed.calls[: self.agent_cfg.max_calls_per_step])
                 n_parse_errors += len(parsed.errors)
-                observations = await asyncio.to_thread(self._execute, episode, parsed.calls, parsed.errors)
+                observations, executed = await asyncio.to_thread(self._execute, episode, parsed.calls, parsed.errors)
+                actions.extend(executed)
                 if not await self._append_context(state, observations, tools):
                     budget_left = False
                     break

@@ -15,7 +15,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
 
 from envace.agents.env_loop import EnvAgentLoop, truncate_middle
-from envace.envs.base import flatten_turns, get_pool, split_turns
+from envace.envs.base import END_TURN, flatten_turns, get_pool, split_turns
 from envace.models import load_tokenizer
 from envace.toolcall import render_tool_call
 
@@ -92,7 +92,8 @@ def test_a_policy_that_emits_the_gold_calls_scores_one(tokenizer):
     # the recorded action sequence replays to the same verdict through the pool
     pool = get_pool("bfcl_multi_turn")
     actions = json.loads(out.extra_fields["actions"])
-    assert actions == flatten_turns(pool.gold_actions(TASK))
+    assert [{k: a[k] for k in ("name", "arguments")} for a in actions] == flatten_turns(pool.gold_actions(TASK))
+    assert all("output" in a for a in actions if a["name"] != END_TURN)
     assert pool.replay(TASK, split_turns(actions)).reward == 1.0
 
 
