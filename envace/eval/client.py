@@ -7,8 +7,9 @@ Servers differ in how much of the model's output they parse:
   leaves the raw ``<tool_call>...</tool_call>`` text in ``content``.
 * A server without a tool parser returns only text.
 
-:func:`parse_assistant_output` turns either form into the same :class:`ChatReply`: text for the other
-party (``<think>`` spans and tool-call blocks removed), well-formed :class:`~envace.envs.base.ToolCall`
+:func:`parse_assistant_output` turns either form into the same :class:`ChatReply`, splitting the text
+with the project's parser :func:`envace.toolcall.parse_tool_calls`: text for the other party
+(reasoning and tool-call blocks removed), well-formed :class:`~envace.envs.base.ToolCall`
 objects, and the malformed blocks with the reason they could not be used. Malformed calls are data,
 never exceptions: the agent loop feeds them back to the model as error observations and counts them.
 """
@@ -16,7 +17,6 @@ never exceptions: the agent loop feeds them back to the model as error observati
 from __future__ import annotations
 
 import json
-import re
 import threading
 import uuid
 from collections.abc import Sequence
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envace.envs.base import ToolCall, ToolCallError
+from envace.toolcall import THINK_END, parse_tool_calls
 
 __all__ = [
     "ChatClient",
@@ -32,16 +33,17 @@ __all__ = [
     "MalformedToolCall",
     "ModelRequestError",
     "parse_assistant_output",
-    "strip_think",
 ]
-
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-_THINK_RE = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 
 @dataclass(frozen=True)
 class MalformedToolCall:
-    """A tool call the model attempted but that cannot be executed."""
+    """A tool call the model attempted but that cannot be executed.
+
+    ``raw`` is the server's call object as JSON for a bad server-parsed call; for a block parsed from
+    the text it is empty (the untouched text is :attr:`ChatReply.raw_content`, and ``error`` quotes
+    the start of the broken block).
+    """
 
     raw: str
     error: str
@@ -73,11 +75,8 @@ class ChatReply:
 
     def assistant_message(self) -> dict[str, Any]:
         """The OpenAI-form assistant message to append to the conversation history."""
+        # Malformed blocks are not echoed: each gets an error observation that says what was wrong.
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.malformed:
-            # Keep the broken text visible so the model can see what it emitted.
-            broken = "\n".join(f"<tool_call>{m.raw}</tool_call>" for m in self.malformed)
-            msg["content"] = f"{self.content}\n{broken}".strip()
         if self.tool_calls:
             msg["tool_calls"] = [
                 {
@@ -102,54 +101,27 @@ class ModelRequestError(RuntimeError):
         self.retryable = retryable
 
 
-def strip_think(text: str) -> tuple[str, str | None]:
-    """Split ``text`` into (visible text, reasoning). Handles a prefilled ``<think>`` (only ``</think>``
-    in the output) and an unterminated ``<think>`` (generation budget spent while thinking)."""
-    reasoning: list[str] = []
-    if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
-        head, text = text.split("</think>", 1)
-        reasoning.append(head)
-
-    def _take(match: re.Match[str]) -> str:
-        reasoning.append(match.group(0).removeprefix("<think>").removesuffix("</think>"))
-        return ""
-
-    text = _THINK_RE.sub(_take, text)
-    joined = "\n".join(r.strip() for r in reasoning if r.strip())
-    return text.strip(), (joined or None)
-
-
 def _new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:16]}"
 
 
-def _parse_block(block: str) -> ToolCall | MalformedToolCall:
-    body = block.strip()
-    if not body:
-        return MalformedToolCall(raw=block, error="empty <tool_call> block")
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return MalformedToolCall(raw=block, error=f"invalid JSON: {exc}")
-    if isinstance(obj, dict) and "arguments" not in obj and "parameters" in obj:
-        obj = {**obj, "arguments": obj["parameters"]}  # a frequent Qwen slip
-    try:
-        call = ToolCall.from_dict(obj)
-    except ToolCallError as exc:
-        return MalformedToolCall(raw=block, error=str(exc))
-    return ToolCall(name=call.name, arguments=call.arguments, id=call.id or _new_call_id())
+def _with_id(call: ToolCall) -> ToolCall:
+    return call if call.id else ToolCall(name=call.name, arguments=call.arguments, id=_new_call_id())
 
 
 def parse_assistant_output(content: str | None, api_tool_calls: Sequence[Any] | None = None) -> ChatReply:
     """Normalise one completion.
 
-    ``api_tool_calls`` are the server-parsed calls (OpenAI objects or dicts). When present they are
-    authoritative and tool-call blocks left in ``content`` are dropped; otherwise Qwen/Hermes
-    ``<tool_call>{json}</tool_call>`` blocks are parsed from ``content``. Unterminated blocks
-    (generation cut by ``max_tokens``) and invalid JSON become :class:`MalformedToolCall`.
+    Reasoning, visible text and Qwen/Hermes ``<tool_call>{json}</tool_call>`` blocks are split by
+    :func:`envace.toolcall.parse_tool_calls` (the project's one parser). ``api_tool_calls`` are the
+    server-parsed calls (OpenAI objects or dicts): when present they are authoritative and the blocks
+    left in ``content`` are only dropped from the text. Otherwise each malformed block (invalid JSON,
+    not an object, no name, non-object arguments, unterminated, stray ``</tool_call>``) becomes a
+    :class:`MalformedToolCall` carrying the parser's message. A ``<think>`` block cut off by
+    ``max_tokens`` is reasoning with no visible text, not a malformed tool call.
     """
     raw = content or ""
-    visible, reasoning = strip_think(raw)
+    parsed = parse_tool_calls(raw)
     calls: list[ToolCall] = []
     malformed: list[MalformedToolCall] = []
 
@@ -161,18 +133,17 @@ def parse_assistant_output(content: str | None, api_tool_calls: Sequence[Any] | 
             except ToolCallError as exc:
                 malformed.append(MalformedToolCall(raw=json.dumps(obj, default=str), error=str(exc)))
                 continue
-            calls.append(ToolCall(name=call.name, arguments=call.arguments, id=call.id or _new_call_id()))
-        visible = _TOOL_CALL_RE.sub("", visible)
+            calls.append(_with_id(call))
     else:
-        for match in _TOOL_CALL_RE.finditer(visible):
-            terminated = match.group(0).endswith("</tool_call>")
-            parsed = _parse_block(match.group(1))
-            if isinstance(parsed, ToolCall) and not terminated:
-                parsed = MalformedToolCall(raw=match.group(1), error="unterminated <tool_call> block")
-            (calls if isinstance(parsed, ToolCall) else malformed).append(parsed)  # type: ignore[arg-type]
-        visible = _TOOL_CALL_RE.sub("", visible)
-    visible = visible.replace("</tool_call>", "").strip()
-    return ChatReply(content=visible, tool_calls=calls, malformed=malformed, raw_content=raw, reasoning=reasoning)
+        calls = [_with_id(call) for call in parsed.calls]
+        # An unterminated <think> swallows the whole rest of the text, so it is the only error then;
+        # it is truncated reasoning, not a tool call the model attempted.
+        truncated_think = parsed.reasoning is not None and THINK_END not in raw
+        errors = [] if truncated_think else parsed.errors
+        malformed = [MalformedToolCall(raw="", error=error) for error in errors]
+    return ChatReply(
+        content=parsed.content, tool_calls=calls, malformed=malformed, raw_content=raw, reasoning=parsed.reasoning
+    )
 
 
 @dataclass(frozen=True)

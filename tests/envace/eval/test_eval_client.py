@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envace.eval.client import ChatClient, EndpointConfig, ModelRequestError, parse_assistant_output, strip_think
+from envace.eval.client import ChatClient, EndpointConfig, ModelRequestError, parse_assistant_output
 
 
 def block(obj: Any) -> str:
@@ -54,20 +54,47 @@ def test_malformed_blocks_become_error_observations() -> None:
     assert [c.name for c in r.tool_calls] == ["ok"]
     errors = [m.error for m in r.malformed]
     assert len(errors) == 4
-    assert errors[0].startswith("invalid JSON") and "no string 'name'" in errors[1]
-    assert "must be a JSON object" in errors[2] and errors[3].startswith("invalid JSON")
+    assert errors[0].startswith("tool call 2: invalid JSON") and "missing or non-string 'name'" in errors[1]
+    assert "must be a JSON object" in errors[2] and errors[3].startswith("tool call 5: unterminated <tool_call> block")
     assert all("could not be parsed" in m.observation() for m in r.malformed)
-    assert "{not json}" in r.assistant_message()["content"]  # the model sees what it wrote
+    assert "{not json}" in r.malformed[0].observation()  # the model sees what it wrote
+    msg = r.assistant_message()
+    assert "<tool_call>" not in msg["content"] and [tc["function"]["name"] for tc in msg["tool_calls"]] == ["ok"]
+    assert r.raw_content == text  # transcripts keep the untouched text
+
+
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("<tool_call>{not json}</tool_call>", "tool call 1: invalid JSON (Expecting property name"),
+        ("<tool_call></tool_call>", "tool call 1: invalid JSON (Expecting value at char 0): ''"),
+        (block(["x"]), "tool call 1: body must be a JSON object, got list"),
+        (block({"arguments": {}}), "tool call 1: missing or non-string 'name' (keys: ['arguments'])"),
+        (block({"name": "x", "arguments": [1]}), "tool call 1 ('x'): arguments of 'x' must be a JSON object, got list"),
+        (block({"name": "x", "arguments": "{bad"}), "tool call 1 ('x'): arguments of 'x' are not valid JSON"),
+        ('<tool_call>{"name": "cut", "argu', "tool call 1: unterminated <tool_call> block (no </tool_call>)"),
+        ("done</tool_call>", "stray </tool_call> without an opening <tool_call>"),
+    ],
+)
+def test_each_malformed_block_kind(text: str, error: str) -> None:
+    r = parse_assistant_output(text)
+    assert not r.tool_calls and len(r.malformed) == 1 and r.wants_tools
+    assert r.malformed[0].error.startswith(error)
+    assert r.malformed[0].raw == "" and "<tool_call>" not in r.assistant_message()["content"]
 
 
 def test_unterminated_but_valid_block_is_malformed() -> None:
     r = parse_assistant_output('<tool_call>{"name": "ls", "arguments": {}}')
-    assert not r.tool_calls and r.malformed[0].error == "unterminated <tool_call> block"
+    assert not r.tool_calls and len(r.malformed) == 1
+    assert r.malformed[0].error == (
+        'tool call 1: unterminated <tool_call> block (no </tool_call>): \'{"name": "ls", "arguments": {}}\''
+    )
 
 
-def test_parameters_alias_and_think() -> None:
+def test_no_parameters_alias_and_think() -> None:
+    # "parameters" is not an alias of "arguments": a call without "arguments" has none
     r = parse_assistant_output("<think>plan: call ls</think>\n" + block({"name": "ls", "parameters": {"p": 2}}))
-    assert r.tool_calls[0].arguments == {"p": 2} and r.reasoning == "plan: call ls" and r.content == ""
+    assert r.tool_calls[0].arguments == {} and r.reasoning == "plan: call ls" and r.content == ""
     # tool calls inside <think> are thoughts, not calls
     r = parse_assistant_output("<think>" + block({"name": "ls", "arguments": {}}) + "</think>Done.")
     assert not r.tool_calls and r.content == "Done."
@@ -77,13 +104,15 @@ def test_parameters_alias_and_think() -> None:
     "text,visible,reasoning",
     [
         ("a</think>b", "b", "a"),  # template prefilled <think>
-        ("<think>never closed", "", "never closed"),
-        ("x<think>y</think>z", "xz", "y"),
+        ("<think>never closed", "", "never closed"),  # budget spent while thinking: not a malformed call
+        ("<think>y</think>\n\nz", "z", "y"),
+        ("x<think>y</think>z", "z", "y"),  # like the chat template: reasoning is what precedes </think>
         ("no thinking", "no thinking", None),
     ],
 )
-def test_strip_think(text: str, visible: str, reasoning: str | None) -> None:
-    assert strip_think(text) == (visible, reasoning)
+def test_think_split(text: str, visible: str, reasoning: str | None) -> None:
+    r = parse_assistant_output(text)
+    assert (r.content, r.reasoning, r.tool_calls, r.malformed) == (visible, reasoning, [], [])
 
 
 def test_server_tool_calls_are_authoritative() -> None:
