@@ -100,13 +100,20 @@ def neighbor_weights(nbr_sim: np.ndarray, nbr_W: np.ndarray, available: np.ndarr
     a_ij = exp(-1/2 (delta_ij / sigma_i)^2) * sqrt(clip_[0.1,3](W_j)).
     ``available`` masks the entries of N(i) (unavailable entries get weight 0 and do not enter the median).
     """
+    avail = np.asarray(available, dtype=bool)
+    kern = neighbor_kernel(nbr_sim, avail, bandwidth_floor)
+    a = kern * np.sqrt(np.clip(nbr_W, w_clip[0], w_clip[1]))
+    return np.where(avail, a, 0.0)
+
+
+def neighbor_kernel(nbr_sim: np.ndarray, available: np.ndarray, bandwidth_floor: float = 0.05) -> np.ndarray:
+    """The W-independent part of Eq. 7: exp(-1/2 (delta_ij / sigma_i)^2) (shared by both half-lives when
+    the available entries are the same)."""
     nbr_sim = np.asarray(nbr_sim, dtype=np.float64)
     avail = np.asarray(available, dtype=bool)
     delta = np.clip(1.0 - np.where(avail, nbr_sim, 0.0), 0.0, 1.0)
     sigma = np.maximum(_masked_row_median(delta, avail), bandwidth_floor)
-    kern = np.exp(-0.5 * (delta / sigma[:, None]) ** 2)
-    a = kern * np.sqrt(np.clip(nbr_W, w_clip[0], w_clip[1]))
-    return np.where(avail, a, 0.0)
+    return np.exp(-0.5 * (delta / sigma[:, None]) ** 2)
 
 
 def _masked_row_median(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -153,7 +160,26 @@ def fuse(G_in: np.ndarray, G_cross: np.ndarray, W: np.ndarray, ybar: np.ndarray,
 def percentile_rank(z: np.ndarray) -> np.ndarray:
     """EnvSched Eq. 8: pr(z_i) = (rank_avg(z_i) - 0.5) / N over the full pool, average ranks for ties."""
     z = np.asarray(z, dtype=np.float64)
-    return (rankdata(z, method="average") - 0.5) / z.size
+    return (average_rank(z) - 0.5) / z.size
+
+
+def average_rank(z: np.ndarray) -> np.ndarray:
+    """``scipy.stats.rankdata(z, method="average")`` for a 1-D float array (ranks 1..n, ties share the mean
+    rank; half-integers, so exactly the same floats), without scipy's per-call overhead.  NaN input goes to
+    scipy (its NaN policy)."""
+    z = np.asarray(z, dtype=np.float64)
+    n = z.size
+    if z.ndim != 1 or n == 0 or np.isnan(z).any():
+        return rankdata(z, method="average")
+    sorter = np.argsort(z, kind="stable")
+    zs = z[sorter]
+    first = np.empty(n, dtype=bool)
+    first[0] = True
+    np.not_equal(zs[1:], zs[:-1], out=first[1:])
+    dense = np.empty(n, dtype=np.int64)
+    dense[sorter] = np.cumsum(first)
+    count = np.append(np.flatnonzero(first), n)
+    return 0.5 * (count[dense] + count[dense - 1] + 1)
 
 
 def reconstructed_variance(d_hat: np.ndarray, m_hat: np.ndarray) -> np.ndarray:
@@ -179,39 +205,50 @@ def decline_priority(u_long: np.ndarray, u_short: np.ndarray, eta: float = 0.5) 
 
 
 class ObservationLog:
-    """Append-only log of group statistics (node, step, m, v, d)."""
+    """Append-only log of group statistics (node, step, m, v, d) in preallocated columns (grown by doubling)."""
+
+    _DTYPES = {"node": np.int64, "step": np.int64, "m": np.float64, "v": np.float64, "d": np.float64}
 
     def __init__(self) -> None:
-        self._cols: dict[str, list] = {"node": [], "step": [], "m": [], "v": [], "d": []}
+        self._set({k: np.zeros(0, dtype=t) for k, t in self._DTYPES.items()})
+
+    def _set(self, cols: dict[str, np.ndarray]) -> None:
+        self._n = len(cols["node"])
+        cap = max(1024, 2 * self._n)
+        self._cols = {k: np.empty(cap, dtype=t) for k, t in self._DTYPES.items()}
+        for k, a in self._cols.items():
+            a[: self._n] = cols[k]
         self._cache: dict[str, np.ndarray] | None = None
 
     def add(self, node: int, step: int, m: float, v: float, d: float) -> None:
+        if self._n >= len(self._cols["node"]):
+            for k, a in self._cols.items():
+                grown = np.empty(2 * len(a), dtype=a.dtype)
+                grown[: self._n] = a[: self._n]
+                self._cols[k] = grown
         for k, x in zip(("node", "step", "m", "v", "d"), (node, step, m, v, d)):
-            self._cols[k].append(x)
+            self._cols[k][self._n] = x
+        self._n += 1
         self._cache = None
 
     def arrays(self) -> dict[str, np.ndarray]:
+        """Read-only views of the logged columns."""
         if self._cache is None:
-            self._cache = {
-                "node": np.asarray(self._cols["node"], dtype=np.int64),
-                "step": np.asarray(self._cols["step"], dtype=np.int64),
-                **{k: np.asarray(self._cols[k], dtype=np.float64) for k in STATS},
-            }
+            self._cache = {}
+            for k, a in self._cols.items():
+                view = a[: self._n]
+                view.flags.writeable = False
+                self._cache[k] = view
         return self._cache
 
     def __len__(self) -> int:
-        return len(self._cols["node"])
+        return self._n
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v.copy() for k, v in self.arrays().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._cols = {
-            "node": [int(x) for x in state["node"]],
-            "step": [int(x) for x in state["step"]],
-            **{k: [float(x) for x in state[k]] for k in STATS},
-        }
-        self._cache = None
+        self._set({k: np.asarray(state[k], dtype=t) for k, t in self._DTYPES.items()})
 
 
 @dataclass
@@ -235,8 +272,12 @@ class Prediction:
         return {tid: {"v": float(self.v[i]), "m": float(self.m[i]), "d": float(self.d[i]), "q": float(self.q[i])} for i, tid in enumerate(self.task_ids)}
 
 
-def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig) -> dict[str, Any]:
-    """One prediction pass for half-life h: Eq. 6, 11, 7, 3, 4 for y in {v, m, d}, then Eq. 12."""
+def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One prediction pass for half-life h: Eq. 6, 11, 7, 3, 4 for y in {v, m, d}, then Eq. 12.
+
+    ``kernels`` (optional, shared between the passes of one prediction) caches the W-independent Eq. 7
+    kernel per relation with the availability mask it was computed for; it is reused only for an equal mask.
+    """
     obs = log.arrays()
     intervals = {"v": cfg.clip_v, "m": cfg.clip_m, "d": cfg.clip_d}
     keep = obs["step"] < t
@@ -258,7 +299,15 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
         idx = nbr_idx[rel]
         safe = np.maximum(idx, 0)
         avail = (idx >= 0) & (W[safe] > 0)
-        weights[rel] = (safe, neighbor_weights(nbr_sim[rel], W[safe], avail, cfg.bandwidth_floor, cfg.neighbor_weight_clip))
+        hit = kernels.get(rel) if kernels is not None else None
+        if hit is not None and np.array_equal(hit[0], avail):
+            kern = hit[1]
+        else:
+            kern = neighbor_kernel(nbr_sim[rel], avail, cfg.bandwidth_floor)
+            if kernels is not None:
+                kernels[rel] = (avail, kern)
+        a = np.where(avail, kern * np.sqrt(np.clip(W[safe], cfg.neighbor_weight_clip[0], cfg.neighbor_weight_clip[1])), 0.0)
+        weights[rel] = (safe, a)
     for y in STATS:
         G = {rel: relation_estimate(a, ybars[y][safe], out["b"][y], cfg.lambda_g) for rel, (safe, a) in weights.items()}
         _, out[y] = fuse(G["in"], G["cross"], W, ybars[y], cfg.lambda_s, cfg.fusion_within)
@@ -271,7 +320,8 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
 def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig) -> Prediction:
     """EnvSched Eq. 12–13 over both half-lives: q_{i,t} for every task of the pool."""
     n = len(task_ids)
-    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg)
-    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg)
+    kernels: dict[str, Any] = {}
+    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels)
+    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels)
     u, q = decline_priority(long["u"], short["u"], cfg.eta_decline)
     return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
+from scipy import linalg
 from sklearn.linear_model import Ridge
 
 from .config import EnvSchedConfig
@@ -42,6 +43,41 @@ ReplayFn = Callable[[str, list], float]
 _TCOLS = ("node", "env", "step_prev", "step_next", "m_prev", "v_prev", "count_prev", "m_next", "residual")
 
 
+_FLOAT_COLS = ("m_prev", "v_prev", "m_next", "residual")
+_DENSE_MAX_ENVS = 256  # up to this many environments the Ridge design matrix is dense
+
+
+def ridge_fit_dense(X: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, float]:
+    """scikit-learn ``Ridge(alpha, fit_intercept=True, solver="auto").fit(X, y)`` for dense float64 X,
+    without the estimator's validation overhead: the same operations in the same order (centering, then the
+    Cholesky solve of the primal normal equations, or of the kernel ones when features > samples).
+    Returns (coef, intercept)."""
+    X = np.array(X, dtype=np.float64, order="C")  # copy, as Ridge does
+    y = np.array(y, dtype=np.float64)
+    n, p = X.shape
+    x_off = np.average(X, axis=0)
+    X -= x_off
+    y_off = np.average(y, axis=0)
+    y -= y_off
+    y2 = y.reshape(-1, 1)
+    try:
+        if p > n:
+            K = X @ X.T
+            K.flat[:: n + 1] += alpha
+            dual = linalg.solve(K, y2, assume_a="pos", overwrite_a=False)
+            coef = (X.T @ dual).T
+        else:
+            A = X.T @ X
+            Xy = X.T @ y2
+            A.flat[:: p + 1] += alpha
+            coef = linalg.solve(A, Xy, assume_a="pos", overwrite_a=True).T
+    except linalg.LinAlgError:  # singular (alpha = 0): the estimator itself, with its SVD fallback
+        model = Ridge(alpha=alpha, solver="auto").fit(X + x_off, y + y_off)
+        return model.coef_, float(model.intercept_)
+    coef = coef.ravel()
+    return coef, y_off - x_off @ coef
+
+
 class ProgressFilter:
     """Ridge-based progress estimate per task (App. C)."""
 
@@ -52,7 +88,32 @@ class ProgressFilter:
         self.last_v = np.full(n, np.nan)
         self.last_step = np.full(n, -1, dtype=np.int64)
         self.count = np.zeros(n, dtype=np.int64)
-        self.t: dict[str, list] = {k: [] for k in _TCOLS}
+        self._set_columns({k: np.zeros(0, dtype=np.float64 if k in _FLOAT_COLS else np.int64) for k in _TCOLS})
+
+    # ---- transition storage: preallocated columns that grow by doubling ---------------------------------
+    def _set_columns(self, cols: Mapping[str, np.ndarray]) -> None:
+        self._n = len(cols["node"])
+        cap = max(256, 2 * self._n)
+        self._cols = {}
+        for k in _TCOLS:
+            a = np.empty(cap, dtype=np.float64 if k in _FLOAT_COLS else np.int64)
+            a[: self._n] = cols[k]
+            self._cols[k] = a
+
+    def _append(self, new: Mapping[str, np.ndarray]) -> None:
+        add = len(new["node"])
+        if self._n + add > len(self._cols["node"]):
+            cap = max(2 * len(self._cols["node"]), self._n + add)
+            for k, a in self._cols.items():
+                grown = np.empty(cap, dtype=a.dtype)
+                grown[: self._n] = a[: self._n]
+                self._cols[k] = grown
+        for k in _TCOLS:
+            self._cols[k][self._n : self._n + add] = new[k]
+        self._n += add
+
+    def _view(self) -> dict[str, np.ndarray]:
+        return {k: a[: self._n] for k, a in self._cols.items()}
 
     @staticmethod
     def features(m_prev: np.ndarray, v_prev: np.ndarray, step_prev: np.ndarray, count_prev: np.ndarray, env: np.ndarray, n_envs: int) -> sp.csr_matrix:
@@ -61,44 +122,65 @@ class ProgressFilter:
         onehot = sp.csr_matrix((np.ones(len(env)), (np.arange(len(env)), env)), shape=(len(env), n_envs))
         return sp.hstack([sp.csr_matrix(num), onehot], format="csr")
 
+    @staticmethod
+    def features_dense(m_prev: np.ndarray, v_prev: np.ndarray, step_prev: np.ndarray, count_prev: np.ndarray, env: np.ndarray, n_envs: int) -> np.ndarray:
+        """``features(...).toarray()`` built directly."""
+        X = np.zeros((len(env), 5 + n_envs))
+        X[:, 0] = m_prev
+        X[:, 1] = np.asarray(m_prev, dtype=np.float64) ** 2
+        X[:, 2] = v_prev
+        X[:, 3] = step_prev
+        X[:, 4] = count_prev
+        X[np.arange(len(env)), 5 + np.asarray(env, dtype=np.int64)] = 1.0
+        return X
+
     def observe(self, step: int, nodes: np.ndarray, m: np.ndarray, v: np.ndarray) -> int:
         """Record the observations of ``step``; score the transitions that end here.  Returns #scored."""
-        new_rows = []
-        for i, mi, vi in zip(nodes, m, v):
-            i = int(i)
-            if self.count[i] > 0:
-                new_rows.append(len(self.t["node"]))
-                for k, x in zip(_TCOLS, (i, int(self.env[i]), int(self.last_step[i]), int(step), float(self.last_m[i]), float(self.last_v[i]), int(self.count[i]), float(mi), np.nan)):
-                    self.t[k].append(x)
-            self.last_m[i], self.last_v[i], self.last_step[i] = mi, vi, step
-            self.count[i] += 1
-        if not new_rows:
+        nodes = np.asarray(nodes, dtype=np.int64)
+        m, v = np.asarray(m, dtype=np.float64), np.asarray(v, dtype=np.float64)
+        if len(np.unique(nodes)) != len(nodes):  # a task twice in one step: one after the other
+            return sum(self.observe(step, nodes[k : k + 1], m[k : k + 1], v[k : k + 1]) for k in range(len(nodes))) if len(nodes) else 0
+        old = nodes[self.count[nodes] > 0]
+        first_new = self._n
+        if len(old):
+            self._append({
+                "node": old, "env": self.env[old], "step_prev": self.last_step[old], "step_next": np.full(len(old), int(step)),
+                "m_prev": self.last_m[old], "v_prev": self.last_v[old], "count_prev": self.count[old],
+                "m_next": m[self.count[nodes] > 0], "residual": np.full(len(old), np.nan),
+            })
+        self.last_m[nodes], self.last_v[nodes], self.last_step[nodes] = m, v, step
+        self.count[nodes] += 1
+        if not len(old):
             return 0
-        arr = self.arrays()
-        train = arr["step_next"] < step  # only transitions from earlier completed training steps
-        if train.sum() < self.cfg.progress_min_fit_transitions:
+        arr = self._view()
+        train = np.flatnonzero(arr["step_next"] < step)  # only transitions from earlier completed training steps
+        if len(train) < self.cfg.progress_min_fit_transitions:
             return 0
-        X = self._X(arr)
-        if self.n_envs <= 256:
-            X = X.toarray()
-        model = Ridge(alpha=self.cfg.progress_ridge_alpha, solver="auto")
-        model.fit(X[train], arr["m_next"][train])
-        rows = np.asarray(new_rows)
-        pred = model.predict(X[rows])
-        for r, p in zip(rows, pred):
-            self.t["residual"][r] = float(self.t["m_next"][r] - p)
+        rows = np.arange(first_new, self._n)
+        alpha = self.cfg.progress_ridge_alpha
+        if self.n_envs <= _DENSE_MAX_ENVS:
+            feats = lambda r: self.features_dense(arr["m_prev"][r], arr["v_prev"][r], arr["step_prev"][r], arr["count_prev"][r], arr["env"][r], self.n_envs)  # noqa: E731
+            coef, intercept = ridge_fit_dense(feats(train), arr["m_next"][train], alpha)
+            pred = feats(rows) @ coef + intercept
+        else:
+            X = self._X(arr)
+            model = Ridge(alpha=alpha, solver="auto")
+            model.fit(X[train], arr["m_next"][train])
+            pred = model.predict(X[rows])
+        self._cols["residual"][rows] = arr["m_next"][rows] - pred
         return len(rows)
 
     def _X(self, arr: dict[str, np.ndarray]) -> sp.csr_matrix:
         return self.features(arr["m_prev"], arr["v_prev"], arr["step_prev"], arr["count_prev"], arr["env"], self.n_envs)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v, dtype=np.float64 if k in ("m_prev", "v_prev", "m_next", "residual") else np.int64) for k, v in self.t.items()}
+        """The scored and unscored transitions (copies), one array per column of ``_TCOLS``."""
+        return {k: a.copy() for k, a in self._view().items()}
 
     def blocked(self, nbr_idx: Sequence[np.ndarray]) -> np.ndarray:
         """Bool mask of tasks removed from exploitation: >= min transitions and estimated residual <= 0."""
         n = len(self.env)
-        arr = self.arrays()
+        arr = self._view()
         ok = np.isfinite(arr["residual"])
         node, res = arr["node"][ok], arr["residual"][ok]
         cnt = np.bincount(node, minlength=n)
@@ -127,14 +209,14 @@ class ProgressFilter:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_m": self.last_m.copy(), "last_v": self.last_v.copy(), "last_step": self.last_step.copy(), "count": self.count.copy(), **{f"t_{k}": v.copy() for k, v in self.arrays().items()}}
+        return {"last_m": self.last_m.copy(), "last_v": self.last_v.copy(), "last_step": self.last_step.copy(), "count": self.count.copy(), **{f"t_{k}": v for k, v in self.arrays().items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.last_m = np.asarray(state["last_m"], dtype=np.float64).copy()
         self.last_v = np.asarray(state["last_v"], dtype=np.float64).copy()
         self.last_step = np.asarray(state["last_step"], dtype=np.int64).copy()
         self.count = np.asarray(state["count"], dtype=np.int64).copy()
-        self.t = {k: np.asarray(state[f"t_{k}"]).tolist() for k in _TCOLS}
+        self._set_columns({k: np.asarray(state[f"t_{k}"], dtype=np.float64 if k in _FLOAT_COLS else np.int64) for k in _TCOLS})
 
 
 # ---------------------------------------------------------------------------------------------------
