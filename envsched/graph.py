@@ -354,6 +354,7 @@ def build_static_graph(
 _IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
 _SIM_SCALE = float(2**30)
 _SIM_RES = 1.0 / _SIM_SCALE
+_ENV_BLOCK_MAX = 2048  # environments up to this size keep their within-environment S_full block cached
 
 
 def merge_topk(idx: np.ndarray, sim: np.ndarray, cand_idx: np.ndarray, cand_sim: np.ndarray, k: int, min_sim: float) -> tuple[np.ndarray, np.ndarray]:
@@ -397,6 +398,14 @@ class NeighborIndex:
         self.idx = {r: np.full((n, k), -1, dtype=np.int64) for r, k in self.k.items()}
         self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
         self.observed = np.zeros(n, dtype=bool)
+        # within-environment S_full is static: each environment's block is computed once (on first use) and
+        # cached; every entry is the same value whichever nodes are observed together (see ``within_sim``)
+        x = graph.x_full
+        self._x64 = x if x.dtype == np.float64 else x.astype(np.float64)
+        self._pos = np.zeros(n, dtype=np.int64)  # position of each node in its environment's member list
+        for members in graph.env_members:
+            self._pos[members] = np.arange(len(members))
+        self._env_sim: dict[int, np.ndarray] = {}
 
     def add_observed(self, nodes: np.ndarray) -> None:
         """Merge nodes that became observed this step into every target's neighbour arrays."""
@@ -411,27 +420,39 @@ class NeighborIndex:
             nodes_by_env = nodes[np.argsort(env[nodes], kind="stable")]
             envs, first = np.unique(env[nodes_by_env], return_index=True)
             bounds = np.append(first, len(nodes_by_env))
-            block = g.feature_block(len(nodes_by_env))
-            try:
-                for j in nodes_by_env:
-                    block.add(int(j))
-                width = int(np.diff(bounds).max())
-                rows_l, ci_l, cs_l = [], [], []
-                for e, a, b in zip(envs, bounds[:-1], bounds[1:]):
-                    rows = g.env_members[e]
-                    new_e = nodes_by_env[a:b]
-                    s = np.full((len(rows), width), -np.inf)
-                    s[:, : b - a] = block.dot(rows, int(a), int(b))
-                    s[:, : b - a][rows[:, None] == new_e[None, :]] = -np.inf  # no self edges
-                    ci = np.full((len(rows), width), -1, dtype=np.int64)
-                    ci[:, : b - a] = new_e
-                    rows_l.append(rows), ci_l.append(ci), cs_l.append(s)
-            finally:
-                g.close_block(block)
+            width = int(np.diff(bounds).max())
+            rows_l, ci_l, cs_l = [], [], []
+            for e, a, b in zip(envs.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()):
+                rows = g.env_members[e]
+                new_e = nodes_by_env[a:b]
+                pos = self._pos[new_e]
+                s = np.full((len(rows), width), -np.inf)
+                s[:, : b - a] = self.within_sim(e, pos)
+                s[pos, np.arange(b - a)] = -np.inf  # no self edges
+                ci = np.full((len(rows), width), -1, dtype=np.int64)
+                ci[:, : b - a] = new_e
+                rows_l.append(rows), ci_l.append(ci), cs_l.append(s)
             self._merge("in", np.concatenate(rows_l), np.concatenate(ci_l), np.concatenate(cs_l))
         # cross-environment relation: S_abs, rows in other environments
         if self.k["cross"] > 0:
             self._add_cross(nodes)
+
+    def within_sim(self, e: int, pos: np.ndarray) -> np.ndarray:
+        """S_full (Eq. 1) between all members of environment ``e`` and its members at positions ``pos``
+        (dense |members| x |pos|, float64).
+
+        Each entry is scipy's CSR product x_i . x_j, summed in x_i's stored feature order, so it does not
+        depend on which other nodes are in the same call; blocks of environments with <= _ENV_BLOCK_MAX
+        members are computed once and cached (n_e^2 float64 each), larger ones column by column.
+        """
+        blk = self._env_sim.get(e)
+        members = self.graph.env_members[e]
+        if blk is None and len(members) <= _ENV_BLOCK_MAX:
+            xe = self._x64[members]
+            blk = self._env_sim[e] = np.asarray((xe @ xe.T).toarray(), dtype=np.float64)
+        if blk is not None:
+            return blk[:, pos]
+        return np.asarray((self._x64[members] @ self._x64[members[pos]].T).toarray(), dtype=np.float64)
 
     def _add_cross(self, nodes: np.ndarray) -> None:
         """Merge ``nodes`` into N^cross of every node of another environment.
