@@ -167,7 +167,7 @@ def _register() -> None:
             self.scheduler, keys = build_scheduler(self.config, rows, pool_kwargs)
             self._row_of = {k: i for i, k in enumerate(keys)}
             self._uid_task: dict[str, str] = {}
-            self._sched_build_s = time.perf_counter() - t0
+            self._sched_build_s: float | None = time.perf_counter() - t0
             logger.info("envsched: %d tasks, graph built in %.2fs", len(keys), self._sched_build_s)
 
         def _next_train_batch(self, num_prompts: int | None = None):
@@ -197,9 +197,12 @@ def _register() -> None:
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores", "extra_fields"]
             )
+            uids = [str(u) for u in data["uid"]]
             rewards, trajectories, unscored = collect_groups(
-                batch.keys, list(data["uid"]), data["rm_scores"], list(data["extra_fields"]), self._uid_task
+                batch.keys, uids, data["rm_scores"], list(data["extra_fields"]), self._uid_task
             )
+            for uid in set(uids):  # this step's prompts are done
+                self._uid_task.pop(uid, None)
             metrics["envsched/unscored_rollouts"] = float(unscored)
             if not rewards:
                 logger.warning("envsched: step %d produced no scored rollout; nothing to observe", self.global_steps)
@@ -208,8 +211,9 @@ def _register() -> None:
             self.scheduler.observe(self.global_steps, rewards, trajectories or None)
             metrics.update(self.scheduler.metrics(self.global_steps))
             metrics["envsched/trainer_observe_time_s"] = time.perf_counter() - t0
-            if self.global_steps == 1:
+            if self._sched_build_s is not None:  # once per process (also after a resume)
                 metrics["envsched/static_build_time_s"] = self._sched_build_s
+                self._sched_build_s = None
             return batch
 
         def _save_checkpoint(self) -> None:

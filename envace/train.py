@@ -144,6 +144,7 @@ def fit_prompts(path: str, model_path: str, max_prompt_length: int, chat_kwargs:
     by the agent loop, cutting off the system prompt. Returns the path of the filtered file
     (written next to the input, reused when present) and prints how many rows were kept.
     """
+    import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -167,9 +168,9 @@ def fit_prompts(path: str, model_path: str, max_prompt_length: int, chat_kwargs:
             f"no row of {src} fits data.max_prompt_length={max_prompt_length} once its tools are rendered; "
             "raise data.max_prompt_length"
         )
-    import pyarrow as pa
-
-    pq.write_table(table.filter(pa.array(keep)), dst)
+    tmp = dst.with_name(dst.name + ".tmp")
+    pq.write_table(table.filter(pa.array(keep)), tmp)
+    os.replace(tmp, dst)  # a crash never leaves a half-written file under the reused name
     print(f"envace: {sum(keep)}/{len(keep)} rows of {src.name} fit data.max_prompt_length={max_prompt_length}")
     return str(dst)
 
