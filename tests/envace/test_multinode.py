@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -52,7 +53,7 @@ def test_two_ray_nodes_one_training_step(tmp_path):
             assert time.monotonic() < deadline, "Ray head did not come up"
             time.sleep(1)
         worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=dict(env, NODE_RANK="1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         out, _ = head.communicate(timeout=1500)
     finally:
         if head.poll() is None:
@@ -61,7 +62,7 @@ def test_two_ray_nodes_one_training_step(tmp_path):
             try:
                 worker.wait(timeout=60)  # the head stops the cluster on exit, which ends the worker node
             except subprocess.TimeoutExpired:
-                worker.kill()
+                os.killpg(worker.pid, signal.SIGKILL)  # train.sh and its `ray start --block` child
         subprocess.run([str(REPO / ".venv" / "bin" / "ray"), "stop", "--force"], capture_output=True)
     assert head.returncode == 0, out[-6000:]
     assert "Ray cluster has 2/2 nodes" in out
