@@ -144,12 +144,11 @@ class EnvAgentLoop(AgentLoopBase):
                     out = await self.server_manager.generate(
                         request_id=request_id, prompt_ids=state["ids"], sampling_params=dict(sampling_params)
                     )
-                for key in ("min_global_steps", "max_global_steps", "global_steps"):
-                    if key in out.extra_fields:
-                        if key == "min_global_steps":
-                            extra.setdefault(key, out.extra_fields[key])
-                        else:
-                            extra[key] = out.extra_fields[key]
+                # weight versions seen by this trajectory (verl V1 reads them for staleness control)
+                fields = out.extra_fields
+                if "min_global_steps" in fields:
+                    extra.setdefault("min_global_steps", fields["min_global_steps"])
+                extra.update({k: fields[k] for k in ("max_global_steps", "global_steps") if k in fields})
                 merge, state["mask"], state["logprobs"] = await self.ct_merge_assistant_token(
                     state["ids"],
                     out.token_ids,

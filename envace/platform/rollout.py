@@ -41,20 +41,6 @@ def server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
     return f"{SERVER_NAME_PREFIX}{replica_rank}_{node_rank}"
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    getter = getattr(cfg, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except Exception:  # dataclass .get may not accept default
-            pass
-    return getattr(cfg, key, default)
-
-
 class SamplingSpec:
     """The sampling parameters ``generate`` honours (vLLM names), validated once per request."""
 
@@ -153,13 +139,12 @@ class HFCPUServer:
 
         from verl.utils.config import omega_conf_to_dataclass
 
-        self.config = omega_conf_to_dataclass(config)
-        self.model_config = model_config
+        self.config = omega_conf_to_dataclass(config)  # RolloutConfig
+        self.model_config = omega_conf_to_dataclass(model_config)  # HFModelConfig
         self.replica_rank = replica_rank
         self.node_rank = node_rank
-        path = _cfg_get(model_config, "local_path") or _cfg_get(model_config, "path")
-        override = _cfg_get(model_config, "override_config", {}) or {}
-        attn = _cfg_get(override, "attn_implementation", "eager")
+        path = self.model_config.local_path or self.model_config.path
+        attn = (self.model_config.override_config or {}).get("attn_implementation", "eager")
         torch.set_num_threads(max(1, int(os.environ.get("ENVACE_ROLLOUT_THREADS", "1"))))
         self.model = AutoModelForCausalLM.from_pretrained(
             path, torch_dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
@@ -178,21 +163,18 @@ class HFCPUServer:
         self.global_steps: int | None = None
         self._lock = threading.Lock()  # one decode at a time: 2-core machines gain nothing from more
         self._requests = 0
-        self.seed = int(_cfg_get(self.config, "seed", 0) or 0)
+        self.seed = int(self.config.seed or 0)
         logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, eos)
 
     # -- generation --------------------------------------------------------------------------
     def _max_tokens_default(self, prompt_len: int) -> int:
-        response_length = int(_cfg_get(self.config, "response_length", 512))
-        prompt_length = int(_cfg_get(self.config, "prompt_length", 512))
-        return min(response_length, prompt_length + response_length - prompt_len)
+        cfg = self.config
+        return min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
 
     def _generate_sync(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str):
         from verl.workers.rollout.replica import TokenOutput
 
-        max_model_len = _cfg_get(self.config, "max_model_len") or (
-            int(_cfg_get(self.config, "prompt_length", 512)) + int(_cfg_get(self.config, "response_length", 512))
-        )
+        max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         room = int(max_model_len) - len(prompt_ids)
         if room < 1:
             raise ValueError(
