@@ -149,7 +149,6 @@ def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kw
 
 def _register() -> None:
     import torch
-
     from verl.trainer.ppo.v1.trainer_base import register_trainer
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils import tensordict_utils as tu

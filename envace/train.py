@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from envace.cache import cache_dir
 from envace.config import ConfigError, EnvAceConfig, validate_envace_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +32,6 @@ CONFIG_DIR = REPO_ROOT / "configs"
 CONFIG_NAME = "envace_trainer"
 BUILTIN_PREFIX = "builtin:"
 GPU_ROLLOUTS = ("vllm", "sglang", "trtllm")
-
-
-def envace_cache() -> Path:
-    return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace")).expanduser()
 
 
 def compose(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
@@ -120,7 +117,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         "version": 1,
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(d.out_dir).expanduser() if d.out_dir else envace_cache() / "data" / digest
+    out = Path(d.out_dir).expanduser() if d.out_dir else cache_dir() / "data" / digest
     train, val = out / "train.parquet", out / "val.parquet"
     if train.is_file() and val.is_file() and (out / "manifest.json").is_file():
         return str(train), str(val)
@@ -233,7 +230,6 @@ def run_env(cfg: DictConfig) -> dict[str, str]:
 def init_ray(cfg: DictConfig) -> None:
     """Join ``RAY_ADDRESS`` (checking its resources) or start a local Ray, with verl's runtime env."""
     import ray
-
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     runtime_env = OmegaConf.to_container(
@@ -271,7 +267,6 @@ def task_runner_class():
     exactly this kind of extension).
     """
     import ray
-
     from verl.trainer.main_ppo import TaskRunnerV1
 
     class EnvaceTaskRunner(TaskRunnerV1.__ray_actor_class__):

@@ -29,7 +29,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.utils.profiler import simple_timer
 
 from envace.config import AgentConfig
-from envace.envs.base import END_TURN, Episode, EnvironmentPool, ToolCall, get_pool
+from envace.envs.base import END_TURN, EnvironmentPool, Episode, ToolCall, get_pool
 from envace.toolcall import parse_tool_calls
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ Splits
     is compared with ``test_fraction`` (default 0.2, seed 0), so all variants of a scenario land in
     the same split and no scenario leaks from train to test.
 
-``BFCL_PROJECT_ROOT`` is pointed at a scratch directory (``$ENVACE_CACHE_DIR/bfcl``, default
+``BFCL_PROJECT_ROOT`` is pointed at a scratch directory (``$ENVACE_CACHE/bfcl``, default
 ``~/.cache/envace/bfcl``) before ``bfcl_eval`` is imported; otherwise it creates ``result/``,
 ``score/`` and ``.file_locks/`` inside site-packages.
 """
@@ -68,12 +68,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envace.cache import cache_dir
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, ToolCallError, Verdict, register_pool
 
 
 def _bfcl_project_root() -> Path:
-    base = Path(os.environ.get("ENVACE_CACHE_DIR", Path.home() / ".cache" / "envace")).expanduser()
-    return base / "bfcl"
+    return cache_dir() / "bfcl"
 
 
 if "BFCL_PROJECT_ROOT" not in os.environ:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from envace.cache import cache_dir
 from envace.models import tokenizer as _tok
 
 __all__ = [
@@ -101,8 +102,7 @@ DEFAULT_SPEC = TinyQwen3Spec()
 
 def default_cache_dir() -> Path:
     """``$ENVACE_CACHE`` (default ``~/.cache/envace``)."""
-    root = os.environ.get("ENVACE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "envace"
+    return cache_dir()
 
 
 def default_model_dir() -> Path:

@@ -27,7 +27,8 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 import ray
 import torch
@@ -44,8 +45,17 @@ def server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
 class SamplingSpec:
     """The sampling parameters ``generate`` honours (vLLM names), validated once per request."""
 
-    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "logprobs", "seed",
-                 "ignore_eos", "stop_token_ids")
+    __slots__ = (
+        "ignore_eos",
+        "logprobs",
+        "max_tokens",
+        "repetition_penalty",
+        "seed",
+        "stop_token_ids",
+        "temperature",
+        "top_k",
+        "top_p",
+    )
 
     def __init__(self, params: dict[str, Any], default_max_tokens: int):
         params = dict(params)
@@ -136,7 +146,6 @@ class HFCPUServer:
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int, node_rank: int = 0):
         from transformers import AutoModelForCausalLM, GenerationConfig
-
         from verl.utils.config import omega_conf_to_dataclass
 
         self.config = omega_conf_to_dataclass(config)  # RolloutConfig
@@ -214,7 +223,7 @@ class HFCPUServer:
     def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
         """Load (a subset of) the policy's weights; returns the number of tensors loaded."""
         with self._lock:
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            _missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             if unexpected:
                 raise KeyError(f"hfcpu: weights not in the rollout model: {unexpected[:5]}")
             if global_steps is not None:
