@@ -13,7 +13,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["EnvAceConfig", "DataConfig", "AgentConfig", "ConfigError", "validate_envace_config"]
+from envace.agents.engine import LoopLimits
+from envace.agents.sources import RehearsalPrompt
+
+__all__ = [
+    "AgentConfig",
+    "AdvantageConfig",
+    "ConfigError",
+    "DataConfig",
+    "EnvAceConfig",
+    "agent_config_from",
+    "validate_envace_config",
+]
 
 
 class ConfigError(ValueError):
@@ -38,24 +49,79 @@ class DataConfig:
 
 @dataclass
 class AgentConfig:
-    # assistant generations allowed within one user turn (tool call rounds + final answer)
-    max_steps_per_turn: int = 4
-    # user turns an episode may run (BFCL tasks have up to 8)
-    max_user_turns: int = 8
-    # tool calls executed from one assistant message (extra calls get an error observation)
-    max_calls_per_step: int = 4
-    # observation text longer than this many characters is truncated in the middle
-    max_observation_chars: int = 2000
+    # who answers the agent's tool calls in training rollouts: real (the environment; standard GRPO),
+    # rehearse (the policy itself, EnvACE), simulator (an external LLM, `simulator` below)
+    observation_source: str = "real"
+    # who answers them in validation rollouts (real: validation success is measured in the real environment)
+    val_observation_source: str = "real"
+    # training samples: message (one output per generation, EnvACE) or trajectory (all acting messages in one)
+    act_layout: str = "message"
+    # turn, step and call limits and the malformed-call / malformed-rehearsal policies (shared with evaluation)
+    limits: LoopLimits = field(default_factory=LoopLimits)
+    # tokens one acting message may generate (null: whatever is left of data.max_response_length)
+    act_max_tokens: int | None = None
+    # tokens one rehearsal (tool response written by the policy) may generate
+    rehearse_max_tokens: int = 256
+    # sampling temperature of the rehearse role (null: the rollout temperature)
+    rehearse_temperature: float | None = None
+    # how the rehearsal prompt is built (history budget, real examples, schemas)
+    rehearsal: RehearsalPrompt = field(default_factory=RehearsalPrompt)
+    # seconds one environment call or verification may take before the rollout is masked (unscored)
+    env_timeout_s: float = 60.0
+    # external simulator endpoint (observation_source=simulator): envace.rewards.llm.LLMEndpointConfig keys
+    simulator: dict[str, Any] = field(default_factory=dict)
     # keyword arguments passed to the environment pool constructor, per pool name
     pool_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _choice("agent.observation_source", self.observation_source, SOURCES)
+        _choice("agent.val_observation_source", self.val_observation_source, SOURCES)
+        _choice("agent.act_layout", self.act_layout, ("message", "trajectory"))
+        if self.act_max_tokens is not None and self.act_max_tokens < 1:
+            raise ValueError(f"envace.agent.act_max_tokens must be >= 1 or null, got {self.act_max_tokens}")
+        if self.rehearse_max_tokens < 1:
+            raise ValueError(f"envace.agent.rehearse_max_tokens must be >= 1, got {self.rehearse_max_tokens}")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"envace.agent.env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+
+SOURCES = ("real", "rehearse", "simulator")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"envace.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class AdvantageConfig:
+    # role-wise GRPO options (algorithm.adv_estimator=grpo_rolewise; EnvACE §4.2, envace/advantage.py)
+    # baseline over outputs of the role (output: the paper, row-weighted) or over trajectories (trajectory)
+    baseline: str = "output"
+    # divide by the same-role std (+ epsilon); the EnvACE reference trains without it
+    norm_by_std: bool = False
+    # added to the std before dividing
+    epsilon: float = 1.0e-6
+    # a (prompt, role) group with a single member: zero advantage, or verl's raw score
+    singleton: str = "zero"
+    # subtracted from the reward of an output that decoded to empty text
+    empty_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("advantage.baseline", self.baseline, ("output", "trajectory"))
+        _choice("advantage.singleton", self.singleton, ("zero", "raw"))
+        if self.epsilon < 0:
+            raise ValueError(f"envace.advantage.epsilon must be >= 0, got {self.epsilon}")
 
 
 @dataclass
 class EnvAceConfig:
     # training rows: which environment pools and splits
     data: DataConfig = field(default_factory=DataConfig)
-    # multi-turn environment agent loop (`envace_env`)
+    # multi-turn agent loops (`envace_env`, `envace_act_rehearse`, `envace_simulator`)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    # role-wise GRPO options
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     # run the pre-flight checks (GPU presence, Ray resources, model path) before launching
     preflight: bool = True
 
@@ -75,3 +141,21 @@ def validate_envace_config(cfg: DictConfig) -> EnvAceConfig:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
         raise ConfigError(f"invalid envace config key 'envace.{key}': {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    except ValueError as exc:  # a dataclass's own range check (e.g. LoopLimits)
+        raise ConfigError(f"invalid envace config: {exc}") from exc
+
+
+_AGENT_CACHE: dict[int, tuple[Any, AgentConfig]] = {}
+
+
+def agent_config_from(cfg: Any) -> AgentConfig:
+    """The typed ``envace.agent`` of a composed trainer config (as verl hands it to agent loops).
+
+    Cached per config object: verl builds one agent-loop instance per rollout from the same config.
+    """
+    hit = _AGENT_CACHE.get(id(cfg))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    agent = validate_envace_config(cfg).agent
+    _AGENT_CACHE[id(cfg)] = (cfg, agent)
+    return agent

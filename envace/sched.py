@@ -150,13 +150,14 @@ def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kw
 def _register() -> None:
     import torch
     from verl.trainer.ppo.v1.trainer_base import register_trainer
-    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.rl_dataset import collate_fn
 
+    from envace.trainer import envace_trainer_class
+
     @register_trainer("envsched_sync")
-    class EnvSchedTrainer(PPOTrainerSync):
-        """verl's sync trainer with EnvSched choosing every training batch."""
+    class EnvSchedTrainer(envace_trainer_class()):
+        """envace's sync trainer (role labels, per-role metrics) with EnvSched choosing every training batch."""
 
         def _init_dataloader(self) -> None:
             super()._init_dataloader()

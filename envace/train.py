@@ -112,9 +112,10 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         "splits": [d.train_split, d.val_split],
         "max": d.max_tasks_per_pool,
         "seed": d.seed,
-        "agent": cfg.actor_rollout_ref.rollout.agent.default_agent_loop,
+        "agent": loop_name(ecfg.agent.observation_source),
+        "val_agent": loop_name(ecfg.agent.val_observation_source),
         "pool_kwargs": pool_kwargs,
-        "version": 1,
+        "version": 2,
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(d.out_dir).expanduser() if d.out_dir else cache_dir() / "data" / digest
@@ -125,12 +126,41 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         d.pools,
         out,
         agent_name=recipe["agent"],
+        val_agent_name=recipe["val_agent"],
         splits=(d.train_split, d.val_split),
         limit_per_pool=d.max_tasks_per_pool,
         pool_kwargs=pool_kwargs,
         seed=d.seed,
     )
     return str(t), str(v)
+
+
+def loop_name(observation_source: str) -> str:
+    """The registered agent loop of an observation source (see envace/agents/agent_loops.yaml)."""
+    from envace.agents import LOOP_NAMES
+
+    return LOOP_NAMES[observation_source]
+
+
+def check_agent_names(files: list[str], registry_path: str) -> None:
+    """Every ``agent_name`` in the data files must be a loop of verl's agent-loop registry file."""
+    import pyarrow.parquet as pq
+
+    from envace.agents import registered_loop_names
+
+    known = set(registered_loop_names(registry_path))
+    for path in files:
+        if not Path(path).is_file():
+            raise ConfigError(f"data file {path} does not exist")
+        if "agent_name" not in pq.read_schema(path).names:
+            continue
+        names = set(pq.read_table(path, columns=["agent_name"]).column("agent_name").to_pylist())
+        unknown = sorted(str(n) for n in names - known)
+        if unknown:
+            raise ConfigError(
+                f"{path} asks for agent loop(s) {unknown}, but {registry_path} registers only {sorted(known)}; "
+                "rebuild the data (`python -m envace.envs build-data`) or register the loop"
+            )
 
 
 def fit_prompts(path: str, model_path: str, max_prompt_length: int, chat_kwargs: dict[str, Any]) -> str:
@@ -197,6 +227,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
             cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = agent_loop_config_path()
         run_dir = Path(str(cfg.trainer.default_local_dir)).expanduser().resolve()
         cfg.trainer.default_local_dir = str(run_dir)
+        cfg.actor_rollout_ref.rollout.agent.default_agent_loop = loop_name(ecfg.agent.observation_source)
         if cfg.data.train_files == "auto" or cfg.data.val_files == "auto":
             train, val = build_data(cfg, ecfg)
             if cfg.data.train_files == "auto":
@@ -210,7 +241,16 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
                 if isinstance(files, str):
                     cfg.data[key] = fit_prompts(files, cfg.actor_rollout_ref.model.path,
                                                 int(cfg.data.max_prompt_length), chat_kwargs)
+        if ecfg.preflight:
+            files = [f for key in ("train_files", "val_files") for f in _as_list(cfg.data[key])]
+            check_agent_names(files, str(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path))
     return cfg, ecfg
+
+
+def _as_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
 
 
 def run_env(cfg: DictConfig) -> dict[str, str]:
@@ -271,9 +311,9 @@ def task_runner_class():
 
     class EnvaceTaskRunner(TaskRunnerV1.__ray_actor_class__):
         def run(self, config: DictConfig):
-            from envace.sched import register_envsched_trainer
+            from envace.extensions import register_trainer_extensions
 
-            register_envsched_trainer()
+            register_trainer_extensions()
             return super().run(config)
 
     return ray.remote(EnvaceTaskRunner)

@@ -60,7 +60,7 @@ __all__ = [
     "write_rows",
 ]
 
-DEFAULT_AGENT_NAME = "envace_agent"
+DEFAULT_AGENT_NAME = "envace_env"  # the real-environment loop (envace/agents/agent_loops.yaml)
 
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 ROW_SCHEMA = pa.schema(
@@ -220,8 +220,11 @@ def build_parquet(
     limit_per_pool: int | None = None,
     pool_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     seed: int | str = 0,
+    val_agent_name: str | None = None,
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``val.parquet`` (+ ``manifest.json``) for ``pool_names`` into ``out_dir``.
+
+    Training rows run ``agent_name``'s loop, validation rows ``val_agent_name``'s (default: the same).
 
     The train file holds each pool's ``splits[0]`` tasks and the validation file its ``splits[1]`` tasks
     (pools define their own deterministic splits; BFCL's is a scenario-level hash, τ²'s the official
@@ -236,7 +239,9 @@ def build_parquet(
     train_split, val_split = splits
     out = Path(out_dir)
     rows: dict[str, list[dict[str, Any]]] = {train_split: [], val_split: []}
-    manifest: dict[str, Any] = {"agent_name": agent_name, "splits": list(splits), "pools": {}}
+    agents = {train_split: agent_name, val_split: val_agent_name or agent_name}
+    manifest: dict[str, Any] = {"agent_name": agent_name, "val_agent_name": agents[val_split],
+                                "splits": list(splits), "pools": {}}
     for name in dict.fromkeys(pool_names):
         pool = get_pool(name, **dict((pool_kwargs or {}).get(name, {})))
         ids_by_split = {}
@@ -256,7 +261,7 @@ def build_parquet(
             per_cat: Counter[str] = Counter()
             for tid in ids:
                 spec = pool.task(tid)
-                rows[split].append(row_from_spec(pool, spec, agent_name))
+                rows[split].append(row_from_spec(pool, spec, agents[split]))
                 per_cat[spec.category] += 1
             counts[split] = dict(sorted(per_cat.items()))
         manifest["pools"][name] = counts

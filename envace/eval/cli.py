@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import typing
 import json
 import os
 import re
@@ -27,9 +29,27 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from envace.agents.engine import LoopLimits
 from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
 
-__all__ = ["build_parser", "main"]
+__all__ = ["add_limit_arguments", "build_parser", "limits_from_args", "main"]
+
+
+def add_limit_arguments(group: Any) -> None:
+    """One flag per :class:`LoopLimits` field (``max_user_turns`` → ``--max-user-turns``), same defaults."""
+    hints = typing.get_type_hints(LoopLimits)
+    for f in dataclasses.fields(LoopLimits):
+        flag = "--" + f.name.replace("_", "-")
+        choices = LoopLimits.CHOICES.get(f.name)
+        if choices:
+            group.add_argument(flag, choices=choices, default=f.default, help=f"default: {f.default}")
+        else:
+            group.add_argument(flag, type=hints[f.name], default=f.default, help=f"default: {f.default}")
+
+
+def limits_from_args(args: argparse.Namespace) -> LoopLimits:
+    """The :class:`LoopLimits` of parsed arguments (raises ValueError for out-of-range values)."""
+    return LoopLimits(**{name: getattr(args, name) for name in LoopLimits.field_names()})
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,9 +93,8 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
         help="forwarded to the chat template, e.g. '{\"enable_thinking\": false}'",
     )
 
-    loop = p.add_argument_group("agent loop")
-    loop.add_argument("--max-turns", type=int, default=50, help="user turns per task")
-    loop.add_argument("--max-steps-per-turn", type=int, default=20, help="completions per user turn")
+    loop = p.add_argument_group("agent loop (the training loop's limits: envace.agents.engine.LoopLimits)")
+    add_limit_arguments(loop)
     loop.add_argument(
         "--runner", default="agent_loop", help="per-task strategy registered with envace.eval.runner.register_runner"
     )
@@ -186,9 +205,12 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("give either --checkpoint or --base-url, not both")
     if not args.checkpoint and not (args.base_url and args.model):
         parser.error("give --base-url and --model (an OpenAI-compatible endpoint), or --checkpoint PATH")
-    for name in ("concurrency", "max_turns", "max_steps_per_turn"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    try:
+        limits_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
     if args.checkpoint:
@@ -210,8 +232,7 @@ def _identity(args: argparse.Namespace, bench: Benchmark, model: str) -> dict[st
         "max_tokens": args.max_tokens,
         "seed": args.seed,
         "chat_template_kwargs": args.chat_template_kwargs,
-        "max_turns": args.max_turns,
-        "max_steps_per_turn": args.max_steps_per_turn,
+        "limits": dataclasses.asdict(limits_from_args(args)),
     }
     if bench.name == "tau2":
         ident.update(
@@ -229,7 +250,7 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from envace.envs.base import get_pool
     from envace.eval.client import ChatClient, EndpointConfig
     from envace.eval.driver import evaluate, select_tasks
-    from envace.eval.runner import LoopLimits, RunContext, build_runner
+    from envace.eval.runner import RunContext, build_runner
     from envace.eval.store import ResultStore
 
     bench = BENCHMARKS[args.command]
@@ -305,7 +326,7 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             start_kwargs = {k: (ChatClient(v) if v is not None else None) for k, v in start_kwargs.items()}
         ctx = RunContext(
             client=ChatClient(agent_cfg),
-            limits=LoopLimits(args.max_turns, args.max_steps_per_turn),
+            limits=limits_from_args(args),
             start_kwargs=start_kwargs,
             keep_transcript=not args.no_transcripts,
             options=_runner_options(args.runner_arg),

@@ -1,36 +1,32 @@
-"""Per-task runners and the agent loop used for evaluation.
+"""Per-task runners and the OpenAI adapter of the turn engine, used for evaluation.
 
 A *task runner* is any callable ``runner(pool, task_id) -> TaskRecord``. The evaluation driver only
 knows this signature, so alternative strategies (e.g. test-time rehearsal before acting) plug in by
 registering a factory with :func:`register_runner` and selecting it with ``--runner NAME``
 (options through ``--runner-arg KEY=VALUE``). The default, ``agent_loop``, is :class:`AgentLoopRunner`:
-
-    messages = episode.initial_messages()
-    per user turn (≤ max_turns):
-        per step (≤ max_steps_per_turn):
-            reply = chat(messages, tools=episode.tools())
-            tool calls → episode.execute(...) → ``role: tool`` messages; malformed calls → error
-            observations (counted); no tool calls → the turn ends
-        episode.end_turn(reply text) → next user message (BFCL: next question; τ²: simulated user)
-    episode.verify()  → official checker
-
-Hitting ``max_steps_per_turn`` or ``max_turns`` stops the episode (as BFCL's own inference loop does
-when a turn runs away); the verifier then scores what happened.
+one rollout through :class:`envace.agents.engine.TurnEngine` — the same turn logic, limits and error
+observations as training — with :class:`ChatPolicy` (an OpenAI-compatible endpoint) acting and the real
+environment answering tool calls; then the benchmark's official verifier.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from envace.agents.engine import LoopLimits, ModelError, Reply, Role, TurnEngine
+from envace.agents.sources import RealSource
 from envace.envs.base import EnvironmentPool, TaskSpec
 from envace.eval.client import ChatClient, ModelRequestError
 
 __all__ = [
     "AgentLoopRunner",
+    "ChatPolicy",
     "LoopLimits",
     "RunContext",
     "TaskRecord",
@@ -38,6 +34,7 @@ __all__ = [
     "available_runners",
     "build_runner",
     "register_runner",
+    "to_api_messages",
 ]
 
 
@@ -51,7 +48,8 @@ class TaskRecord:
     reward: float
     passed: bool
     reason: str = ""  # the checker's explanation
-    stop_reason: str = "completed"  # completed | max_turns | max_steps_per_turn | model_error
+    # completed | episode_done | max_user_turns | max_steps_per_turn | malformed_call | model_error | ...
+    stop_reason: str = "completed"
     error: str | None = None  # model-side request error (e.g. context too long), if any
     unjudged: list[str] = field(default_factory=list)  # verifier components that could not be judged
     turns: int = 0
@@ -81,89 +79,113 @@ class TaskRunner(Protocol):
     def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord: ...
 
 
-@dataclass(frozen=True)
-class LoopLimits:
-    max_turns: int = 50
-    max_steps_per_turn: int = 20
+def to_api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Canonical engine messages → OpenAI request form (tool-call arguments as JSON strings)."""
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            msg = dict(msg)
+            msg["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": c["function"]["arguments"]
+                        if isinstance(c["function"]["arguments"], str)
+                        else json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                    },
+                }
+                for c in msg["tool_calls"]
+            ]
+        out.append(msg)
+    return out
+
+
+class ChatPolicy:
+    """The engine's :class:`~envace.agents.engine.Policy` over an OpenAI-compatible chat endpoint.
+
+    ``sampling`` maps a role to per-request overrides (e.g. ``{Role.REHEARSE: {"temperature": 1.0}}``).
+    A request the endpoint rejects because of what the model produced raises
+    :class:`~envace.agents.engine.ModelError`; endpoint failures raise :class:`ModelRequestError`.
+    """
+
+    def __init__(self, client: ChatClient, sampling: dict[Role, dict[str, Any]] | None = None) -> None:
+        self.client = client
+        self.sampling = dict(sampling or {})
+        self.prompt_tokens = self.completion_tokens = self.requests = 0
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, role: Role) -> Reply:
+        overrides = dict(self.sampling.get(role, {}))
+        try:
+            chat = await asyncio.to_thread(
+                self.client.complete, to_api_messages(messages), tools=tools if role is Role.ACT else None, **overrides
+            )
+        except ModelRequestError as exc:
+            if exc.retryable:
+                raise
+            raise ModelError(str(exc)) from exc
+        self.requests += 1
+        usage = chat.usage or {}
+        self.prompt_tokens += usage.get("prompt_tokens") or 0
+        self.completion_tokens += usage.get("completion_tokens") or 0
+        return Reply(
+            text=chat.raw_content,
+            content=chat.content,
+            calls=list(chat.tool_calls),
+            errors=[m.error for m in chat.malformed],
+            reasoning=chat.reasoning,
+            finish_reason=chat.finish_reason,
+            prompt_tokens=usage.get("prompt_tokens") or 0,
+            completion_tokens=usage.get("completion_tokens") or 0,
+        )
 
 
 class AgentLoopRunner:
-    """The plain agent loop (see module docstring)."""
+    """One task through the turn engine against the real environment (see module docstring)."""
 
     def __init__(
         self,
         client: ChatClient,
-        limits: LoopLimits = LoopLimits(),
+        limits: LoopLimits | None = None,
         *,
         start_kwargs: dict[str, Any] | None = None,
         keep_transcript: bool = True,
+        env_timeout_s: float | None = 60.0,
     ) -> None:
         self.client = client
-        self.limits = limits
+        self.limits = limits or LoopLimits()
         self.start_kwargs = dict(start_kwargs or {})
         self.keep_transcript = keep_transcript
+        self.env_timeout_s = env_timeout_s
 
     def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord:
         started = time.monotonic()
         spec: TaskSpec = pool.task(task_id)
         episode = pool.start(task_id, **self.start_kwargs)
-        messages = episode.initial_messages()
+        policy = ChatPolicy(self.client)
+        transcript = asyncio.run(TurnEngine(self.limits).run(episode, policy, RealSource(self.env_timeout_s)))
         rec = TaskRecord(task_id=task_id, category=spec.category, split=spec.split, reward=0.0, passed=False)
-        try:
-            self._converse(episode, messages, rec)
-        except ModelRequestError as exc:
-            if exc.retryable:
-                raise
-            rec.stop_reason, rec.error = "model_error", str(exc)
+        rec.stop_reason, rec.error = transcript.stop_reason, transcript.error
+        rec.turns = transcript.user_turns
+        rec.completions = len(transcript.steps)
+        rec.tool_calls = transcript.tool_calls
+        rec.malformed_tool_calls = transcript.malformed_calls
+        rec.prompt_tokens, rec.completion_tokens = policy.prompt_tokens, policy.completion_tokens
+        if transcript.masked:  # an environment time-out: infrastructure, retried on the next run
+            raise RuntimeError(f"task {task_id} could not be scored: {transcript.mask_reason}")
         verdict = episode.verify()
         rec.reward, rec.passed = float(verdict.reward), bool(verdict.passed)
         rec.details = _json_safe(verdict.details)
         rec.reason = str(verdict.details.get("reason", "")) if isinstance(verdict.details, dict) else ""
         rec.unjudged = list(verdict.details.get("unjudged", [])) if isinstance(verdict.details, dict) else []
-        rec.messages = _json_safe(messages) if self.keep_transcript else None
+        rec.messages = _json_safe(to_api_messages(transcript.messages)) if self.keep_transcript else None
         rec.elapsed_s = round(time.monotonic() - started, 3)
         return rec
 
-    def _converse(self, episode: Any, messages: list[dict[str, Any]], rec: TaskRecord) -> None:
-        limits = self.limits
-        while not episode.done:
-            if rec.turns >= limits.max_turns:
-                rec.stop_reason = "max_turns"
-                return
-            rec.turns += 1
-            final_text: str | None = None
-            for _ in range(limits.max_steps_per_turn):
-                reply = self.client.complete(messages, tools=episode.tools())
-                rec.completions += 1
-                if reply.usage:
-                    rec.prompt_tokens += reply.usage.get("prompt_tokens") or 0
-                    rec.completion_tokens += reply.usage.get("completion_tokens") or 0
-                messages.append(reply.assistant_message())
-                if not reply.wants_tools:
-                    final_text = reply.content
-                    break
-                for call in reply.tool_calls:
-                    observation = episode.execute(call)
-                    rec.tool_calls += 1
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": observation})
-                for bad in reply.malformed:
-                    rec.malformed_tool_calls += 1
-                    messages.append({"role": "tool", "tool_call_id": bad.id, "content": bad.observation()})
-                if episode.done:
-                    return
-            if final_text is None:
-                rec.stop_reason = "max_steps_per_turn"
-                return
-            user_message = episode.end_turn(final_text)
-            if user_message is None:
-                return
-            messages.append({"role": "user", "content": user_message})
-
 
 def _json_safe(obj: Any) -> Any:
-    import json
-
-    return json.loads(json.dumps(obj, default=str, ensure_ascii=False))
+    """A JSON-round-tripped copy (lone surrogates escaped, odd objects stringified)."""
+    return json.loads(json.dumps(obj, default=str, ensure_ascii=True))
 
 
 # --------------------------------------------------------------------------------------------

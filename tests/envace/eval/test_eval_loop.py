@@ -69,7 +69,7 @@ def test_bfcl_gold_policy_scores_one() -> None:
     assert rec.stop_reason == "completed" and rec.malformed_tool_calls == 0
     assert rec.prompt_tokens == 10 * rec.completions
     tool_msgs = [m for m in rec.messages if m["role"] == "tool"]
-    assert len(tool_msgs) == rec.tool_calls and all(m["tool_call_id"].startswith("t") for m in tool_msgs)
+    assert len(tool_msgs) == rec.tool_calls and all(m["tool_call_id"].startswith("call_") for m in tool_msgs)
 
 
 TELECOM0 = "telecom/[mobile_data_issue]airplane_mode_on|user_abroad_roaming_enabled_off[PERSONA:None]"
@@ -200,13 +200,13 @@ def test_malformed_calls_are_fed_back_and_counted() -> None:
 
 def test_step_and_turn_limits_stop_the_episode() -> None:
     always_call = FakeClient(lambda m, t: calls(("echo", {"i": len(m)})))
-    rec = AgentLoopRunner(always_call, LoopLimits(max_turns=5, max_steps_per_turn=3))(EchoPool(), "echo_0")  # type: ignore[arg-type]
+    rec = AgentLoopRunner(always_call, LoopLimits(max_user_turns=5, max_steps_per_turn=3))(EchoPool(), "echo_0")  # type: ignore[arg-type]
     assert rec.stop_reason == "max_steps_per_turn" and rec.completions == 3 and rec.turns == 1
     assert not rec.passed  # verified anyway: the episode never ended
 
     talker = FakeClient(lambda m, t: say("hi") if sum(x["role"] == "tool" for x in m) else calls(("echo", {})))
-    rec = AgentLoopRunner(talker, LoopLimits(max_turns=1))(EchoPool(turns=3), "echo_0")  # type: ignore[arg-type]
-    assert rec.stop_reason == "max_turns" and rec.turns == 1
+    rec = AgentLoopRunner(talker, LoopLimits(max_user_turns=1))(EchoPool(turns=3), "echo_0")  # type: ignore[arg-type]
+    assert rec.stop_reason == "max_user_turns" and rec.turns == 1
 
 
 def test_model_errors() -> None:

@@ -21,7 +21,7 @@ from envace.eval.server import LaunchedServer, launch_server
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-SHORT = ["--max-tokens", "32", "--max-turns", "2", "--max-steps-per-turn", "2", "--seed", "0", "--no-progress"]
+SHORT = ["--max-tokens", "32", "--max-user-turns", "2", "--max-steps-per-turn", "2", "--seed", "0", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,303 @@
+"""Role-wise GRPO advantage (EnvACE §4.2, role-wise advantage).
+
+For a prompt ``x`` the policy produces ``K`` rollouts ``τ_1..τ_K`` with trajectory rewards
+``R_i``. Every policy output ``y_{i,m}`` of rollout ``i`` (each ACT message and each REHEARSE
+response is its own row of the batch) has a role ``r ∈ {act, rehearse}`` and inherits ``R_i``.
+The baseline of an output is computed over the outputs *of the same role* across the ``K``
+rollouts of the same prompt::
+
+    A_{i,m} = (R_i − mean_{G(x, r)}) / (std_{G(x, r)} + ε)        G(x, r) = outputs of prompt x, role r
+
+(without the division when ``norm_by_std`` is False). Outputs of both roles then update one
+shared policy; this module only computes the advantages.
+
+Options of :func:`compute_rolewise_advantage`:
+
+* the row's score is ``token_level_rewards.sum(-1)`` (as verl's GRPO), minus ``empty_penalty``
+  when the row is flagged ``empty`` (decoded to empty text); the penalty is applied before the
+  baselines (as the reference's invalid-action penalty), so it moves them.
+* ``valid`` — rows whose reward failed (verifier/judge error) are left out of every mean and
+  std and get advantage 0 (a NaN score on such a row is harmless).
+* ``baseline="output"`` (paper) — mean/std over the valid outputs of the (prompt, role) group,
+  one member per output (long rollouts weigh more).
+  ``baseline="trajectory"`` — first average each trajectory's valid same-role scores (needs
+  ``traj_index``), then take mean/std over those per-trajectory averages, so a rollout with many
+  outputs counts once. Each output's advantage is still its own score minus that baseline.
+* ``norm_by_std`` — divide by the group std (unbiased, ddof=1, like ``torch.std``) plus
+  ``epsilon``; the EnvACE reference launches with False. A group whose members are all equal
+  has mean exactly equal to them, hence advantage 0.
+* ``singleton`` — a group with one member (one output, or one trajectory in the trajectory
+  baseline): ``"zero"`` gives advantage 0; ``"raw"`` uses verl's convention mean 0, std 1, so the
+  advantage is the raw score (divided by ``1 + ε`` when normalising).
+
+With a single role, one output per trajectory, ``baseline="output"`` and ``singleton="raw"`` this
+is verl's ``compute_grpo_outcome_advantage``.
+
+:func:`register_rolewise_estimator` registers :func:`rolewise_adv_estimator` in verl's
+advantage-estimator registry as ``grpo_rolewise`` (done on import; idempotent). verl 0.9.1 calls a
+registered estimator with ``index`` only; envace's trainer (:mod:`envace.trainer`) supplies the role
+labels, trajectory ids, validity and emptiness of the batch it is computing through
+:func:`role_labels`, a context the estimator reads when they are not passed explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ESTIMATOR_NAME",
+    "compute_rolewise_advantage",
+    "register_rolewise_estimator",
+    "role_labels",
+    "rolewise_adv_estimator",
+]
+
+ESTIMATOR_NAME = "grpo_rolewise"
+_LABELS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("envace_role_labels", default=None)
+ROLE_CODES = {0: "act", 1: "rehearse"}
+BASELINES = ("output", "trajectory")
+SINGLETONS = ("zero", "raw")
+
+
+def _to_numpy(values: Any) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy()
+    return np.asarray(values)
+
+
+def _factorize(values: Any, n: int, what: str) -> np.ndarray:
+    """Integer codes ``0..k-1`` such that rows with equal labels share a code."""
+    arr = _to_numpy(values)
+    if arr.ndim == 1 and len(arr) == n:
+        try:
+            return np.unique(arr, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        except TypeError:  # unorderable mix of labels (e.g. str and None): hash them instead
+            items = arr.tolist()
+    else:  # e.g. a list of tuples turned into a 2-D array
+        items = list(values)
+    if len(items) != n:
+        raise ValueError(f"{what} has {len(items)} entries, expected {n} (one per row)")
+    codes: dict[Any, int] = {}
+    return np.fromiter((codes.setdefault(v, len(codes)) for v in items), dtype=np.int64, count=n)
+
+
+def _canonical_roles(roles: Any) -> Any:
+    """Map integer role codes (0=act, 1=rehearse) to their names; other labels pass through."""
+    arr = _to_numpy(roles)
+    if arr.ndim != 1:
+        return roles
+    if arr.dtype.kind in "iu":
+        out = arr.astype(object)
+        for code, name in ROLE_CODES.items():
+            out[arr == code] = name
+        return out
+    if arr.dtype == object:
+        return np.array(
+            [ROLE_CODES.get(v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v for v in arr],
+            dtype=object,
+        )
+    return arr
+
+
+def _bool_mask(mask: Any, n: int, default: bool, what: str) -> np.ndarray:
+    if mask is None:
+        return np.full(n, default, dtype=bool)
+    arr = _to_numpy(mask).astype(bool).reshape(-1)
+    if len(arr) != n:
+        raise ValueError(f"{what} has {len(arr)} entries, expected {n} (one per row)")
+    return arr
+
+
+def _group_stats(group: np.ndarray, value: np.ndarray, member: np.ndarray, n_groups: int):
+    """Count, mean and unbiased std of ``value[member]`` per ``group`` (vectorised)."""
+    w = member.astype(np.float64)
+    v = np.where(member, value, 0.0)
+    count = np.bincount(group, weights=w, minlength=n_groups)
+    safe = np.maximum(count, 1.0)
+    mean = np.bincount(group, weights=v, minlength=n_groups) / safe
+    # All-equal groups: use the common value itself so that their advantages are exactly 0.
+    lo = np.full(n_groups, np.inf)
+    hi = np.full(n_groups, -np.inf)
+    np.minimum.at(lo, group[member], value[member])
+    np.maximum.at(hi, group[member], value[member])
+    mean = np.where(lo == hi, lo, mean)
+    sq = np.bincount(group, weights=w * (v - mean[group]) ** 2, minlength=n_groups)
+    std = np.sqrt(sq / np.maximum(count - 1.0, 1.0))
+    return count, mean, std
+
+
+def compute_rolewise_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    roles: np.ndarray | torch.Tensor | Sequence,
+    traj_index: np.ndarray | None = None,
+    valid: np.ndarray | torch.Tensor | None = None,
+    empty: np.ndarray | torch.Tensor | None = None,
+    *,
+    baseline: str = "output",
+    norm_by_std: bool = False,
+    epsilon: float = 1e-6,
+    singleton: str = "zero",
+    empty_penalty: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Role-wise GRPO advantage, EnvACE §4.2: ``A = (R − mean_{prompt, role}) / (std_{prompt, role} + ε)``.
+
+    Args:
+        token_level_rewards: ``[bs, resp_len]``; a row's score is its sum over tokens.
+        response_mask: ``[bs, resp_len]``; the advantage is broadcast over the row times this mask.
+        index: ``[bs]`` prompt-group uid.
+        roles: ``[bs]`` role labels: ``"act"``/``"rehearse"``, integer codes (0=act, 1=rehearse)
+            or any hashable label.
+        traj_index: ``[bs]`` rollout id (within or across prompts); required for
+            ``baseline="trajectory"``.
+        valid: ``[bs]`` bool, False where the reward failed: such rows join no baseline or std
+            and get advantage 0. Default: all valid.
+        empty: ``[bs]`` bool, True where the output decoded to empty text. Default: none.
+        baseline: ``"output"`` (mean/std over the role's outputs) or ``"trajectory"`` (over the
+            per-trajectory averages of the role's outputs).
+        norm_by_std: divide by the group std + ``epsilon``.
+        epsilon: added to the std.
+        singleton: for a one-member group, ``"zero"`` (advantage 0) or ``"raw"`` (mean 0, std 1).
+        empty_penalty: subtracted from the score of ``empty`` rows before the baselines.
+
+    Returns:
+        ``(advantages, returns)``, both ``[bs, resp_len]`` and equal, as verl's GRPO.
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+    if singleton not in SINGLETONS:
+        raise ValueError(f"singleton must be one of {SINGLETONS}, got {singleton!r}")
+    if baseline == "trajectory" and traj_index is None:
+        raise ValueError('baseline="trajectory" needs traj_index (the rollout id of every row)')
+
+    scores_t = token_level_rewards.sum(dim=-1)
+    n = scores_t.shape[0]
+    valid_np = _bool_mask(valid, n, True, "valid")
+    empty_np = _bool_mask(empty, n, False, "empty")
+    scores = scores_t.detach().to(torch.float64).cpu().numpy() - empty_penalty * empty_np
+    scores = np.where(valid_np, scores, 0.0)  # a failed reward may be NaN
+
+    # One group per (prompt, role): the rows whose baseline is shared.
+    prompt_code = _factorize(index, n, "index")
+    role_code = _factorize(_canonical_roles(roles), n, "roles")
+    keys = np.stack([prompt_code, role_code], axis=1)
+    if n:
+        group_of_key, group = np.unique(keys, axis=0, return_inverse=True)
+        n_groups = len(group_of_key)
+    else:
+        group, n_groups = np.zeros(0, dtype=np.int64), 0
+    group = group.reshape(-1)
+
+    if baseline == "output":
+        count, mean, std = _group_stats(group, scores, valid_np, n_groups)
+    else:  # one member per (prompt, role, trajectory): the average of its valid scores
+        traj_code = _factorize(traj_index, n, "traj_index")
+        unit_keys, unit = np.unique(np.stack([group, traj_code], axis=1), axis=0, return_inverse=True)
+        unit = unit.reshape(-1)
+        n_units = len(unit_keys)
+        unit_count = np.bincount(unit, weights=valid_np.astype(np.float64), minlength=n_units)
+        unit_score = np.bincount(unit, weights=scores, minlength=n_units) / np.maximum(unit_count, 1.0)
+        count, mean, std = _group_stats(unit_keys[:, 0], unit_score, unit_count > 0, n_groups)
+
+    is_singleton = count == 1
+    if singleton == "raw":
+        mean = np.where(is_singleton, 0.0, mean)
+        std = np.where(is_singleton, 1.0, std)
+    adv = scores - mean[group]
+    if norm_by_std:
+        adv = adv / (std[group] + epsilon)
+    keep = valid_np & ~(is_singleton[group] & (singleton == "zero"))
+    adv = np.where(keep, adv, 0.0)
+
+    adv_t = torch.as_tensor(adv, dtype=token_level_rewards.dtype, device=token_level_rewards.device)
+    advantages = adv_t.unsqueeze(-1) * response_mask.to(token_level_rewards.dtype)
+    return advantages, advantages
+
+
+def rolewise_adv_estimator(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    index: np.ndarray | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    roles: Any = None,
+    traj_index: Any = None,
+    valid: Any = None,
+    empty: Any = None,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl estimator ``grpo_rolewise``: :func:`compute_rolewise_advantage` with verl's call signature.
+
+    ``options`` are the keyword options of :func:`compute_rolewise_advantage`; ``norm_by_std``
+    defaults to ``config.get("norm_adv_by_std_in_grpo", True)`` when ``config`` is given.
+    ``reward_baselines`` is accepted for signature compatibility and unused.
+    """
+    labels = _LABELS.get()
+    if roles is None and labels is not None:
+        n = int(token_level_rewards.shape[0])
+        if len(labels["roles"]) != n:
+            raise ValueError(f"role labels cover {len(labels['roles'])} rows but the batch has {n}")
+        roles, traj_index, valid, empty = labels["roles"], labels["traj_index"], labels["valid"], labels["empty"]
+        options = {**labels["options"], **options}
+    if roles is None:
+        raise ValueError(
+            f"advantage estimator {ESTIMATOR_NAME!r} needs role labels (roles=[bs] 'act'/'rehearse' per row); "
+            "verl's generic compute_advantage does not pass them, the envace trainer supplies them"
+        )
+    if index is None:
+        raise ValueError(f"advantage estimator {ESTIMATOR_NAME!r} needs index (the prompt-group uid of every row)")
+    if config is not None and "norm_by_std" not in options:
+        options["norm_by_std"] = bool(config.get("norm_adv_by_std_in_grpo", True))
+    return compute_rolewise_advantage(
+        token_level_rewards, response_mask, index, roles, traj_index, valid, empty, **options
+    )
+
+
+@contextlib.contextmanager
+def role_labels(
+    roles: Any,
+    traj_index: Any = None,
+    valid: Any = None,
+    empty: Any = None,
+    options: Mapping[str, Any] | None = None,
+) -> Iterator[None]:
+    """Within this block, :func:`rolewise_adv_estimator` called without ``roles`` uses these labels
+    (one per batch row, in batch order) and ``options`` (keyword options of
+    :func:`compute_rolewise_advantage`; explicit keyword arguments still win)."""
+    token = _LABELS.set(
+        {"roles": roles, "traj_index": traj_index, "valid": valid, "empty": empty, "options": dict(options or {})}
+    )
+    try:
+        yield
+    finally:
+        _LABELS.reset(token)
+
+
+def register_rolewise_estimator() -> None:
+    """Register :func:`rolewise_adv_estimator` as verl's ``grpo_rolewise``. Idempotent.
+
+    verl's ``register_adv_est`` raises when a name is registered again with a different function;
+    a previous registration by this module (e.g. before an ``importlib.reload``) is replaced,
+    while another module's estimator of the same name still raises.
+    """
+    from verl.trainer.ppo import core_algos
+
+    current = core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME)
+    if current is rolewise_adv_estimator:
+        return
+    if current is not None and (
+        getattr(current, "__module__", None) == __name__
+        and getattr(current, "__qualname__", None) == rolewise_adv_estimator.__qualname__
+    ):
+        del core_algos.ADV_ESTIMATOR_REGISTRY[ESTIMATOR_NAME]
+    core_algos.register_adv_est(ESTIMATOR_NAME)(rolewise_adv_estimator)
+
+
+register_rolewise_estimator()

@@ -1,0 +1,354 @@
+"""verl adapter of the turn engine: envace's agent loops, token in / token out.
+
+Three loops are registered with verl's agent-loop registry (``agent_loops.yaml``); they differ only in
+the observation source (``envace.agent.observation_source`` picks the training rows' loop,
+``envace.agent.val_observation_source`` the validation rows'):
+
+=====================  ===========  =============================================================
+loop                   source       what answers the agent's tool calls
+=====================  ===========  =============================================================
+``envace_env``         ``real``     the task's environment (standard GRPO baseline)
+``envace_act_rehearse`` ``rehearse`` the policy itself, REHEARSE role (EnvACE world rehearsal)
+``envace_simulator``   ``simulator`` an external OpenAI-compatible LLM (the paper's Simulator baseline)
+=====================  ===========  =============================================================
+
+Only ``server_manager.generate`` touches the model, so the loops run unchanged on vLLM (GPU) and on
+the ``hfcpu`` rollout (CPU). The acting context is one growing token sequence: each generation's tokens
+are appended exactly as generated and new context (tool responses, user turns) is appended with verl's
+Continuous Token builder — earlier turns are never decoded and re-encoded, and every call checks that
+the engine's messages extend the ones already tokenised (:class:`PrefixError` otherwise).
+
+Training samples (``envace.agent.act_layout``):
+
+* ``message`` (EnvACE's per-output samples): one verl output per generation — each ACT message (prompt
+  = the acting context so far, response = that message) and each REHEARSE response (prompt = its
+  rehearsal prompt) — so role-wise GRPO sees every output y_{i,m} of the paper;
+* ``trajectory``: all ACT messages of a rollout in one output (context tokens masked out), plus one
+  output per REHEARSE response; cheaper when the prompt is long (one prompt forward per rollout).
+
+Every output carries ``extra_fields.role`` (``act`` / ``rehearse``), ``trajectory_id`` and the
+trajectory's reward; only model tokens have loss mask 1. The reward is the pool's official verifier
+run on the real environment the actor's calls were executed in (directly with ``real``; as a shadow
+execution with ``rehearse`` / ``simulator``: the same calls in the same order, i.e. a replay). A verifier
+crash or an environment time-out masks the sample (loss mask 0, ``verify_failed=1``, left out of
+every baseline) instead of scoring it 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+
+from envace.agents import LOOP_NAMES
+from envace.agents.engine import LoopLimits, Reply, Role, Transcript, TurnEngine, assistant_message
+from envace.agents.sources import (
+    RealSource,
+    RehearsalFormatError,
+    RehearseSource,
+    SimulatorSource,
+    parse_rehearsal,
+)
+from envace.config import AgentConfig, agent_config_from
+from envace.envs.base import EnvironmentPool, get_pool
+from envace.toolcall import parse_tool_calls
+
+logger = logging.getLogger(__name__)
+
+
+_POOLS: dict[str, EnvironmentPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str, kwargs: dict[str, Any] | None = None) -> EnvironmentPool:
+    """One pool object per process and name (pools are read-only; episodes hold the state)."""
+    key = f"{name}:{json.dumps(kwargs or {}, sort_keys=True)}"
+    with _POOLS_LOCK:
+        if key not in _POOLS:
+            _POOLS[key] = get_pool(name, **(kwargs or {}))
+        return _POOLS[key]
+
+
+def task_ref(kwargs: dict[str, Any]) -> tuple[str, str]:
+    """(pool, task_id) of a dataset row; raises a clear error when the row lacks them."""
+    info = kwargs.get("extra_info") or {}
+    pool, task_id = info.get("pool"), info.get("task_id")
+    if not pool or not task_id:
+        raise ValueError(
+            "envace agent loops need extra_info.pool and extra_info.task_id in every row "
+            "(build datasets with `python -m envace.envs build-data`)"
+        )
+    return str(pool), str(task_id)
+
+
+class PrefixError(RuntimeError):
+    """The engine's conversation does not extend what was already tokenised (a bug, never data)."""
+
+
+@dataclass
+class Generation:
+    """One ``generate`` call: one training output."""
+
+    role: Role
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float] | None
+    text: str
+    format_error: bool = False
+
+
+@dataclass
+class _ActState:
+    ids: list[int]
+    prompt_len: int
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class VerlPolicy:
+    """The engine's :class:`~envace.agents.engine.Policy` over ``server_manager.generate``."""
+
+    def __init__(self, loop: AgentLoopBase, sampling_params: dict[str, Any], cfg: AgentConfig) -> None:
+        self.loop = loop
+        self.sampling = dict(sampling_params)
+        self.cfg = cfg
+        self.request_id = uuid4().hex
+        self.budget = int(loop.rollout_config.response_length)  # acting-context growth, all turns
+        self.act: _ActState | None = None
+        self.generations: list[Generation] = []
+        self.global_steps: dict[str, Any] = {}
+        self.pending_call_ids: list[str] = []
+
+    # -- token bookkeeping ---------------------------------------------------------------------
+    async def _sync_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        st = self.act
+        if st is None:
+            ids = await self.loop.ct_build_initial_tokens(messages, tools=tools)
+            want_lp = bool(self.sampling.get("logprobs"))
+            self.act = _ActState(ids=list(ids), prompt_len=len(ids), logprobs=[] if want_lp else None,
+                                 seen=[dict(m) for m in messages], tools=tools)
+            return
+        n = len(st.seen)
+        if len(messages) < n or messages[:n] != st.seen:
+            raise PrefixError("the conversation does not extend the tokenised acting context")
+        if len(messages) > n:
+            merge, st.mask, st.logprobs = await self.loop.ct_merge_context_msg(
+                st.seen, messages, st.ids, st.mask, st.logprobs, tools=tools
+            )
+            st.ids = list(merge.token_ids)
+            st.seen = [dict(m) for m in messages]
+            st.tools = tools
+
+    async def _generate(self, prompt_ids: list[int], max_tokens: int, role: Role) -> tuple[list[int], list[float] | None]:
+        params = dict(self.sampling)
+        params["max_tokens"] = int(max_tokens)
+        temperature = self.cfg.rehearse_temperature if role is Role.REHEARSE else None
+        if temperature is not None:
+            params["temperature"] = float(temperature)
+        out = await self.loop.server_manager.generate(
+            request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=params
+        )
+        fields = out.extra_fields or {}
+        if "min_global_steps" in fields:
+            self.global_steps.setdefault("min_global_steps", fields["min_global_steps"])
+        self.global_steps.update({k: fields[k] for k in ("max_global_steps", "global_steps") if k in fields})
+        logprobs = list(out.log_probs) if (out.log_probs is not None and self.sampling.get("logprobs")) else None
+        return list(out.token_ids), logprobs
+
+    # -- the Policy interface --------------------------------------------------------------------
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, role: Role) -> Reply:
+        if role is Role.REHEARSE:
+            return await self._rehearse(messages)
+        await self._sync_context(messages, tools)
+        st = self.act
+        assert st is not None
+        left = self.budget - len(st.mask)
+        if left <= 0:
+            return Reply(text="", budget_exhausted=True, generated=False)
+        max_tokens = min(left, self.cfg.act_max_tokens) if self.cfg.act_max_tokens else left
+        prompt = list(st.ids)
+        tokens, logprobs = await self._generate(prompt, max_tokens, Role.ACT)
+        merge, st.mask, st.logprobs = await self.loop.ct_merge_assistant_token(
+            st.ids, tokens, st.mask, st.logprobs, assistant_logprobs=logprobs if st.logprobs is not None else None
+        )
+        st.ids = list(merge.token_ids)
+        text = self.loop.tokenizer.decode(tokens, skip_special_tokens=True)
+        parsed = parse_tool_calls(text)
+        reply = Reply(
+            text=text,
+            content=parsed.content,
+            calls=parsed.calls,
+            errors=parsed.errors,
+            reasoning=parsed.reasoning,
+            budget_exhausted=len(st.mask) >= self.budget,
+            completion_tokens=len(tokens),
+            prompt_tokens=len(prompt),
+        )
+        self.generations.append(Generation(Role.ACT, prompt, tokens, logprobs, text, format_error=bool(parsed.errors)))
+        # what the engine will append next; the next call's prefix check compares against it
+        n_before = sum(len((m.get("tool_calls") or [])) for m in st.seen if m.get("role") == "assistant")
+        ids = [f"call_{n_before + i}" for i in range(len(parsed.calls))]
+        st.seen = [dict(m) for m in messages] + [assistant_message(reply, ids)]
+        return reply
+
+    async def _rehearse(self, messages: list[dict[str, Any]]) -> Reply:
+        prompt = await self.loop.ct_build_initial_tokens(messages, tools=None)
+        tokens, logprobs = await self._generate(prompt, self.cfg.rehearse_max_tokens, Role.REHEARSE)
+        text = self.loop.tokenizer.decode(tokens, skip_special_tokens=True)
+        try:
+            parse_rehearsal(text)
+            bad = False
+        except RehearsalFormatError:
+            bad = True
+        self.generations.append(Generation(Role.REHEARSE, list(prompt), tokens, logprobs, text, format_error=bad))
+        return Reply(text=text, content=text, completion_tokens=len(tokens), prompt_tokens=len(prompt))
+
+
+class EnvaceAgentLoop(AgentLoopBase):
+    """One rollout of one task through :class:`~envace.agents.engine.TurnEngine` (see module docstring)."""
+
+    def __init__(self, *args: Any, observation_source: str = "real", name: str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if observation_source not in LOOP_NAMES:
+            raise ValueError(f"unknown observation_source {observation_source!r}; choose from {sorted(LOOP_NAMES)}")
+        self.observation_source = observation_source
+        self.agent_cfg = agent_config_from(self.config)
+
+    def _source(self, policy: VerlPolicy, spec_examples: list[dict[str, Any]]):
+        cfg = self.agent_cfg
+        real = RealSource(timeout_s=cfg.env_timeout_s)
+        if self.observation_source == "real":
+            return real
+        prompt = cfg.rehearsal
+        on_bad = cfg.limits.on_malformed_rehearsal
+        examples = (lambda ctx: spec_examples) if spec_examples else None
+        if self.observation_source == "rehearse":
+            return RehearseSource(policy, prompt, on_bad, shadow=real, examples=examples)
+        pool = _simulator_pool(cfg)
+        return SimulatorSource(pool.complete_text, prompt, on_bad, shadow=real, examples=examples)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
+        cfg = self.agent_cfg
+        pool_name, task_id = task_ref(kwargs)
+        pool = shared_pool(pool_name, dict(cfg.pool_kwargs.get(pool_name, {}) or {}))
+        episode = await asyncio.to_thread(pool.start, task_id)
+        policy = VerlPolicy(self, sampling_params, cfg)
+        source = self._source(policy, list(episode.spec.metadata.get("tool_examples", []) or []))
+        transcript = await TurnEngine(cfg.limits).run(episode, policy, source)
+
+        verify_failed, reason = False, ""
+        if transcript.masked:
+            verify_failed, reason, reward, details = True, transcript.mask_reason, 0.0, {}
+        else:
+            try:
+                verdict = await asyncio.wait_for(asyncio.to_thread(episode.verify), cfg.env_timeout_s)
+                reward, details = float(verdict.reward), dict(verdict.details)
+            except Exception as exc:  # noqa: BLE001  (verifier crash or time-out: unscored, never 0)
+                logger.warning("verifier failed for %s/%s: %s", pool_name, task_id, exc)
+                verify_failed, reason, reward, details = True, f"{type(exc).__name__}: {exc}", 0.0, {}
+        trajectory_id = f"{kwargs.get('uid', '')}_{kwargs.get('session_id', 0)}"
+        return self._outputs(policy, transcript, reward, verify_failed, reason, details,
+                             pool_name, task_id, episode.spec.env_id, trajectory_id)
+
+    # -- training samples ---------------------------------------------------------------------------
+    def _outputs(
+        self,
+        policy: VerlPolicy,
+        t: Transcript,
+        reward: float,
+        verify_failed: bool,
+        reason: str,
+        details: dict[str, Any],
+        pool_name: str,
+        task_id: str,
+        env_id: str,
+        trajectory_id: str,
+    ) -> list[AgentLoopOutput]:
+        gens = policy.generations
+        n_act = sum(g.role is Role.ACT for g in gens)
+        n_reh = len(gens) - n_act
+        fid = [o.meta["fidelity"] for s in t.steps for o in s.observations if "fidelity" in o.meta]
+        info = {
+            "acc": reward,
+            "verify_failed": float(verify_failed),
+            **t.counters(),
+            "act_outputs": float(n_act),
+            "rehearse_outputs": float(n_reh),
+        }
+        shared: dict[str, Any] = {
+            "task_id": task_id,
+            "pool": pool_name,
+            "env_id": env_id,
+            "trajectory_id": trajectory_id,
+            "observation_source": self.observation_source,
+            "stop_reason": t.stop_reason,
+            "mask_reason": reason,
+            "reward_extra_info": info,
+            "fidelity": json.dumps(fid),
+            "verdict": json.dumps(details, default=str, ensure_ascii=True)[:4000],
+            # executed calls (real outputs) with turn markers: replayable (EnvSched's identifier filter)
+            "actions": json.dumps(t.actions, ensure_ascii=True, default=str),
+            **policy.global_steps,
+        }
+        samples: list[tuple[Generation | None, list[int], list[int], list[int], list[float] | None]] = []
+        if self.agent_cfg.act_layout == "trajectory":
+            for g in gens:
+                if g.role is Role.REHEARSE:
+                    samples.append((g, g.prompt_ids, g.response_ids, [1] * len(g.response_ids), g.logprobs))
+            st = policy.act
+            if st is not None and st.mask:
+                rl = self.rollout_config.response_length
+                resp = st.ids[st.prompt_len :][:rl]
+                samples.append((None, st.ids[: st.prompt_len], resp, st.mask[:rl],
+                                st.logprobs[:rl] if st.logprobs is not None else None))
+        else:
+            for g in gens:
+                samples.append((g, g.prompt_ids, g.response_ids, [1] * len(g.response_ids), g.logprobs))
+        if not samples:  # the engine always generates at least once (the budget is positive)
+            raise RuntimeError(f"rollout of {pool_name}/{task_id} produced no generation")
+        outputs = []
+        for i, (g, prompt, resp, mask, logprobs) in enumerate(samples):
+            role = g.role.value if g is not None else Role.ACT.value
+            empty = g is not None and not g.text.strip()
+            extra = {
+                **shared,
+                "role": role,
+                "output_index": i,
+                "empty": float(empty if g is not None else not resp),
+                "format_error": float(g.format_error) if g is not None else float(t.malformed_calls > 0),
+                "num_tokens": float(sum(mask)),
+            }
+            outputs.append(
+                AgentLoopOutput(
+                    prompt_ids=list(prompt),
+                    response_ids=list(resp),
+                    response_mask=[0] * len(mask) if verify_failed else list(mask),
+                    response_logprobs=list(logprobs) if logprobs is not None else None,
+                    reward_score=reward,
+                    num_turns=len(t.messages),
+                    metrics=AgentLoopMetrics(),
+                    extra_fields=extra,
+                )
+            )
+        return outputs
+
+
+_SIM_POOLS: dict[str, Any] = {}
+
+
+def _simulator_pool(cfg: AgentConfig):
+    """One LLM client pool per process for the external simulator."""
+    from envace.rewards.llm import LLMEndpointConfig, LLMPool
+
+    key = json.dumps(cfg.simulator, sort_keys=True, default=str)
+    if key not in _SIM_POOLS:
+        _SIM_POOLS[key] = LLMPool(LLMEndpointConfig(**cfg.simulator))
+    return _SIM_POOLS[key]

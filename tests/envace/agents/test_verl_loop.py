@@ -1,0 +1,247 @@
+"""envace's verl agent loops (one turn engine, three observation sources) with the real BFCL pool and the
+real Qwen tokenizer, driven by a scripted ``generate`` in place of the rollout server (verl's own
+agent-loop tests use the same fake-server pattern; the real server path runs in test_train_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+from verl.utils.dataset.rl_dataset import RLHFDataset
+from verl.workers.rollout.replica import TokenOutput
+
+from envace.agents.engine import malformed_call_observation
+from envace.agents.sources import render_rehearsal
+from envace.agents.verl_loop import EnvaceAgentLoop
+from envace.envs.base import END_TURN, flatten_turns, get_pool, split_turns
+from envace.models import load_tokenizer
+from envace.toolcall import render_tool_call
+
+TASK = "multi_turn_base_0"
+REHEARSAL_MARK = "You are the environment behind a set of tools"
+
+
+class ScriptedServer:
+    """Answers generate calls with scripted texts: acting replies and rehearsals from separate queues."""
+
+    def __init__(self, tokenizer, act: list[str], rehearse: list[str] | None = None):
+        self.tokenizer, self.act, self.rehearse = tokenizer, list(act), list(rehearse or [])
+        self.calls: list[tuple[str, list[int], dict[str, Any]]] = []
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_):
+        role = "rehearse" if REHEARSAL_MARK in self.tokenizer.decode(prompt_ids[:200]) else "act"
+        self.calls.append((role, list(prompt_ids), dict(sampling_params)))
+        queue = self.rehearse if role == "rehearse" else self.act
+        text = queue.pop(0) if queue else "Done."
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling_params.get("max_tokens", 10**9)]
+        ids = ids + [self.im_end] if len(ids) < sampling_params.get("max_tokens", 10**9) else ids
+        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed",
+                           extra_fields={"global_steps": 7, "min_global_steps": 7, "max_global_steps": 7})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def make_loop(tokenizer, act, rehearse=None, *, source="real", response_length=4096, layout="message", **limits):
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"response_length": response_length, "prompt_length": 8192,
+                                          "multi_turn": {}, "agent": {}}},
+        "envace": {"agent": {"act_layout": layout, "limits": {"max_steps_per_turn": 6, "max_user_turns": 8,
+                                                                "max_calls_per_message": 4, **limits}}},
+    })
+    data_cfg = OmegaConf.create({"apply_chat_template_kwargs": {"enable_thinking": False}})
+    server = ScriptedServer(tokenizer, act, rehearse)
+    loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,
+                           processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(data_cfg),
+                           hf_model_type="qwen3", observation_source=source)
+    return loop, server
+
+
+def run(loop, task_id=TASK):
+    kwargs = {"extra_info": {"pool": "bfcl_multi_turn", "task_id": task_id}, "uid": "u1", "session_id": 2}
+    return loop.loop.run_until_complete(loop.run({"temperature": 1.0, "logprobs": True}, **kwargs))
+
+
+def gold_replies(task_id=TASK) -> list[str]:
+    replies = []
+    for turn in get_pool("bfcl_multi_turn").gold_actions(task_id):
+        replies.extend(render_tool_call(call) for call in turn)
+        replies.append("Done.")
+    return replies
+
+
+def gold_observations(task_id=TASK) -> list[str]:
+    """What the real environment answers to each gold call, in order."""
+    ep = get_pool("bfcl_multi_turn").start(task_id)
+    outs = []
+    for turn in get_pool("bfcl_multi_turn").gold_actions(task_id):
+        outs.extend(ep.execute(call) for call in turn)
+        ep.end_turn("Done.")
+    return outs
+
+
+def test_real_source_gold_policy_scores_one_with_one_output_per_message(tokenizer):
+    loop, server = make_loop(tokenizer, gold_replies())
+    outs = run(loop)
+    pool = get_pool("bfcl_multi_turn")
+    gold = pool.gold_actions(TASK)
+    n_calls, n_turns = sum(len(t) for t in gold), len(gold)
+    assert len(outs) == len(server.calls) == n_calls + n_turns  # one output per generation
+    assert all(o.reward_score == 1.0 for o in outs)
+    assert {o.extra_fields["role"] for o in outs} == {"act"}
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert info["verify_failed"] == 0.0 and info["malformed_calls"] == 0.0 and info["user_turns"] == n_turns
+    assert info["tool_calls"] == n_calls and info["act_outputs"] == len(outs) and info["rehearse_outputs"] == 0
+    for out, (_role, prompt, _sp) in zip(outs, server.calls, strict=True):
+        # the output's prompt is exactly what the server saw; its response only model tokens, with log-probs
+        assert out.prompt_ids == prompt
+        assert set(out.response_mask) == {1} and out.response_logprobs == [-0.5] * len(out.response_ids)
+        assert out.extra_fields["trajectory_id"] == "u1_2" and out.extra_fields["min_global_steps"] == 7
+    # token in / token out: every prompt extends the previous prompt plus its generated tokens
+    for a, b in zip(outs, outs[1:]):
+        assert b.prompt_ids[: len(a.prompt_ids) + len(a.response_ids)] == a.prompt_ids + a.response_ids
+    actions = json.loads(outs[-1].extra_fields["actions"])
+    assert [{k: a[k] for k in ("name", "arguments")} for a in actions] == flatten_turns(gold)
+    assert all("output" in a for a in actions if a["name"] != END_TURN)
+    assert pool.replay(TASK, split_turns(actions)).reward == 1.0
+
+
+def test_trajectory_layout_is_one_masked_sequence(tokenizer):
+    loop, server = make_loop(tokenizer, gold_replies(), layout="trajectory")
+    (out,) = run(loop)
+    assert out.reward_score == 1.0 and set(out.response_mask) == {0, 1}
+    assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs)
+    assert all(lp == -0.5 for lp, m in zip(out.response_logprobs, out.response_mask) if m == 1)
+    assert out.prompt_ids == server.calls[0][1]
+    text = tokenizer.decode(out.prompt_ids + out.response_ids)
+    assert text.count("<tool_response>") == sum(len(t) for t in get_pool("bfcl_multi_turn").gold_actions(TASK))
+
+
+def test_rehearse_source_feeds_rehearsals_to_the_actor_and_scores_the_real_replay(tokenizer):
+    gold_obs = gold_observations()
+    rehearsals = [render_rehearsal(o if o.strip().startswith(("{", "[")) else json.dumps({"result": o}))
+                  for o in gold_obs]
+    loop, server = make_loop(tokenizer, gold_replies(), rehearsals, source="rehearse")
+    outs = run(loop)
+    roles = [o.extra_fields["role"] for o in outs]
+    assert roles.count("rehearse") == len(gold_obs) and roles.count("act") == len(gold_obs) + len(
+        get_pool("bfcl_multi_turn").gold_actions(TASK))
+    assert all(o.reward_score == 1.0 for o in outs)  # the actor's calls replayed in the real env pass
+    # each rehearsal output: its own prompt (the rehearsal prompt), response = the rehearsal text
+    reh = [o for o in outs if o.extra_fields["role"] == "rehearse"]
+    for o, text in zip(reh, rehearsals, strict=True):
+        assert REHEARSAL_MARK in tokenizer.decode(o.prompt_ids)
+        assert tokenizer.decode(o.response_ids, skip_special_tokens=True) == text
+        assert o.extra_fields["format_error"] == 0.0
+    # the actor read the rehearsed responses, not the real ones
+    act_prompts = [p for r, p, _ in server.calls if r == "act"]
+    last = tokenizer.decode(act_prompts[-1])
+    assert json.loads(rehearsals[0].split("\n")[1]) is not None and rehearsals[0].split("\n")[1] in last
+    fid = json.loads(outs[-1].extra_fields["fidelity"])
+    assert len(fid) == len(gold_obs) and all(f["error_agree"] == 1.0 for f in fid)
+
+
+def test_malformed_rehearsal_ends_the_rollout_or_is_fed_back(tokenizer):
+    act = [render_tool_call({"name": "ls", "arguments": {}}), "Done."]
+    loop, _ = make_loop(tokenizer, act, ["the directory has two files"], source="rehearse", max_user_turns=1)
+    outs = run(loop)
+    assert outs[-1].extra_fields["stop_reason"] == "malformed_rehearsal"
+    assert [o.extra_fields["role"] for o in outs] == ["act", "rehearse"]
+    assert outs[-1].extra_fields["format_error"] == 1.0
+    assert outs[-1].extra_fields["reward_extra_info"]["malformed_rehearsals"] == 1.0
+
+    loop, server = make_loop(tokenizer, act, ["not the format"], source="rehearse", max_user_turns=1,
+                             on_malformed_rehearsal="feedback")
+    outs = run(loop)
+    assert [o.extra_fields["role"] for o in outs] == ["act", "rehearse", "act"]
+    assert "MALFORMED_REHEARSAL" in tokenizer.decode(server.calls[-1][1])
+
+
+def test_malformed_and_unknown_calls_become_error_observations(tokenizer):
+    act = ['<tool_call>\n{"name": "cd", "arguments": {bad json}\n</tool_call>',
+           '<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>', "Done."]
+    loop, server = make_loop(tokenizer, act, max_user_turns=1)
+    outs = run(loop)
+    assert outs[-1].reward_score == 0.0
+    assert outs[-1].extra_fields["reward_extra_info"]["malformed_calls"] == 1.0
+    assert [o.extra_fields["format_error"] for o in outs] == [1.0, 0.0, 0.0]
+    text = tokenizer.decode(server.calls[-1][1])
+    assert malformed_call_observation("x").split("(")[0] in text and "no_such_tool" in text
+
+    loop, server = make_loop(tokenizer, act, max_user_turns=1, on_malformed_call="end")
+    outs = run(loop)
+    assert len(outs) == 1 and outs[0].extra_fields["stop_reason"] == "malformed_call"
+
+
+def test_calls_inside_think_are_not_executed(tokenizer):
+    act = ['<think>\n<tool_call>\n{"name": "rm", "arguments": {"file_name": "x"}}\n</tool_call>\n</think>\n\nDone.']
+    loop, server = make_loop(tokenizer, act, max_user_turns=1)
+    outs = run(loop)
+    assert len(server.calls) == 1 and outs[0].extra_fields["reward_extra_info"]["tool_calls"] == 0.0
+    assert json.loads(outs[0].extra_fields["actions"]) == []
+
+
+def test_limits_count_generate_calls(tokenizer):
+    call = render_tool_call({"name": "ls", "arguments": {}})
+    # steps per turn: 3 generations, then the episode ends (no tool ran after the cap)
+    loop, server = make_loop(tokenizer, [call] * 10, max_steps_per_turn=3, max_user_turns=5)
+    outs = run(loop)
+    assert len(server.calls) == 3 and outs[-1].extra_fields["stop_reason"] == "max_steps_per_turn"
+    assert outs[-1].extra_fields["reward_extra_info"]["tool_calls"] == 3.0
+    # next_turn: the turn ends, the next user message comes
+    loop, server = make_loop(tokenizer, [call] * 10, max_steps_per_turn=2, max_user_turns=2, on_step_limit="next_turn")
+    outs = run(loop)
+    assert len(server.calls) == 4 and outs[-1].extra_fields["stop_reason"] == "max_user_turns"
+    assert outs[-1].extra_fields["reward_extra_info"]["user_turns"] == 2.0
+    # calls per message: the third call of a message gets an error observation and is not executed
+    three = "\n".join([call] * 3)
+    loop, server = make_loop(tokenizer, [three, "Done."], max_calls_per_message=2, max_user_turns=1)
+    outs = run(loop)
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert info["tool_calls"] == 2.0 and info["skipped_calls"] == 1.0
+    assert "at most 2 tool calls" in tokenizer.decode(server.calls[-1][1])
+
+
+def test_response_budget_stops_the_episode_and_caps_each_generation(tokenizer):
+    loop, server = make_loop(tokenizer, gold_replies(), response_length=60)
+    outs = run(loop)
+    assert outs[-1].extra_fields["stop_reason"] == "token_budget"
+    grown = len(server.calls[-1][1]) - len(server.calls[0][1]) + len(outs[-1].response_ids)
+    assert grown >= 60 and all(sp["max_tokens"] <= 60 for _, _, sp in server.calls)
+    budget_left = [60 - (len(p) - len(server.calls[0][1])) for _, p, _ in server.calls]
+    assert all(sp["max_tokens"] == b for (_, _, sp), b in zip(server.calls, budget_left))
+
+
+def test_verifier_crash_masks_every_output_instead_of_scoring_it(tokenizer, monkeypatch):
+    def boom(self):
+        raise RuntimeError("checker exploded")
+
+    episode_cls = type(get_pool("bfcl_multi_turn").start(TASK))
+    monkeypatch.setattr(episode_cls, "verify", boom)
+    loop, _ = make_loop(tokenizer, [render_tool_call({"name": "ls", "arguments": {}}), "Done."], max_user_turns=1)
+    outs = run(loop)
+    assert all(o.extra_fields["reward_extra_info"]["verify_failed"] == 1.0 for o in outs)
+    assert all(set(o.response_mask) == {0} for o in outs)
+    assert "checker exploded" in outs[-1].extra_fields["mask_reason"]
+
+
+def test_environment_exception_is_an_error_observation(tokenizer, monkeypatch):
+    episode_cls = type(get_pool("bfcl_multi_turn").start(TASK))
+    monkeypatch.setattr(episode_cls, "execute", lambda self, call: (_ for _ in ()).throw(ValueError("too many digits")))
+    loop, server = make_loop(tokenizer, [render_tool_call({"name": "ls", "arguments": {}}), "Done."], max_user_turns=1)
+    outs = run(loop)
+    assert outs[-1].extra_fields["reward_extra_info"]["env_errors"] == 1.0
+    assert "the environment failed on 'ls': ValueError: too many digits" in tokenizer.decode(server.calls[-1][1])
+
+
+def test_rows_without_task_reference_are_a_clear_error(tokenizer):
+    loop, _ = make_loop(tokenizer, [])
+    with pytest.raises(ValueError, match="extra_info.pool and extra_info.task_id"):
+        loop.loop.run_until_complete(loop.run({}, extra_info={}))
