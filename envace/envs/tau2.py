@@ -37,7 +37,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -146,10 +146,18 @@ class ChatModel(Protocol):
 
 
 def _as_chat_model(obj: Any) -> ChatModel | None:
+    """A chat model, an ``EndpointConfig``, or its keyword dict (as Hydra's ``envace.agent.pool_kwargs`` gives:
+    ``{base_url: ..., model: ...}``)."""
     if obj is None or hasattr(obj, "complete"):
         return obj
     from envace.eval.client import ChatClient, EndpointConfig
 
+    if isinstance(obj, Mapping):
+        try:
+            obj = EndpointConfig(**dict(obj))
+        except TypeError as exc:
+            raise TypeError(f"invalid endpoint for the τ² user/judge {dict(obj)}: {exc}; "
+                            "give base_url and model (and optionally api_key, temperature, max_tokens)") from None
     if isinstance(obj, EndpointConfig):
         return ChatClient(obj)
     raise TypeError(f"expected a chat model with .complete() or an EndpointConfig, got {type(obj).__name__}")

@@ -292,3 +292,20 @@ def test_nl_assertion_with_judge(nl_pool: Tau2Pool) -> None:
     ep.finish("I cannot cancel this reservation.")
     verdict = ep.verify()
     assert verdict.details["unjudged"] == ["NL_ASSERTION"] and "judge_error" in verdict.details
+
+
+def test_pool_kwargs_example_from_the_config_builds_a_user_endpoint():
+    """configs/envace/default.yaml documents pool_kwargs {tau2: {user: {base_url, model}}}: it must work."""
+    import yaml
+
+    from envace.envs.base import get_pool
+
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "configs" / "envace" / "default.yaml").read_text()
+    line = next(line for line in text.splitlines() if "e.g. {tau2:" in line)
+    example = yaml.safe_load(line.split("e.g.", 1)[1].strip())
+    pool = get_pool("tau2", domains=("airline",), **example["tau2"])
+    assert pool.user is not None and pool.user.config.base_url == example["tau2"]["user"]["base_url"]
+    with pytest.raises(TypeError, match="give base_url and model"):
+        get_pool("tau2", domains=("airline",), user={"user_base_url": "http://x"})

@@ -1,0 +1,277 @@
+"""The turn engine on its own (scripted policy, tiny in-test episode), the training/evaluation parity
+test (one scripted model through the verl adapter and the OpenAI adapter gives the same transcript), and
+hypothesis properties of the rehearsal parser and the rehearsal prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envace.agents.engine import LoopLimits, ModelError, Reply, Role, TurnEngine
+from envace.agents.sources import (
+    RealSource,
+    RehearsalFormatError,
+    RehearseSource,
+    fidelity,
+    parse_rehearsal,
+    rehearsal_messages,
+    render_rehearsal,
+)
+from envace.envs.base import Episode, TaskSpec, ToolCall, Verdict, get_pool
+from envace.toolcall import parse_tool_calls, render_tool_call
+
+TOOLS = [{"type": "function", "function": {"name": "echo", "description": "echo",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+class CountingEpisode(Episode):
+    """Echo tool; ``turns`` user turns; records every executed call."""
+
+    def __init__(self, turns: int = 2) -> None:
+        self.spec = TaskSpec(pool="t", task_id="t0", env_id="t", category="c", split="test", system_prompt=None,
+                             first_user_message="start", tools=TOOLS)
+        self.turns, self.turn, self.executed = turns, 1, []
+
+    def tools(self):
+        return TOOLS
+
+    def execute(self, call: ToolCall) -> str:
+        self.executed.append(call)
+        return json.dumps({"echo": call.arguments})
+
+    def end_turn(self, text: str):
+        if self.turn >= self.turns:
+            return None
+        self.turn += 1
+        return f"turn {self.turn}"
+
+    def verify(self) -> Verdict:
+        return Verdict(reward=float(len(self.executed)), passed=True)
+
+    def fork(self):
+        raise NotImplementedError
+
+
+class ScriptedPolicy:
+    """Replies with the next scripted text for each role (parsed by the project's parser)."""
+
+    def __init__(self, act: list[str], rehearse: list[str] | None = None) -> None:
+        self.act, self.rehearse = list(act), list(rehearse or [])
+        self.calls: list[tuple[Role, list[dict[str, Any]]]] = []
+
+    async def respond(self, messages, tools, role):
+        self.calls.append((role, json.loads(json.dumps(messages))))
+        text = (self.act if role is Role.ACT else self.rehearse).pop(0) if (
+            self.act if role is Role.ACT else self.rehearse) else "Done."
+        p = parse_tool_calls(text)
+        return Reply(text=text, content=p.content, calls=p.calls, errors=p.errors, reasoning=p.reasoning)
+
+
+ECHO = render_tool_call({"name": "echo", "arguments": {"x": 1}})
+
+
+def run(policy, episode=None, source=None, **limits):
+    episode = episode or CountingEpisode()
+    t = asyncio.run(TurnEngine(LoopLimits(**limits)).run(episode, policy, source or RealSource()))
+    return t, episode
+
+
+def test_turns_steps_and_calls_are_counted_exactly():
+    t, ep = run(ScriptedPolicy([ECHO, "ok", "\n".join([ECHO] * 3), "bye"]), max_calls_per_message=2)
+    assert t.stop_reason == "completed" and t.user_turns == 2 and len(t.steps) == 4
+    assert t.tool_calls == 3 and t.skipped_calls == 1 and len(ep.executed) == 3  # no tool ran past the cap
+    assert [m["role"] for m in t.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant",
+                                               "tool", "tool", "tool", "assistant"]
+    assert [a["name"] for a in t.actions] == ["echo", "__end_turn__", "echo", "echo"]
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_step_limit_counts_generate_calls(cap):
+    policy = ScriptedPolicy([ECHO] * 10)
+    t, ep = run(policy, max_steps_per_turn=cap)
+    assert len(policy.calls) == cap and len(ep.executed) == cap and t.stop_reason == "max_steps_per_turn"
+    policy = ScriptedPolicy([ECHO] * 10)
+    t, ep = run(policy, CountingEpisode(turns=5), max_steps_per_turn=cap, max_user_turns=2, on_step_limit="next_turn")
+    assert len(policy.calls) == 2 * cap and t.stop_reason == "max_user_turns" and t.user_turns == 2
+
+
+@pytest.mark.parametrize("turns", [1, 2, 3])
+def test_user_turn_limit(turns):
+    policy = ScriptedPolicy(["hi"] * 10)
+    t, _ = run(policy, CountingEpisode(turns=10), max_user_turns=turns)
+    assert len(policy.calls) == turns and t.user_turns == turns and t.stop_reason == "max_user_turns"
+
+
+def test_budget_and_model_errors_stop_without_retrying():
+    class Budget(ScriptedPolicy):
+        async def respond(self, messages, tools, role):
+            r = await super().respond(messages, tools, role)
+            r.budget_exhausted = len(self.calls) == 2
+            return r
+
+    t, ep = run(Budget([ECHO] * 5))
+    assert t.stop_reason == "token_budget" and len(t.steps) == 2 and len(ep.executed) == 1  # no tool after it
+
+    class Broken(ScriptedPolicy):
+        async def respond(self, messages, tools, role):
+            raise ModelError("context length exceeded")
+
+    t, _ = run(Broken([]))
+    assert t.stop_reason == "model_error" and "context length" in t.error
+
+    class Down(ScriptedPolicy):
+        async def respond(self, messages, tools, role):
+            raise ConnectionError("endpoint down")
+
+    with pytest.raises(ConnectionError):  # infrastructure: the caller retries, nothing is scored
+        run(Down([]))
+
+
+def test_environment_timeout_masks_and_ends_the_rollout():
+    class Slow(CountingEpisode):
+        def execute(self, call):
+            import time
+
+            time.sleep(0.5)
+            return "{}"
+
+    t, _ = run(ScriptedPolicy([ECHO, ECHO]), Slow(), RealSource(timeout_s=0.05))
+    assert t.masked and t.stop_reason == "timeout" and "time-out" in t.mask_reason
+
+
+def test_rehearsal_never_touches_the_environment_without_a_shadow():
+    ep = CountingEpisode(turns=1)
+    policy = ScriptedPolicy([ECHO, "done"], [render_rehearsal('{"echo": "imagined"}')])
+    t, _ = run(policy, ep, RehearseSource(policy))
+    assert ep.executed == [] and t.tool_calls == 1
+    assert t.messages[2]["content"] == '{"echo": "imagined"}'
+    role, prompt = policy.calls[1]
+    assert role is Role.REHEARSE and '"name": "echo"' in prompt[1]["content"]
+
+
+# -- training / evaluation parity ---------------------------------------------------------------
+
+
+def test_training_and_evaluation_adapters_give_the_same_transcript():
+    """One scripted model, two transports: verl token in/out (VerlPolicy) and OpenAI chat (ChatPolicy)."""
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.workers.rollout.replica import TokenOutput
+
+    from envace.agents.verl_loop import EnvaceAgentLoop, VerlPolicy
+    from envace.config import agent_config_from
+    from envace.eval.client import parse_assistant_output
+    from envace.eval.runner import ChatPolicy, to_api_messages
+    from envace.models import load_tokenizer
+
+    pool = get_pool("bfcl_multi_turn")
+    task = "multi_turn_base_0"
+    script = []
+    for turn in pool.gold_actions(task):
+        script.append("\n".join(render_tool_call(c) for c in turn[:2]))  # two calls in one message
+        script.extend(render_tool_call(c) for c in turn[2:])
+        script.append('<tool_call>{"name": "cd", bad}</tool_call>')  # a malformed call, fed back
+        script.append("Done.")
+    tok = load_tokenizer()
+    limits = {"max_steps_per_turn": 8, "max_user_turns": 8, "max_calls_per_message": 4}
+
+    class Server:
+        def __init__(self):
+            self.texts = list(script)
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **_):
+            ids = tok.encode(self.texts.pop(0), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+            return TokenOutput(token_ids=ids, log_probs=[0.0] * len(ids), extra_fields={})
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 8192, "prompt_length": 8192,
+                                                              "multi_turn": {}, "agent": {}}},
+                            "envace": {"agent": {"limits": limits}}})
+    loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=Server(), tokenizer=tok, processor=None,
+                           dataset_cls=RLHFDataset, data_config=DictConfigWrap(OmegaConf.create({})),
+                           hf_model_type="qwen3")
+    verl_policy = VerlPolicy(loop, {"logprobs": False}, agent_config_from(cfg))
+    engine = TurnEngine(LoopLimits(**limits))
+    train_t = loop.loop.run_until_complete(engine.run(pool.start(task), verl_policy, RealSource()))
+
+    class Client:
+        def __init__(self):
+            self.texts = list(script)
+
+        def complete(self, messages, tools=None, **_):
+            return parse_assistant_output(self.texts.pop(0))
+
+    eval_t = asyncio.run(engine.run(pool.start(task), ChatPolicy(Client()), RealSource()))  # type: ignore[arg-type]
+    assert train_t.stop_reason == eval_t.stop_reason == "completed"
+    assert to_api_messages(train_t.messages) == to_api_messages(eval_t.messages)
+    assert train_t.actions == eval_t.actions and train_t.counters() == eval_t.counters()
+    assert train_t.malformed_calls == len(pool.gold_actions(task))
+
+
+# -- the rehearsal parser and prompt ---------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+containers = st.one_of(st.lists(json_values, max_size=4), st.dictionaries(st.text(max_size=8), json_values, max_size=4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(containers, st.sampled_from(["", "<think>\nplan\n</think>\n\n", "  \n"]), st.sampled_from(["", "\n", "  "]))
+def test_rehearsal_roundtrip(value, prefix, pad):
+    text = json.dumps(value, ensure_ascii=False)
+    parsed = parse_rehearsal(prefix + pad + render_rehearsal(text) + pad)
+    assert json.loads(parsed) == value
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200))
+def test_rehearsal_parser_never_raises_anything_but_its_format_error(text):
+    try:
+        out = parse_rehearsal(text)
+    except RehearsalFormatError:
+        return
+    assert isinstance(json.loads(out), (dict, list))
+
+
+@pytest.mark.parametrize("bad", [
+    '{"a": 1}',  # no tags
+    "<execution_result>\n{bad}\n</execution_result>",
+    "<execution_result>\n42\n</execution_result>",  # not an object / array
+    "<execution_result>\n{}\n</execution_result> and some commentary",
+    "<execution_result>{}</execution_result><execution_result>{}</execution_result>",
+    "<think>\nnever closed <execution_result>{}</execution_result>",
+    "<execution_result>\n{}\n",  # unterminated
+])
+def test_rehearsal_format_errors(bad):
+    with pytest.raises(RehearsalFormatError):
+        parse_rehearsal(bad)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=6), st.integers() | st.text(max_size=8), max_size=4),
+       st.integers(min_value=0, max_value=400))
+def test_rehearsal_prompt_keeps_the_call_and_bounds_the_history(args, budget):
+    from envace.agents.sources import RehearsalPrompt
+
+    history = [{"role": "user", "content": "x" * 1000}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "echo", "arguments": args}}]}]
+    msgs = rehearsal_messages(ToolCall("echo", args), history, TOOLS, cfg=RehearsalPrompt(max_history_chars=budget))
+    body = msgs[1]["content"]
+    assert json.dumps({"name": "echo", "arguments": args}, ensure_ascii=False) in body
+    conv = body.split("# Conversation\n", 1)[1].split("\n\n# Call to answer", 1)[0]
+    assert budget == 0 or len(conv) <= budget + len("...(earlier conversation omitted)...\n")
+
+
+def test_fidelity_scores():
+    assert fidelity('{"a": 1, "b": [1]}', '{"b": [1], "a": 1}') == {"exact": 1.0, "key_overlap": 1.0, "error_agree": 1.0}
+    f = fidelity('{"a": 1, "c": 2}', '{"a": 2, "b": 2}')
+    assert f["exact"] == 0.0 and f["key_overlap"] == pytest.approx(1 / 3)
+    assert fidelity('{"error": "no"}', '{"a": 1}')["error_agree"] == 0.0
