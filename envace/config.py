@@ -22,7 +22,9 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EnvAceConfig",
+    "RewardConfig",
     "agent_config_from",
+    "envace_config_from",
     "validate_envace_config",
 ]
 
@@ -115,6 +117,31 @@ class AdvantageConfig:
 
 
 @dataclass
+class RewardConfig:
+    # weight of the environment verifier's reward (tasks with an executable environment)
+    verifiable_weight: float = 1.0
+    # weight of the checklist judge's reward (rows whose reward_model.style is "checklist", e.g. CM2)
+    checklist_weight: float = 1.0
+    # judge endpoint for checklist rows: envace.rewards.llm.LLMEndpointConfig keys
+    # (e.g. {base_urls: [http://10.0.0.9:8000/v1], model: Qwen3-30B-A3B, concurrency: 500})
+    judge: dict[str, Any] = field(default_factory=dict)
+    # how the judge prompts and aggregates: envace.rewards.checklist.ChecklistJudgeConfig keys
+    checklist: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.verifiable_weight < 0 or self.checklist_weight < 0:
+            raise ValueError("envace.reward weights must be >= 0")
+        if self.checklist:
+            from envace.rewards.checklist import ChecklistJudgeConfig
+
+            ChecklistJudgeConfig(**self.checklist)  # unknown keys / bad values fail before launch
+        if self.judge:
+            from envace.rewards.llm import LLMEndpointConfig
+
+            LLMEndpointConfig(**self.judge)
+
+
+@dataclass
 class EnvAceConfig:
     # training rows: which environment pools and splits
     data: DataConfig = field(default_factory=DataConfig)
@@ -122,6 +149,8 @@ class EnvAceConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     # role-wise GRPO options
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # reward components and their mix (verifiable replay, checklist judge)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     # run the pre-flight checks (GPU presence, Ray resources, model path) before launching
     preflight: bool = True
 
@@ -141,21 +170,26 @@ def validate_envace_config(cfg: DictConfig) -> EnvAceConfig:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
         raise ConfigError(f"invalid envace config key 'envace.{key}': {exc.msg if hasattr(exc, 'msg') else exc}") from exc
-    except ValueError as exc:  # a dataclass's own range check (e.g. LoopLimits)
+    except (ValueError, TypeError) as exc:  # a dataclass's own checks (e.g. LoopLimits, judge endpoint keys)
         raise ConfigError(f"invalid envace config: {exc}") from exc
 
 
-_AGENT_CACHE: dict[int, tuple[Any, AgentConfig]] = {}
+_CACHE: dict[int, tuple[Any, EnvAceConfig]] = {}
 
 
-def agent_config_from(cfg: Any) -> AgentConfig:
-    """The typed ``envace.agent`` of a composed trainer config (as verl hands it to agent loops).
+def envace_config_from(cfg: Any) -> EnvAceConfig:
+    """The typed ``envace`` group of a composed trainer config (as verl hands it to agent loops).
 
     Cached per config object: verl builds one agent-loop instance per rollout from the same config.
     """
-    hit = _AGENT_CACHE.get(id(cfg))
+    hit = _CACHE.get(id(cfg))
     if hit is not None and hit[0] is cfg:
         return hit[1]
-    agent = validate_envace_config(cfg).agent
-    _AGENT_CACHE[id(cfg)] = (cfg, agent)
-    return agent
+    typed = validate_envace_config(cfg)
+    _CACHE[id(cfg)] = (cfg, typed)
+    return typed
+
+
+def agent_config_from(cfg: Any) -> AgentConfig:
+    """The typed ``envace.agent`` of a composed trainer config."""
+    return envace_config_from(cfg).agent

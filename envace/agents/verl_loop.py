@@ -55,8 +55,10 @@ from envace.agents.sources import (
     SimulatorSource,
     parse_rehearsal,
 )
-from envace.config import AgentConfig, agent_config_from
-from envace.envs.base import EnvironmentPool, get_pool
+from envace.config import AgentConfig, envace_config_from
+from envace.envs import cm2
+from envace.rewards.mix import mix_rewards
+from envace.envs.base import EnvironmentPool, Episode, get_pool
 from envace.toolcall import parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -220,43 +222,94 @@ class EnvaceAgentLoop(AgentLoopBase):
         if observation_source not in LOOP_NAMES:
             raise ValueError(f"unknown observation_source {observation_source!r}; choose from {sorted(LOOP_NAMES)}")
         self.observation_source = observation_source
-        self.agent_cfg = agent_config_from(self.config)
+        self.envace_cfg = envace_config_from(self.config)
+        self.agent_cfg = self.envace_cfg.agent
 
-    def _source(self, policy: VerlPolicy, spec_examples: list[dict[str, Any]]):
+    def _source(self, policy: VerlPolicy, episode: Episode):
         cfg = self.agent_cfg
-        real = RealSource(timeout_s=cfg.env_timeout_s)
+        real = RealSource(timeout_s=cfg.env_timeout_s) if episode.executable else None
         if self.observation_source == "real":
+            if real is None:
+                raise ValueError(
+                    f"task {episode.spec.pool}/{episode.spec.task_id} has no executable environment: train it "
+                    "with envace.agent.observation_source=rehearse or simulator"
+                )
             return real
-        prompt = cfg.rehearsal
-        on_bad = cfg.limits.on_malformed_rehearsal
+        spec_examples = list(episode.spec.metadata.get("tool_examples", []) or [])
         examples = (lambda ctx: spec_examples) if spec_examples else None
+        on_bad = cfg.limits.on_malformed_rehearsal
         if self.observation_source == "rehearse":
-            return RehearseSource(policy, prompt, on_bad, shadow=real, examples=examples)
-        pool = _simulator_pool(cfg)
-        return SimulatorSource(pool.complete_text, prompt, on_bad, shadow=real, examples=examples)
+            return RehearseSource(policy, cfg.rehearsal, on_bad, shadow=real, examples=examples)
+        pool = _llm_pool("simulator", cfg.simulator)
+        return SimulatorSource(pool.complete_text, cfg.rehearsal, on_bad, shadow=real, examples=examples)
+
+    def _episode(self, kwargs: dict[str, Any]) -> Episode:
+        pool_name, task_id = task_ref(kwargs)
+        if pool_name == cm2.POOL:  # checklist-scored dialogue: built from the row itself
+            return cm2.episode_from_row(kwargs)
+        pool = shared_pool(pool_name, dict(self.agent_cfg.pool_kwargs.get(pool_name, {}) or {}))
+        return pool.start(task_id)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
         cfg = self.agent_cfg
         pool_name, task_id = task_ref(kwargs)
-        pool = shared_pool(pool_name, dict(cfg.pool_kwargs.get(pool_name, {}) or {}))
-        episode = await asyncio.to_thread(pool.start, task_id)
+        episode = await asyncio.to_thread(self._episode, kwargs)
         policy = VerlPolicy(self, sampling_params, cfg)
-        source = self._source(policy, list(episode.spec.metadata.get("tool_examples", []) or []))
+        source = self._source(policy, episode)
         transcript = await TurnEngine(cfg.limits).run(episode, policy, source)
-
-        verify_failed, reason = False, ""
-        if transcript.masked:
-            verify_failed, reason, reward, details = True, transcript.mask_reason, 0.0, {}
-        else:
-            try:
-                verdict = await asyncio.wait_for(asyncio.to_thread(episode.verify), cfg.env_timeout_s)
-                reward, details = float(verdict.reward), dict(verdict.details)
-            except Exception as exc:  # noqa: BLE001  (verifier crash or time-out: unscored, never 0)
-                logger.warning("verifier failed for %s/%s: %s", pool_name, task_id, exc)
-                verify_failed, reason, reward, details = True, f"{type(exc).__name__}: {exc}", 0.0, {}
+        reward, masked, reason, details = await self._score(episode, transcript, kwargs)
         trajectory_id = f"{kwargs.get('uid', '')}_{kwargs.get('session_id', 0)}"
-        return self._outputs(policy, transcript, reward, verify_failed, reason, details,
+        return self._outputs(policy, transcript, reward, masked, reason, details,
                              pool_name, task_id, episode.spec.env_id, trajectory_id)
+
+    async def _score(self, episode: Episode, t: Transcript, row: dict[str, Any]) -> tuple[float, bool, str, dict]:
+        """The trajectory reward: the mix of the components this row has (verifier, checklist judge).
+
+        Returns (reward, masked, reason, details); a masked reward is never used (loss mask 0).
+        """
+        rcfg = self.envace_cfg.reward
+        if t.masked:
+            return 0.0, True, t.mask_reason, {}
+        components: dict[str, float | None] = {}
+        reasons: dict[str, str] = {}
+        details: dict[str, Any] = {}
+        weights: dict[str, float] = {}
+        if episode.executable:
+            weights["verifiable"] = rcfg.verifiable_weight
+            try:
+                verdict = await asyncio.wait_for(asyncio.to_thread(episode.verify), self.agent_cfg.env_timeout_s)
+                components["verifiable"] = float(verdict.reward)
+                details["verifier"] = dict(verdict.details)
+            except Exception as exc:  # noqa: BLE001  (verifier crash or time-out: unscored, never 0)
+                logger.warning("verifier failed for %s/%s: %s", episode.spec.pool, episode.spec.task_id, exc)
+                components["verifiable"], reasons["verifiable"] = None, f"{type(exc).__name__}: {exc}"
+        reward_model = row.get("reward_model") or {}
+        if reward_model.get("style") == "checklist":
+            weights["checklist"] = rcfg.checklist_weight
+            if rcfg.checklist_weight > 0:
+                result = await self._judge(t, reward_model.get("ground_truth"))
+                components["checklist"] = result.reward
+                details["checklist"] = {"per_turn": result.per_turn, "n_calls": result.n_calls,
+                                        "n_failures": result.n_failures}
+                if result.masked:
+                    reasons["checklist"] = result.reason
+        weights = {k: w for k, w in weights.items() if w > 0}
+        if not weights:
+            raise ValueError(f"no reward component with a positive weight applies to {episode.spec.task_id}")
+        reward, mix = mix_rewards(components, weights, normalize=True, reasons=reasons)
+        details["mix"] = mix
+        if reward is None:
+            return 0.0, True, str(mix.get("reason", "masked reward")), details
+        return float(reward), False, "", details
+
+    async def _judge(self, t: Transcript, checklists: Any):
+        from envace.rewards.checklist import ChecklistJudge, ChecklistJudgeConfig
+
+        rcfg = self.envace_cfg.reward
+        if not rcfg.judge:
+            raise ValueError("checklist rows need a judge endpoint: set envace.reward.judge (base_urls, model)")
+        judge = ChecklistJudge(_llm_pool("judge", rcfg.judge), ChecklistJudgeConfig(**rcfg.checklist))
+        return await judge.judge(t.messages, checklists)
 
     # -- training samples ---------------------------------------------------------------------------
     def _outputs(
@@ -341,14 +394,16 @@ class EnvaceAgentLoop(AgentLoopBase):
         return outputs
 
 
-_SIM_POOLS: dict[str, Any] = {}
+_LLM_POOLS: dict[str, Any] = {}
 
 
-def _simulator_pool(cfg: AgentConfig):
-    """One LLM client pool per process for the external simulator."""
+def _llm_pool(purpose: str, endpoint: dict[str, Any]):
+    """One LLM client pool per process, purpose and endpoint (simulator, judge)."""
     from envace.rewards.llm import LLMEndpointConfig, LLMPool
 
-    key = json.dumps(cfg.simulator, sort_keys=True, default=str)
-    if key not in _SIM_POOLS:
-        _SIM_POOLS[key] = LLMPool(LLMEndpointConfig(**cfg.simulator))
-    return _SIM_POOLS[key]
+    if not endpoint:
+        raise ValueError(f"the {purpose} needs an endpoint (envace.agent.simulator / envace.reward.judge)")
+    key = purpose + json.dumps(endpoint, sort_keys=True, default=str)
+    if key not in _LLM_POOLS:
+        _LLM_POOLS[key] = LLMPool(LLMEndpointConfig(**endpoint))
+    return _LLM_POOLS[key]

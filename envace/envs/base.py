@@ -179,6 +179,10 @@ class Episode(abc.ABC):
     def done(self) -> bool:
         return False
 
+    #: False for tasks without an executable environment (e.g. checklist-scored dialogues): their tool
+    #: calls can only be rehearsed or simulated, and their reward comes from a judge, not ``verify``
+    executable: bool = True
+
 
 class EnvironmentPool(abc.ABC):
     """All tasks of one benchmark."""

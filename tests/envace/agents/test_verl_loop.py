@@ -245,3 +245,84 @@ def test_rows_without_task_reference_are_a_clear_error(tokenizer):
     loop, _ = make_loop(tokenizer, [])
     with pytest.raises(ValueError, match="extra_info.pool and extra_info.task_id"):
         loop.loop.run_until_complete(loop.run({}, extra_info={}))
+
+
+# -- checklist-scored rows (CM2): rehearsal + the checklist judge over a real local endpoint ----------
+
+
+def _cm2_row(tmp_path):
+    """One converted CM2 row, as verl's dataset hands it to the agent loop."""
+    import pyarrow.parquet as pq
+
+    from envace.envs.cm2 import convert_cm2
+
+    tool = {"type": "function", "function": {"name": "get_order", "description": "Look an order up.",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "integer"}},
+                           "required": ["order_id"]}}}
+    item = {"id": "i0", "question": "Did the agent look the order up?", "focus_on": "assistant.tool_calls",
+            "pass_condition": "get_order called with order_id 3", "weight": 1.0}
+    record = {
+        "id": "r0",
+        "messages": [
+            {"role": "user", "content": "Where is order 3?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_order", "arguments": '{"order_id": 3}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"status": "shipped"}'},
+            {"role": "assistant", "content": "It has shipped."},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "You are welcome."},
+        ],
+        "tools": [tool],
+        "checklist_list": [[[item], [dict(item, id="i1", question="Was the agent polite?", focus_on="assistant.content")]]],
+    }
+    src = tmp_path / "cm2.jsonl"
+    src.write_text(json.dumps(record) + "\n")
+    convert_cm2(src, tmp_path / "out", val_fraction=0.0)
+    row = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()[0]
+    return row
+
+
+def make_cm2_loop(tokenizer, act, rehearse, judge_url, weight=1.0):
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"response_length": 2048, "prompt_length": 4096, "multi_turn": {}, "agent": {}}},
+        "envace": {"agent": {"limits": {"max_steps_per_turn": 4, "max_user_turns": 4}},
+                   "reward": {"checklist_weight": weight,
+                              "judge": {"base_urls": [judge_url], "model": "judge", "timeout_s": 2.0,
+                                        "max_retries": 1, "backoff_base_s": 0.01}}},
+    })
+    server = ScriptedServer(tokenizer, act, rehearse)
+    loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,
+                           processor=None, dataset_cls=RLHFDataset,
+                           data_config=DictConfigWrap(OmegaConf.create({"apply_chat_template_kwargs": {
+                               "enable_thinking": False}})), hf_model_type="qwen3", observation_source="rehearse")
+    return loop, server
+
+
+def test_checklist_row_is_rehearsed_and_scored_by_the_judge(tokenizer, tmp_path, fake_openai, replies):
+    row = _cm2_row(tmp_path)
+    judge = fake_openai(lambda body, n: replies.verdict("order_id" in json.dumps(body)))
+    act = [render_tool_call({"name": "get_order", "arguments": {"order_id": 3}}), "It shipped.", "Bye."]
+    loop, server = make_cm2_loop(tokenizer, act, [render_rehearsal('{"status": "shipped"}')], judge.base_url)
+    outs = loop.loop.run_until_complete(loop.run({"temperature": 1.0, "logprobs": True}, **row, uid="u", session_id=0))
+    assert [o.extra_fields["role"] for o in outs] == ["act", "rehearse", "act", "act"]
+    assert judge.n_requests >= 2  # one judge call per (item, step)
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert info["verify_failed"] == 0.0 and 0.0 <= outs[-1].reward_score <= 1.0
+    assert json.loads(outs[-1].extra_fields["fidelity"]) == []  # no real environment to compare with
+
+
+def test_checklist_judge_failure_masks_the_rollout(tokenizer, tmp_path, fake_openai, replies):
+    row = _cm2_row(tmp_path)
+    judge = fake_openai(lambda body, n: replies.chat("not json at all"))
+    loop, _ = make_cm2_loop(tokenizer, ["Hello."], [], judge.base_url)
+    outs = loop.loop.run_until_complete(loop.run({"temperature": 1.0, "logprobs": True}, **row, uid="u", session_id=0))
+    assert all(o.extra_fields["reward_extra_info"]["verify_failed"] == 1.0 for o in outs)
+    assert all(set(o.response_mask) == {0} for o in outs)  # never a silent 0 in the loss
+    assert "checklist" in outs[-1].extra_fields["mask_reason"]
+
+
+def test_rows_without_an_environment_cannot_train_against_the_real_source(tokenizer, tmp_path):
+    row = _cm2_row(tmp_path)
+    loop, _ = make_loop(tokenizer, ["hi"])
+    with pytest.raises(ValueError, match="no executable environment"):
+        loop.loop.run_until_complete(loop.run({"temperature": 1.0}, **row))
