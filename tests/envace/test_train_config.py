@@ -107,3 +107,50 @@ def test_train_sh_help_runs_without_starting_anything():
     out = subprocess.run([str(REPO / "scripts" / "train.sh"), "--help"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "scripts/train.sh [experiment=NAME]" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("envace.agent.limits.max_steps_per_turn=-1", "limits.max_steps_per_turn must be >= 1"),
+        ("envace.agent.limits.on_step_limit=sometimes", "limits.on_step_limit must be one of"),
+        ("envace.agent.observation_source=dream", "observation_source must be one of"),
+        ("envace.advantage.baseline=median", "advantage.baseline must be one of"),
+        ("envace.agent.rehearsal.max_histroy_chars=5", "max_histroy_chars"),
+        ("+envace.reward.judge.base_url=http://x", "base_url"),
+    ],
+)
+def test_envace_typed_values_fail_before_launch(override, message, capsys):
+    assert main([override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_observation_source_picks_the_loop_of_train_and_validation_rows(tmp_path):
+    import pyarrow.parquet as pq
+
+    from envace.agents import LOOP_NAMES, registered_loop_names
+    from envace.train import prepare
+
+    assert set(LOOP_NAMES.values()) <= set(registered_loop_names())
+    cfg = compose(["experiment=cpu_envace", f"envace.data.out_dir={tmp_path}", "envace.data.max_tasks_per_pool=6"])
+    cfg, ecfg = prepare(cfg)
+    assert ecfg.agent.observation_source == "rehearse" and cfg.algorithm.adv_estimator == "grpo_rolewise"
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "envace_act_rehearse"
+    train = set(pq.read_table(cfg.data.train_files, columns=["agent_name"]).column(0).to_pylist())
+    val = set(pq.read_table(cfg.data.val_files, columns=["agent_name"]).column(0).to_pylist())
+    assert train == {"envace_act_rehearse"} and val == {"envace_env"}
+
+
+def test_preflight_refuses_data_whose_agent_loop_is_not_registered(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from envace.agents import agent_loop_config_path
+    from envace.train import check_agent_names
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"agent_name": ["envace_env", "envace_agent"]}), path)
+    with pytest.raises(ConfigError, match=r"agent loop\(s\) \['envace_agent'\]"):
+        check_agent_names([str(path)], agent_loop_config_path())
+    pq.write_table(pa.table({"agent_name": ["envace_env", "envace_act_rehearse"]}), path)
+    check_agent_names([str(path)], agent_loop_config_path())
