@@ -36,6 +36,7 @@ from envace.toolcall import THINK_END, THINK_START, render_tool_call
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "GeneratedSource",
     "RESULT_END",
     "RESULT_START",
     "RealSource",
@@ -169,7 +170,7 @@ def rehearsal_messages(
     history: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],
     examples: Sequence[Mapping[str, Any]] = (),
-    cfg: RehearsalPrompt = RehearsalPrompt(),
+    cfg: RehearsalPrompt | None = None,
 ) -> list[dict[str, str]]:
     """The chat the REHEARSE role answers: tools, real example responses, history, the call.
 
@@ -177,6 +178,7 @@ def rehearsal_messages(
     (tool responses to its earlier calls included). ``examples`` are ``{"name", "arguments", "result"}``
     records of real responses (e.g. from gold replays of training tasks in the same environment).
     """
+    cfg = cfg or RehearsalPrompt()
     schema = _tool_schema(tools, call.name)
     sections = []
     if cfg.all_schemas:
@@ -289,31 +291,38 @@ def _malformed_rehearsal_text(reason: str) -> str:
     return json.dumps({"error_tool_call": {"code": "MALFORMED_REHEARSAL", "message": reason}})
 
 
-class _GeneratedSource:
-    """Shared logic of the rehearse and simulator sources: prompt → text → strict parse → observation."""
+Examples = Callable[[CallContext], Sequence[Mapping[str, Any]]]
 
-    name = "generated"
+
+class GeneratedSource:
+    """A tool response written by a model: rehearsal prompt → text → strict parse → observation.
+
+    ``generate(messages) -> text`` is the writer: the policy in its REHEARSE role (:func:`RehearseSource`)
+    or an external LLM (:func:`SimulatorSource`). With a ``shadow`` the call also runs in the real
+    environment (its response is recorded, never shown to the agent).
+    """
 
     def __init__(
         self,
-        prompt: RehearsalPrompt,
-        on_malformed: str,
-        shadow: RealSource | None,
-        examples: Callable[[CallContext], Sequence[Mapping[str, Any]]] | None = None,
+        name: str,
+        generate: Callable[[list[dict[str, str]]], Awaitable[str]],
+        prompt: RehearsalPrompt | None = None,
+        on_malformed: str = "end",
+        shadow: RealSource | None = None,
+        examples: Examples | None = None,
     ) -> None:
-        self.prompt = prompt
+        self.name = name
+        self.generate = generate
+        self.prompt = prompt or RehearsalPrompt()
         self.on_malformed = on_malformed
         self.shadow = shadow
         self.examples = examples
-
-    async def _generate(self, messages: list[dict[str, str]]) -> str:  # pragma: no cover - abstract
-        raise NotImplementedError
 
     async def observe(self, call: ToolCall, ctx: CallContext) -> Observation:
         history = list(ctx.messages)
         history.append(assistant_message(ctx.reply, [f"c{i}" for i in range(len(ctx.reply.calls))]))
         examples = self.examples(ctx) if self.examples else ()
-        text = await self._generate(rehearsal_messages(call, history, ctx.tools, examples, self.prompt))
+        text = await self.generate(rehearsal_messages(call, history, ctx.tools, examples, self.prompt))
         real: Observation | None = await self.shadow.execute(call, ctx) if self.shadow is not None else None
         try:
             result = parse_rehearsal(text)
@@ -336,42 +345,18 @@ class _GeneratedSource:
         return obs
 
 
-class RehearseSource(_GeneratedSource):
+def RehearseSource(policy: Policy, prompt: RehearsalPrompt | None = None, on_malformed: str = "end",  # noqa: N802
+                   shadow: RealSource | None = None, examples: Examples | None = None) -> GeneratedSource:
     """The policy answers its own tool calls in the REHEARSE role (EnvACE world rehearsal)."""
 
-    name = "rehearse"
+    async def generate(messages: list[dict[str, str]]) -> str:
+        return (await policy.respond(messages, None, Role.REHEARSE)).text
 
-    def __init__(
-        self,
-        policy: Policy,
-        prompt: RehearsalPrompt = RehearsalPrompt(),
-        on_malformed: str = "end",
-        shadow: RealSource | None = None,
-        examples: Callable[[CallContext], Sequence[Mapping[str, Any]]] | None = None,
-    ) -> None:
-        super().__init__(prompt, on_malformed, shadow, examples)
-        self.policy = policy
-
-    async def _generate(self, messages: list[dict[str, str]]) -> str:
-        reply = await self.policy.respond(messages, None, Role.REHEARSE)
-        return reply.text
+    return GeneratedSource("rehearse", generate, prompt, on_malformed, shadow, examples)
 
 
-class SimulatorSource(_GeneratedSource):
+def SimulatorSource(complete: Callable[[list[dict[str, str]]], Awaitable[str]],  # noqa: N802
+                    prompt: RehearsalPrompt | None = None, on_malformed: str = "end",
+                    shadow: RealSource | None = None, examples: Examples | None = None) -> GeneratedSource:
     """An external LLM answers the calls (``complete(messages) -> text``, e.g. an OpenAI-compatible endpoint)."""
-
-    name = "simulator"
-
-    def __init__(
-        self,
-        complete: Callable[[list[dict[str, str]]], Awaitable[str]],
-        prompt: RehearsalPrompt = RehearsalPrompt(),
-        on_malformed: str = "end",
-        shadow: RealSource | None = None,
-        examples: Callable[[CallContext], Sequence[Mapping[str, Any]]] | None = None,
-    ) -> None:
-        super().__init__(prompt, on_malformed, shadow, examples)
-        self.complete = complete
-
-    async def _generate(self, messages: list[dict[str, str]]) -> str:
-        return await self.complete(messages)
+    return GeneratedSource("simulator", complete, prompt, on_malformed, shadow, examples)
