@@ -17,8 +17,8 @@ from envace.agents.engine import LoopLimits
 from envace.agents.sources import RehearsalPrompt
 
 __all__ = [
-    "AgentConfig",
     "AdvantageConfig",
+    "AgentConfig",
     "ConfigError",
     "DataConfig",
     "EnvAceConfig",

@@ -36,9 +36,9 @@ from envace.toolcall import THINK_END, THINK_START, render_tool_call
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "GeneratedSource",
     "RESULT_END",
     "RESULT_START",
+    "GeneratedSource",
     "RealSource",
     "RehearsalFormatError",
     "RehearsalPrompt",
@@ -76,7 +76,7 @@ class RealSource:
                 masked=True,
                 meta={"reason": f"environment time-out on {call.name}"},
             )
-        except Exception as exc:  # noqa: BLE001  (the tool broke on the model's arguments: the model's failure)
+        except Exception as exc:
             logger.debug("environment raised on %s", call.name, exc_info=True)
             return Observation(
                 text=f"Error: the environment failed on '{call.name}': {type(exc).__name__}: {_safe_str(exc)}",
@@ -345,7 +345,7 @@ class GeneratedSource:
         return obs
 
 
-def RehearseSource(policy: Policy, prompt: RehearsalPrompt | None = None, on_malformed: str = "end",  # noqa: N802
+def RehearseSource(policy: Policy, prompt: RehearsalPrompt | None = None, on_malformed: str = "end",
                    shadow: RealSource | None = None, examples: Examples | None = None) -> GeneratedSource:
     """The policy answers its own tool calls in the REHEARSE role (EnvACE world rehearsal)."""
 
@@ -355,7 +355,7 @@ def RehearseSource(policy: Policy, prompt: RehearsalPrompt | None = None, on_mal
     return GeneratedSource("rehearse", generate, prompt, on_malformed, shadow, examples)
 
 
-def SimulatorSource(complete: Callable[[list[dict[str, str]]], Awaitable[str]],  # noqa: N802
+def SimulatorSource(complete: Callable[[list[dict[str, str]]], Awaitable[str]],
                     prompt: RehearsalPrompt | None = None, on_malformed: str = "end",
                     shadow: RealSource | None = None, examples: Examples | None = None) -> GeneratedSource:
     """An external LLM answers the calls (``complete(messages) -> text``, e.g. an OpenAI-compatible endpoint)."""

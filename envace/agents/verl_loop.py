@@ -47,7 +47,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from envace.agents import LOOP_NAMES
-from envace.agents.engine import LoopLimits, Reply, Role, Transcript, TurnEngine, assistant_message
+from envace.agents.engine import Reply, Role, Transcript, TurnEngine, assistant_message
 from envace.agents.sources import (
     RealSource,
     RehearsalFormatError,
@@ -57,8 +57,8 @@ from envace.agents.sources import (
 )
 from envace.config import AgentConfig, envace_config_from
 from envace.envs import cm2
-from envace.rewards.mix import mix_rewards
 from envace.envs.base import EnvironmentPool, Episode, get_pool
+from envace.rewards.mix import mix_rewards
 from envace.toolcall import parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class VerlPolicy:
         )
         self.generations.append(Generation(Role.ACT, prompt, tokens, logprobs, text, format_error=bool(parsed.errors)))
         # what the engine will append next; the next call's prefix check compares against it
-        n_before = sum(len((m.get("tool_calls") or [])) for m in st.seen if m.get("role") == "assistant")
+        n_before = sum(len(m.get("tool_calls") or []) for m in st.seen if m.get("role") == "assistant")
         ids = [f"call_{n_before + i}" for i in range(len(parsed.calls))]
         st.seen = [dict(m) for m in messages] + [assistant_message(reply, ids)]
         return reply

@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import typing
 import json
 import os
 import re
 import sys
+import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any

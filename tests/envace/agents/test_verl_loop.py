@@ -4,12 +4,12 @@ agent-loop tests use the same fake-server pattern; the real server path runs in 
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
-
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
@@ -105,7 +105,7 @@ def test_real_source_gold_policy_scores_one_with_one_output_per_message(tokenize
         assert set(out.response_mask) == {1} and out.response_logprobs == [-0.5] * len(out.response_ids)
         assert out.extra_fields["trajectory_id"] == "u1_2" and out.extra_fields["min_global_steps"] == 7
     # token in / token out: every prompt extends the previous prompt plus its generated tokens
-    for a, b in zip(outs, outs[1:]):
+    for a, b in itertools.pairwise(outs):
         assert b.prompt_ids[: len(a.prompt_ids) + len(a.response_ids)] == a.prompt_ids + a.response_ids
     actions = json.loads(outs[-1].extra_fields["actions"])
     assert [{k: a[k] for k in ("name", "arguments")} for a in actions] == flatten_turns(gold)
@@ -302,7 +302,7 @@ def test_checklist_row_is_rehearsed_and_scored_by_the_judge(tokenizer, tmp_path,
     row = _cm2_row(tmp_path)
     judge = fake_openai(lambda body, n: replies.verdict("order_id" in json.dumps(body)))
     act = [render_tool_call({"name": "get_order", "arguments": {"order_id": 3}}), "It shipped.", "Bye."]
-    loop, server = make_cm2_loop(tokenizer, act, [render_rehearsal('{"status": "shipped"}')], judge.base_url)
+    loop, _server = make_cm2_loop(tokenizer, act, [render_rehearsal('{"status": "shipped"}')], judge.base_url)
     outs = loop.loop.run_until_complete(loop.run({"temperature": 1.0, "logprobs": True}, **row, uid="u", session_id=0))
     assert [o.extra_fields["role"] for o in outs] == ["act", "rehearse", "act", "act"]
     assert judge.n_requests >= 2  # one judge call per (item, step)
