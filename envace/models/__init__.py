@@ -5,7 +5,7 @@ a Qwen3 chat template, and a tiny random-init Qwen3 checkpoint for CPU tests.
     >>> path = ensure_tiny_model()          # $ENVACE_CACHE/models/tiny-qwen3, built once
     >>> tok = load_tokenizer()              # AutoTokenizer over that directory
 
-CLI: ``python -m envace.models build [--out DIR] [--force]``.
+CLI: ``python -m envace.models build [--out DIR] [--force] [--warm-start]``.
 """
 
 from envace.models.tiny import (
@@ -30,6 +30,14 @@ from envace.models.tokenizer import (
     chat_template,
     render_chat,
 )
+from envace.models.warmstart import (
+    WARM_SPEC,
+    WarmStartConfig,
+    build_warm_start,
+    ensure_warm_model,
+    evaluate_policy,
+    evaluate_rehearsal,
+)
 
 __all__ = [
     "DEFAULT_SPEC",
@@ -39,13 +47,19 @@ __all__ = [
     "QWEN3_ADDED_TOKENS",
     "QWEN3_SPECIAL_START_ID",
     "RECIPE_VERSION",
+    "WARM_SPEC",
     "TinyQwen3Spec",
+    "WarmStartConfig",
     "build_qwen3_tokenizer",
     "build_tiny_model",
+    "build_warm_start",
     "chat_template",
     "default_cache_dir",
     "default_model_dir",
     "ensure_tiny_model",
+    "ensure_warm_model",
+    "evaluate_policy",
+    "evaluate_rehearsal",
     "is_complete",
     "load_tokenizer",
     "recipe_hash",

@@ -1,4 +1,5 @@
-"""``python -m envace.models build [--out DIR] [--force] [--verify]``: build the tiny Qwen3 once; print its path."""
+"""``python -m envace.models build [--out DIR] [--force] [--verify] [--warm-start]``: build the tiny Qwen3 (or its
+SFT warm start) once; print its path."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=None, help="target directory (default $ENVACE_CACHE/models/tiny-qwen3)")
     b.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
     b.add_argument("--verify", action="store_true", help="afterwards check every file's sha256 against the manifest")
+    b.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="build (or reuse) the SFT warm-started tiny Qwen3 ($ENVACE_CACHE/models/tiny-qwen3-warm) instead",
+    )
     sub.add_parser("path", help="print the default directory (builds nothing)")
     args = parser.parse_args(argv)
 
@@ -23,8 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         print(tiny.default_model_dir())
         return 0
     t0 = time.time()
-    path, built = tiny._ensure(args.out, force=args.force)
-    if args.verify and not tiny.is_complete(path, verify=True):
+    if args.warm_start:
+        from envace.models import warmstart
+
+        path, built = warmstart._ensure_warm(args.out, force=args.force)
+        complete = not args.verify or warmstart.is_warm_complete(path, verify=True)
+    else:
+        path, built = tiny._ensure(args.out, force=args.force)
+        complete = not args.verify or tiny.is_complete(path, verify=True)
+    if not complete:
         print(f"verification failed: {path}", file=sys.stderr)
         return 1
     print(f"{'built' if built else 'reused'} in {time.time() - t0:.1f}s", file=sys.stderr)

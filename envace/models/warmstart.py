@@ -1,0 +1,698 @@
+"""A supervised warm start of the tiny Qwen3 on gold trajectories of the ``synthetic`` pool.
+
+A random-init tiny model never emits a tool call, so every RL reward is 0 and GRPO has nothing to
+learn from. :func:`build_warm_start` fine-tunes the tiny Qwen3 (a larger :data:`WARM_SPEC`) on the
+TRAIN split of the procedurally generated pool, with two kinds of examples:
+
+ACT
+    One token stream per task, laid out exactly as verl's agent loop builds it (continuous tokens,
+    ``QwenContinuousTokenBuilder``): the initial render with the task's tools and the generation
+    prompt (``enable_thinking=False``, so ``<think>\\n\\n</think>\\n\\n``), then per gold call the
+    generated tokens ``render_tool_call(call) + <|im_end|>`` (loss), the boundary ``\\n`` and the
+    tool-response delta with the next generation prompt (no loss), and after each user turn's calls
+    the gold final reply (``pool.gold_replies``: ``"Done."`` or the answer the verifier checks) +
+    ``<|im_end|>`` (loss), then the next user message's delta.
+REHEARSE
+    Per gold call, the rehearsal prompt (:func:`envace.agents.sources.rehearsal_messages`, no tools,
+    generation prompt) with target ``render_rehearsal(real observation) + <|im_end|>``.
+
+Training is a plain AdamW loop. For speed on CPU the softmax runs over a compact vocabulary: the
+token ids that occur in the training sequences (a few thousand) plus a fixed uniform sample of the
+other ids, whose log-sum-exp is rescaled to stand for all of them (sampled softmax). The other rows
+of the (tied) embedding stay at their random init. The hidden states go through the head only at
+target positions.
+
+The result is cached like the tiny model (``$ENVACE_CACHE/models/tiny-qwen3-warm``, atomic directory
+build, ``envace_manifest.json`` written last with the recipe hash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envace.models import tiny as _tiny
+from envace.models import tokenizer as _tok
+
+__all__ = [
+    "WARM_NAME",
+    "WARM_RECIPE_VERSION",
+    "WARM_SPEC",
+    "SFTExample",
+    "WarmStartConfig",
+    "act_examples",
+    "build_warm_start",
+    "default_warm_dir",
+    "ensure_warm_model",
+    "evaluate_policy",
+    "evaluate_rehearsal",
+    "rehearse_examples",
+    "train_sft",
+]
+
+WARM_NAME = "tiny-qwen3-warm"
+WARM_RECIPE_VERSION = 1
+
+#: the warm-started model's size (the default tiny spec, 64 wide × 2 layers, learns too little)
+WARM_SPEC = _tiny.TinyQwen3Spec(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=384,
+)
+
+_SYN_SYSTEM = {"role": "system", "content": "continuous token synthetic system"}
+_SYN_USER = {"role": "user", "content": "continuous token synthetic user"}
+_TEMPLATE_KW = {"enable_thinking": False}
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """The training recipe (everything here enters the recipe hash)."""
+
+    spec: _tiny.TinyQwen3Spec = WARM_SPEC
+    pool: str = "synthetic"
+    pool_kwargs: tuple[tuple[str, Any], ...] = ()
+    max_train_tasks: int = 0  # 0: every train task
+    rehearse_per_task: int = 1  # rehearsal examples kept per task (random gold calls; 0: none)
+    max_history_chars: int = 1500
+    epochs: int = 1
+    max_steps: int = 1300  # stop after this many optimizer steps (0: run every epoch)
+    batch_tokens: int = 2048  # padded tokens per batch
+    lr: float = 6e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    negatives: int = 2048  # sampled other-vocabulary ids in the softmax
+    seed: int = 0
+    # torch CPU threads: 1 is deterministic and, on a shared 2-core box, far faster than 2 (no OpenMP spinning)
+    threads: int = 1
+    eval_tasks: int = 32  # held-out test tasks scored at the end of the build (T=1.0)
+
+    def recipe(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["spec"] = dataclasses.asdict(self.spec)
+        d["pool_kwargs"] = [list(kv) for kv in self.pool_kwargs]
+        d.pop("eval_tasks")
+        return d
+
+
+DEFAULT_CONFIG = WarmStartConfig()
+
+
+# --------------------------------------------------------------------------------------------------
+# SFT examples
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SFTExample:
+    """One token sequence; ``labels[i]`` is 1 where token ``i`` is a generated (trained) token."""
+
+    kind: str  # "act" | "rehearse"
+    ids: list[int]
+    labels: list[int]
+    task_id: str = ""
+    targets: list[str] = field(default_factory=list)  # the generated texts, in order (tests, debugging)
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _render(tok: Any, messages: Sequence[Mapping[str, Any]], tools: Any = None, gen: bool = False) -> str:
+    return tok.apply_chat_template(
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=gen, **_TEMPLATE_KW
+    )
+
+
+def _delta(tok: Any, prefix: list[dict[str, Any]], appended: list[dict[str, Any]]) -> list[int]:
+    """Tokens the template adds for ``appended`` (plus the generation prompt) after ``prefix``."""
+    a = _encode(tok, _render(tok, prefix))
+    b = _encode(tok, _render(tok, prefix + appended, gen=True))
+    if b[: len(a)] != a:
+        raise ValueError("chat template render is not append-only")
+    return b[len(a) :]
+
+
+def tool_delta(tok: Any, observations: Sequence[str]) -> list[int]:
+    """verl continuous tokens for a group of tool messages (after the ``\\n`` boundary)."""
+    synthetic = {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "reasoning",
+        "tool_calls": [
+            {"id": f"dummy_{i}", "type": "function", "function": {"name": "continuous_token_tool", "arguments": {}}}
+            for i in range(len(observations))
+        ],
+    }
+    return _delta(tok, [_SYN_SYSTEM, _SYN_USER, synthetic], [{"role": "tool", "content": o} for o in observations])
+
+
+def user_delta(tok: Any, text: str) -> list[int]:
+    """verl continuous tokens for an appended user message (after the ``\\n`` boundary)."""
+    return _delta(tok, [_SYN_SYSTEM, _SYN_USER], [{"role": "user", "content": text}])
+
+
+def _ids_of(tok: Any, token: str) -> int:
+    return int(tok.convert_tokens_to_ids(token))
+
+
+def _call_message(call: Any, call_id: str) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": call.name, "arguments": dict(call.arguments)}}],
+    }
+
+
+def act_examples(pool: Any, task_id: str, tok: Any) -> tuple[SFTExample, list[tuple[Any, list[dict[str, Any]], str]]]:
+    """The ACT stream of one task's gold trajectory, and ``(call, history, real observation)`` per gold call.
+
+    ``history`` is the engine's conversation up to and including the assistant message of the call
+    (what :class:`~envace.agents.sources.RehearseSource` shows the rehearsal role).
+    """
+    from envace.toolcall import render_tool_call
+
+    spec = pool.task(task_id)
+    ep = pool.start(task_id)
+    im_end, nl = _ids_of(tok, _tok.EOS_TOKEN), _encode(tok, "\n")
+    messages = list(ep.initial_messages())
+    ids = _encode(tok, _render(tok, messages, spec.tools, gen=True))
+    labels = [0] * len(ids)
+    targets: list[str] = []
+    calls: list[tuple[Any, list[dict[str, Any]], str]] = []
+
+    def emit(text: str) -> None:
+        t = _encode(tok, text) + [im_end]
+        ids.extend(t)
+        labels.extend([1] * len(t))
+        targets.append(text)
+
+    def context(delta: list[int]) -> None:
+        t = nl + delta  # QwenContinuousTokenBuilder inserts the "\n" after a generated <|im_end|>
+        ids.extend(t)
+        labels.extend([0] * len(t))
+
+    n_ids = 0
+    replies = pool.gold_replies(task_id)
+    for t, turn in enumerate(pool.gold_actions(task_id)):
+        for call in turn:
+            emit(render_tool_call(call))
+            msg = _call_message(call, f"call_{n_ids}")
+            n_ids += 1
+            obs = ep.execute(call)
+            calls.append((call, messages + [msg], obs))
+            messages += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": obs}]
+            context(tool_delta(tok, [obs]))
+        reply = replies[t]
+        emit(reply)
+        messages.append({"role": "assistant", "content": reply})
+        nxt = ep.end_turn(reply)
+        if nxt is None:
+            break
+        messages.append({"role": "user", "content": nxt})
+        context(user_delta(tok, nxt))
+    reward = ep.verify().reward
+    if reward != 1.0:
+        raise RuntimeError(f"gold trajectory of {task_id} scores {reward}")
+    return SFTExample("act", ids, labels, task_id, targets), calls
+
+
+def rehearse_example(tok: Any, call: Any, history: list[dict[str, Any]], tools: Any, observation: str,
+                     max_history_chars: int = 1500, task_id: str = "") -> SFTExample:
+    from envace.agents.sources import RehearsalPrompt, rehearsal_messages, render_rehearsal
+
+    msgs = rehearsal_messages(call, history, tools, examples=(), cfg=RehearsalPrompt(max_history_chars=max_history_chars))
+    prompt = _encode(tok, _render(tok, msgs, None, gen=True))
+    text = render_rehearsal(observation)
+    target = _encode(tok, text) + [_ids_of(tok, _tok.EOS_TOKEN)]
+    return SFTExample("rehearse", prompt + target, [0] * len(prompt) + [1] * len(target), task_id, [text])
+
+
+def rehearse_examples(pool: Any, task_id: str, tok: Any, max_history_chars: int = 1500) -> list[SFTExample]:
+    """One REHEARSE example per gold call of the task."""
+    tools = pool.task(task_id).tools
+    _, calls = act_examples(pool, task_id, tok)
+    return [rehearse_example(tok, c, h, tools, o, max_history_chars, task_id) for c, h, o in calls]
+
+
+def build_examples(pool: Any, task_ids: Sequence[str], tok: Any, cfg: WarmStartConfig = DEFAULT_CONFIG) -> list[SFTExample]:
+    rng = random.Random(f"{cfg.seed}:rehearse")
+    out: list[SFTExample] = []
+    for tid in task_ids:
+        ex, calls = act_examples(pool, tid, tok)
+        out.append(ex)
+        tools = pool.task(tid).tools
+        for c, h, o in rng.sample(calls, min(cfg.rehearse_per_task, len(calls))):
+            out.append(rehearse_example(tok, c, h, tools, o, cfg.max_history_chars, tid))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Training (compact vocabulary + sampled other ids)
+# --------------------------------------------------------------------------------------------------
+
+
+def _batches(examples: Sequence[SFTExample], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].ids), i))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(examples[i].ids)
+        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def train_sft(
+    model: Any,
+    examples: Sequence[SFTExample],
+    *,
+    epochs: int = 1,
+    max_steps: int = 0,
+    batch_tokens: int = 4096,
+    lr: float = 3e-3,
+    warmup_steps: int = 20,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    negatives: int = 2048,
+    seed: int = 0,
+    log_every: int = 0,
+    threads: int = 1,
+) -> list[float]:
+    """Fine-tune ``model`` (a tied-embedding Qwen3ForCausalLM, in place) on ``examples``; per-step losses.
+
+    The softmax covers the ids occurring in ``examples`` plus ``negatives`` other ids drawn once
+    (their log-sum-exp is shifted by ``log(#others / negatives)``); only those rows are trained.
+    """
+    import torch
+
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _train(model, examples, epochs, max_steps, batch_tokens, lr, warmup_steps, weight_decay, grad_clip,
+                      negatives, seed, log_every)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: int, batch_tokens: int, lr: float,
+           warmup_steps: int, weight_decay: float, grad_clip: float, negatives: int, seed: int,
+           log_every: int) -> list[float]:
+    import torch
+    import torch.nn.functional as F
+
+    emb = model.get_input_embeddings()
+    V, H = emb.weight.shape
+    if model.get_output_embeddings().weight.data_ptr() != emb.weight.data_ptr():
+        raise ValueError("train_sft expects tied input/output embeddings")
+    rng = random.Random(seed)
+    used = sorted({t for ex in examples for t in ex.ids})
+    used_set = set(used)
+    others = [i for i in range(V) if i not in used_set]
+    k = min(negatives, len(others))
+    neg = sorted(random.Random(f"{seed}:neg").sample(others, k)) if k else []
+    shift = math.log(len(others) / k) if k else 0.0
+    remap = torch.full((V,), -1, dtype=torch.long)
+    remap[torch.tensor(used)] = torch.arange(len(used))
+    full_w = emb.weight
+    with torch.no_grad():
+        compact = torch.nn.Parameter(full_w[torch.tensor(used)].clone())
+        neg_w = full_w[torch.tensor(neg, dtype=torch.long)].clone() if k else torch.zeros(0, H)
+    body = model.model
+    params = [compact] + [p for n, p in body.named_parameters() if not n.startswith("embed_tokens")]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    total = max_steps or epochs * len(_batches(examples, batch_tokens, random.Random(0)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) * max(0.05, 1 - s / max(1, total))
+    )
+    pad_c = max(int(remap[_tok.QWEN3_SPECIAL_START_ID]), 0)
+    losses: list[float] = []
+    model.train()
+    step = 0
+    t0 = time.time()
+    with _tiny._fork_rng():
+        torch.manual_seed(seed)
+        while step < total:
+            for batch in _batches(examples, batch_tokens, rng):
+                if step >= total:
+                    break
+                L = max(len(examples[i].ids) for i in batch)
+                ids = torch.full((len(batch), L), pad_c, dtype=torch.long)
+                att = torch.zeros((len(batch), L), dtype=torch.long)
+                lab = torch.zeros((len(batch), L), dtype=torch.bool)
+                for r, i in enumerate(batch):
+                    ex = examples[i]
+                    ids[r, : len(ex.ids)] = remap[torch.tensor(ex.ids)]
+                    att[r, : len(ex.ids)] = 1
+                    lab[r, : len(ex.ids)] = torch.tensor(ex.labels, dtype=torch.bool)
+                # position p predicts token p+1: select hidden states before each target token
+                sel = lab[:, 1:]
+                hidden = body(inputs_embeds=F.embedding(ids, compact), attention_mask=att).last_hidden_state
+                h = hidden[:, :-1][sel]
+                tgt = ids[:, 1:][sel]
+                logits = h @ compact.t()
+                if k:
+                    logits = torch.cat([logits, h @ neg_w.t() + shift], dim=-1)
+                loss = F.cross_entropy(logits, tgt)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if grad_clip:
+                    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                opt.step()
+                sched.step()
+                losses.append(float(loss.detach()))
+                step += 1
+                if log_every and step % log_every == 0:
+                    recent = losses[-log_every:]
+                    print(f"step {step}/{total} loss {sum(recent) / len(recent):.4f} ({time.time() - t0:.0f}s)", flush=True)
+    with torch.no_grad():
+        full_w[torch.tensor(used)] = compact.detach()
+    model.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation against the real environment
+# --------------------------------------------------------------------------------------------------
+
+
+def _load(model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
+    _tok._offline_env()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype="float32").eval()
+    return model, tok
+
+
+def _sample(model: Any, prompt: list[int], max_new: int, temperature: float, gen: Any, stop: set[int]) -> list[int]:
+    """Plain temperature sampling (greedy at 0) over the full vocabulary, with a KV cache."""
+    import torch
+
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        past = res.past_key_values
+        for _ in range(max_new):
+            logits = res.logits[0, -1].float()
+            if temperature <= 0:
+                nxt = int(torch.argmax(logits))
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = int(torch.multinomial(probs, 1, generator=gen))
+            out.append(nxt)
+            if nxt in stop:
+                break
+            res = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            past = res.past_key_values
+    return out
+
+
+def _split_test(pool: Any, n: int, seed: int) -> list[str]:
+    ids = list(pool.task_ids("test"))
+    random.Random(f"{seed}:eval").shuffle(ids)
+    return ids[:n] if n else ids
+
+
+def run_episode(model: Any, tok: Any, pool: Any, task_id: str, temperature: float, gen: Any,
+                max_steps_per_turn: int = 6, max_new_tokens: int = 96, max_calls: int = 8) -> dict[str, Any]:
+    """One rollout against the real environment in verl's continuous-token layout; returns reward + counters."""
+    from envace.agents.engine import malformed_call_observation
+    from envace.toolcall import parse_tool_calls
+
+    ep = pool.start(task_id)
+    im_end = _ids_of(tok, _tok.EOS_TOKEN)
+    stop = {im_end, _tok.QWEN3_SPECIAL_START_ID}
+    nl = _encode(tok, "\n")
+    ids = _encode(tok, _render(tok, ep.initial_messages(), ep.tools(), gen=True))
+    n_calls = n_bad = 0
+    stop_reason = "completed"
+    while True:
+        final = None
+        for _ in range(max_steps_per_turn):
+            new = _sample(model, ids, max_new_tokens, temperature, gen, stop)
+            ids += new
+            text = tok.decode(new, skip_special_tokens=True)
+            parsed = parse_tool_calls(text)
+            if not parsed.calls and not parsed.errors:
+                final = parsed.content
+                break
+            obs = [malformed_call_observation(e) for e in parsed.errors]
+            n_bad += len(parsed.errors)
+            for c in parsed.calls[:max_calls]:
+                obs.append(ep.execute(c))
+                n_calls += 1
+            if ids[-1] != im_end:
+                ids.append(im_end)  # cut at max_new_tokens: close the turn like a stop would
+            ids += nl + tool_delta(tok, obs)
+        if final is None:
+            stop_reason = "max_steps_per_turn"
+            break
+        nxt = ep.end_turn(final)
+        if nxt is None:
+            break
+        ids += nl + user_delta(tok, nxt)
+    return {"reward": ep.verify().reward if stop_reason == "completed" else 0.0, "calls": n_calls,
+            "malformed": n_bad, "stop": stop_reason}
+
+
+def evaluate_policy(model_dir: str | os.PathLike[str] | None = None, n_tasks: int = 64, temperature: float = 1.0,
+                    seed: int = 0, pool: Any = None, verbose: bool = False, threads: int = 1) -> float:
+    """Mean reward of the model acting on ``n_tasks`` held-out (test split) tasks of the synthetic pool."""
+    import torch
+
+    from envace.envs.base import get_pool
+
+    model_dir = model_dir if model_dir is not None else ensure_warm_model()
+    model, tok = _load(model_dir)
+    pool = pool if pool is not None else get_pool("synthetic")
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(seed)
+    rewards = []
+    try:
+        for tid in _split_test(pool, n_tasks, seed):
+            r = run_episode(model, tok, pool, tid, temperature, gen)
+            rewards.append(r["reward"])
+            if verbose:
+                print(tid, pool.task(tid).category, r, flush=True)
+    finally:
+        torch.set_num_threads(prev_threads)
+    return sum(rewards) / max(1, len(rewards))
+
+
+def evaluate_rehearsal(model_dir: str | os.PathLike[str] | None = None, n_tasks: int = 32, temperature: float = 0.0,
+                       seed: int = 0, pool: Any = None, max_history_chars: int = 1500) -> dict[str, float]:
+    """Format-valid and exact-match rates of the model's rehearsals of held-out gold calls."""
+    import torch
+
+    from envace.envs.base import get_pool
+
+    model_dir = model_dir if model_dir is not None else ensure_warm_model()
+    model, tok = _load(model_dir)
+    pool = pool if pool is not None else get_pool("synthetic")
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    stop = {_ids_of(tok, _tok.EOS_TOKEN), _tok.QWEN3_SPECIAL_START_ID}
+    counts = [0, 0, 0]  # calls, format-valid, exact
+    try:
+        _rehearse_eval(model, tok, pool, n_tasks, temperature, seed, max_history_chars, gen, stop, counts)
+    finally:
+        torch.set_num_threads(prev_threads)
+    n, valid, exact = counts
+    return {"calls": float(n), "valid": valid / max(1, n), "exact": exact / max(1, n)}
+
+
+def _rehearse_eval(model: Any, tok: Any, pool: Any, n_tasks: int, temperature: float, seed: int, max_history_chars: int,
+                   gen: Any, stop: set[int], counts: list[int]) -> None:
+    from envace.agents.sources import (
+        RehearsalFormatError,
+        RehearsalPrompt,
+        fidelity,
+        parse_rehearsal,
+        rehearsal_messages,
+    )
+
+    for tid in _split_test(pool, n_tasks, seed):
+        _, calls = act_examples(pool, tid, tok)
+        tools = pool.task(tid).tools
+        for call, history, obs in calls:
+            msgs = rehearsal_messages(call, history, tools, cfg=RehearsalPrompt(max_history_chars=max_history_chars))
+            prompt = _encode(tok, _render(tok, msgs, None, gen=True))
+            text = tok.decode(_sample(model, prompt, 128, temperature, gen, stop), skip_special_tokens=True)
+            counts[0] += 1
+            try:
+                result = parse_rehearsal(text)
+            except RehearsalFormatError:
+                continue
+            counts[1] += 1
+            counts[2] += int(fidelity(result, obs)["exact"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Cached build
+# --------------------------------------------------------------------------------------------------
+
+
+def default_warm_dir() -> Path:
+    return _tiny.default_cache_dir() / "models" / WARM_NAME
+
+
+def warm_recipe(cfg: WarmStartConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    return {"warm_recipe_version": WARM_RECIPE_VERSION, "base": _tiny.recipe(cfg.spec), "train": cfg.recipe()}
+
+
+def warm_recipe_hash(cfg: WarmStartConfig = DEFAULT_CONFIG) -> str:
+    blob = json.dumps(warm_recipe(cfg), sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def is_warm_complete(path: str | os.PathLike[str], cfg: WarmStartConfig = DEFAULT_CONFIG, verify: bool = False) -> bool:
+    path = Path(path)
+    try:
+        manifest = json.loads((path / _tiny.MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("recipe_hash") != warm_recipe_hash(cfg) or not isinstance(manifest.get("files"), dict):
+        return False
+    for name, meta in manifest["files"].items():
+        f = path / name
+        try:
+            if f.stat().st_size != meta["size"]:
+                return False
+        except (OSError, KeyError, TypeError):
+            return False
+        if verify and _tiny.file_sha256(f) != meta.get("sha256"):
+            return False
+    return bool(manifest["files"])
+
+
+def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[str, Any]:
+    """Random init (tiny recipe) → SFT → save into ``out``; manifest written last. Returns the manifest."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envace.envs.base import get_pool
+
+    t0 = time.time()
+    _tiny.build_tiny_model(out, cfg.spec)
+    (out / _tiny.MANIFEST_NAME).unlink()
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype="float32")
+    pool = get_pool(cfg.pool, **dict(cfg.pool_kwargs))
+    tids = list(pool.task_ids("train"))
+    if cfg.max_train_tasks:
+        tids = random.Random(f"{cfg.seed}:tasks").sample(tids, min(cfg.max_train_tasks, len(tids)))
+    examples = build_examples(pool, tids, tok, cfg)
+    t_data = time.time() - t0
+    print(f"warm start: {len(examples)} examples from {len(tids)} train tasks "
+          f"({sum(len(e.ids) for e in examples)} tokens, {sum(sum(e.labels) for e in examples)} targets) in {t_data:.0f}s",
+          flush=True)
+    losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, batch_tokens=cfg.batch_tokens, lr=cfg.lr,
+                       warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                       negatives=cfg.negatives, seed=cfg.seed, log_every=log_every, threads=cfg.threads)
+    t_train = time.time() - t0 - t_data
+    with _tiny._no_progress_bars():
+        model.save_pretrained(out, safe_serialization=True)
+    tail = losses[-max(1, len(losses) // 10):]
+    files = {}
+    for f in sorted(out.iterdir()):
+        if f.is_file() and f.name != _tiny.MANIFEST_NAME:
+            os.chmod(f, 0o644)
+            files[f.name] = {"size": f.stat().st_size, "sha256": _tiny.file_sha256(f)}
+    import transformers
+
+    manifest = {
+        "name": WARM_NAME,
+        "recipe_hash": warm_recipe_hash(cfg),
+        "recipe": warm_recipe(cfg),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "train": {
+            "examples": len(examples),
+            "act_examples": sum(e.kind == "act" for e in examples),
+            "rehearse_examples": sum(e.kind == "rehearse" for e in examples),
+            "steps": len(losses),
+            "first_loss": round(losses[0], 4) if losses else None,
+            "final_loss": round(sum(tail) / len(tail), 4) if losses else None,
+            "data_seconds": round(t_data, 1),
+            "train_seconds": round(t_train, 1),
+        },
+        "build_seconds": round(time.time() - t0, 2),
+        "files": files,
+    }
+    return manifest
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    tmp = out / (_tiny.MANIFEST_NAME + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / _tiny.MANIFEST_NAME)
+
+
+def build_warm_start(
+    out_dir: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    cfg: WarmStartConfig = DEFAULT_CONFIG,
+    evaluate: bool = True,
+) -> Path:
+    """Return the warm-started checkpoint directory, building it first if missing or stale (deterministic).
+
+    ``out_dir`` defaults to ``$ENVACE_CACHE/models/tiny-qwen3-warm``; ``force`` rebuilds a complete one.
+    A fresh build prints its held-out success (``cfg.eval_tasks`` test tasks, temperature 1.0), which
+    is also recorded in the manifest.
+    """
+    return _ensure_warm(out_dir, force=force, cfg=cfg, evaluate=evaluate)[0]
+
+
+def _ensure_warm(out_dir: str | os.PathLike[str] | None, *, force: bool = False, cfg: WarmStartConfig = DEFAULT_CONFIG,
+                 evaluate: bool = True) -> tuple[Path, bool]:
+    _tok._offline_env()
+    final = (Path(out_dir).expanduser() if out_dir is not None else default_warm_dir()).absolute()
+    if not force and is_warm_complete(final, cfg):
+        return final, False
+    with _tiny._build_lock(final):
+        if not force and is_warm_complete(final, cfg):
+            return final, False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=final.parent))
+        try:
+            manifest = _build_into(tmp, cfg)
+            if evaluate and cfg.eval_tasks:
+                t0 = time.time()
+                success = evaluate_policy(tmp, n_tasks=cfg.eval_tasks, temperature=1.0, seed=cfg.seed)
+                manifest["heldout_success"] = {"tasks": cfg.eval_tasks, "temperature": 1.0, "success": success,
+                                               "seconds": round(time.time() - t0, 1)}
+                print(f"warm start: held-out success {success:.3f} on {cfg.eval_tasks} test tasks (T=1.0)", flush=True)
+            manifest["build_seconds_total"] = round(manifest["build_seconds"] + manifest.get("heldout_success", {}).get("seconds", 0), 1)
+            _write_manifest(tmp, manifest)
+            os.chmod(tmp, 0o755)
+            _tiny._install(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, True
+
+
+def ensure_warm_model(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
+    """The warm-started checkpoint directory (``$ENVACE_CACHE/models/tiny-qwen3-warm``), built if needed."""
+    return build_warm_start(path, force=force)

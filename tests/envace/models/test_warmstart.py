@@ -1,0 +1,238 @@
+"""The SFT warm start: example construction (targets, loss masks, token layout) and the training loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from envace.models import warmstart as W
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from envace.envs.base import get_pool
+
+    return get_pool("synthetic")
+
+
+@pytest.fixture(scope="module")
+def tok(qwen_tokenizer_hf):
+    return qwen_tokenizer_hf
+
+
+@pytest.fixture(scope="module")
+def sample_tasks(pool):
+    """A few train tasks covering single-call, multi-call, question and multi-turn shapes."""
+    want = ["act", "query", "lookup_query", "multiturn", "copy_value", "filter_update"]
+    out: dict[str, str] = {}
+    for tid in pool.task_ids("train"):
+        cat = pool.task(tid).category
+        if cat in want and cat not in out:
+            out[cat] = tid
+        if len(out) == len(want):
+            break
+    return list(out.values())
+
+
+def _spans(ex):
+    """Contiguous runs of labelled positions as (start, end) pairs."""
+    spans, start = [], None
+    for i, lab in enumerate(ex.labels + [0]):
+        if lab and start is None:
+            start = i
+        elif not lab and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def _gold_targets(pool, tid):
+    from envace.toolcall import render_tool_call
+
+    out = []
+    for turn, reply in zip(pool.gold_actions(tid), pool.gold_replies(tid), strict=True):
+        out += [render_tool_call(c) for c in turn] + [reply]
+    return out
+
+
+def test_act_targets_are_gold_calls_and_replies(pool, tok, sample_tasks):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for tid in sample_tasks:
+        ex, calls = W.act_examples(pool, tid, tok)
+        assert len(ex.ids) == len(ex.labels)
+        gold = _gold_targets(pool, tid)
+        spans = _spans(ex)
+        assert len(spans) == len(gold) == len(ex.targets)
+        for (a, b), text in zip(spans, gold, strict=True):
+            assert ex.ids[b - 1] == im_end  # the closing <|im_end|> is trained
+            assert tok.decode(ex.ids[a:b]) == text + "<|im_end|>"
+        assert len(calls) == sum(len(t) for t in pool.gold_actions(tid))
+        # question turns end with the gold answer the verifier checks
+        assert ex.targets[-1] == pool.gold_replies(tid)[-1]
+
+
+def test_act_loss_mask_covers_only_generated_tokens(pool, tok, sample_tasks):
+    gen_prompt = tok("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    special = {tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>", "<tool_response>")}
+    for tid in sample_tasks:
+        ex, _ = W.act_examples(pool, tid, tok)
+        for a, b in _spans(ex):
+            assert ex.ids[a - len(gen_prompt) : a] == gen_prompt  # every target follows the generation prompt
+            assert not special & set(ex.ids[a:b])
+        # everything unlabelled is prompt / context: the system+tools block, users, tool responses
+        assert sum(ex.labels) < len(ex.ids) / 2
+
+
+def test_act_stream_matches_chat_template(pool, tok, sample_tasks):
+    """Each target is what follows ``apply_chat_template(prefix, add_generation_prompt=True)``."""
+    from envace.toolcall import render_tool_call
+
+    def ids(messages, tools, gen):
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen, enable_thinking=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    for tid in sample_tasks:
+        spec = pool.task(tid)
+        ex, _ = W.act_examples(pool, tid, tok)
+        first = ids(spec.initial_messages(), spec.tools, True)
+        assert ex.ids[: len(first)] == first and not any(ex.labels[: len(first)])
+        # every assistant message, rendered last after its conversation prefix, continues the generation prompt
+        ep, messages, k = pool.start(tid), list(spec.initial_messages()), 0
+        targets = ex.targets
+        for t, (turn, reply) in enumerate(zip(pool.gold_actions(tid), pool.gold_replies(tid), strict=True)):
+            if t:
+                messages.append({"role": "user", "content": pool.user_messages(tid)[t]})
+            for call in turn + [None]:
+                content = render_tool_call(call) if call is not None else reply
+                msg = {"role": "assistant", "content": content}
+                prompt = ids(messages, spec.tools, True)
+                full = ids(messages + [msg], spec.tools, False)
+                assert full[: len(prompt)] == prompt
+                tail = tok.decode(full[len(prompt) :])
+                assert tail == targets[k] + "<|im_end|>\n"
+                k += 1
+                messages.append(msg)
+                if call is not None:
+                    messages.append({"role": "tool", "content": ep.execute(call)})
+            ep.end_turn(reply)
+
+
+def test_act_stream_matches_verl_continuous_tokens(pool, tok, sample_tasks):
+    """The ACT stream is token for token what verl's Qwen continuous-token builder feeds the policy."""
+    ct = pytest.importorskip("verl.utils.tokenizer.continuous_token")
+    builder = ct.QwenContinuousTokenBuilder(tok, chat_template_kwargs={"enable_thinking": False})
+    from envace.toolcall import render_tool_call
+
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for tid in sample_tasks:
+        spec = pool.task(tid)
+        ex, _ = W.act_examples(pool, tid, tok)
+        ep, seen = pool.start(tid), list(spec.initial_messages())
+        stream = list(builder.build_initial_tokens(seen, tools=spec.tools))
+        for t, (turn, reply) in enumerate(zip(pool.gold_actions(tid), pool.gold_replies(tid), strict=True)):
+            if t:
+                new = seen + [{"role": "user", "content": pool.user_messages(tid)[t]}]
+                stream = builder.merge_context_tokens(seen, new, stream, tools=spec.tools).token_ids
+                seen = new
+            for i, call in enumerate(turn):
+                gen = tok(render_tool_call(call), add_special_tokens=False)["input_ids"] + [im_end]
+                stream = builder.merge_assistant_tokens(stream, gen).token_ids
+                msg = {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": f"call_{t}_{i}", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                ]}
+                new = seen + [msg, {"role": "tool", "tool_call_id": f"call_{t}_{i}", "content": ep.execute(call)}]
+                stream = builder.merge_context_tokens(seen + [msg], new, stream, tools=spec.tools).token_ids
+                seen = new
+            gen = tok(reply, add_special_tokens=False)["input_ids"] + [im_end]
+            stream = builder.merge_assistant_tokens(stream, gen).token_ids
+            seen = seen + [{"role": "assistant", "content": reply}]
+            ep.end_turn(reply)
+        assert list(stream) == ex.ids
+
+
+def test_rehearse_targets(pool, tok, sample_tasks):
+    from envace.agents.sources import RehearsalPrompt, parse_rehearsal, rehearsal_messages, render_rehearsal
+
+    for tid in sample_tasks:
+        spec = pool.task(tid)
+        _, calls = W.act_examples(pool, tid, tok)
+        exs = W.rehearse_examples(pool, tid, tok, max_history_chars=1500)
+        assert len(exs) == len(calls) == len(pool.gold_observations(tid)[0]) + sum(
+            len(o) for o in pool.gold_observations(tid)[1:]
+        )
+        for ex, (call, history, obs) in zip(exs, calls, strict=True):
+            assert history[-1]["role"] == "assistant" and history[-1]["tool_calls"][0]["function"]["name"] == call.name
+            msgs = rehearsal_messages(call, history, spec.tools, cfg=RehearsalPrompt(max_history_chars=1500))
+            prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            ((a, b),) = _spans(ex)
+            assert a == len(prompt_ids) and ex.ids[:a] == prompt_ids and b == len(ex.ids)
+            text = tok.decode(ex.ids[a:b])
+            assert text == render_rehearsal(obs) + "<|im_end|>"
+            assert json.loads(parse_rehearsal(text.removesuffix("<|im_end|>"))) == json.loads(obs)
+
+
+def _target_loss(model, examples):
+    """Full-vocabulary cross-entropy of the real model on the target tokens (no compact vocabulary)."""
+    import torch
+    import torch.nn.functional as F
+
+    losses = []
+    with torch.no_grad():
+        for ex in examples:
+            ids = torch.tensor([ex.ids])
+            h = model.model(input_ids=ids).last_hidden_state[0, :-1]
+            sel = torch.tensor(ex.labels[1:], dtype=torch.bool)
+            losses.append(F.cross_entropy(model.lm_head(h[sel]), ids[0, 1:][sel]).item())
+    return sum(losses) / len(losses)
+
+
+def _tiny_model():
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from envace.models.tiny import TinyQwen3Spec
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(TinyQwen3Spec().qwen3_config()).eval()
+
+
+def test_training_lowers_the_loss(pool, tok, sample_tasks):
+    examples = []
+    for tid in sample_tasks[:3]:
+        examples.append(W.act_examples(pool, tid, tok)[0])
+        examples += W.rehearse_examples(pool, tid, tok)[:1]
+    model = _tiny_model()
+    before = _target_loss(model, examples)
+    losses = W.train_sft(model, examples, max_steps=20, batch_tokens=2048, lr=1e-2, warmup_steps=2, negatives=256, seed=0)
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0
+    after = _target_loss(model, examples)  # the trained rows were written back into the full embedding
+    assert after < before - 1.0
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_training_is_deterministic(pool, tok, sample_tasks):
+    examples = [W.act_examples(pool, tid, tok)[0] for tid in sample_tasks[:2]]
+    runs = [W.train_sft(_tiny_model(), examples, max_steps=3, batch_tokens=1024, negatives=64, seed=1) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_recipe_hash_tracks_the_config():
+    import dataclasses
+
+    assert W.warm_recipe_hash() == W.warm_recipe_hash(W.WarmStartConfig())
+    assert W.warm_recipe_hash() != W.warm_recipe_hash(dataclasses.replace(W.DEFAULT_CONFIG, max_steps=1))
+    # the evaluation size is not part of the recipe
+    assert W.warm_recipe_hash() == W.warm_recipe_hash(dataclasses.replace(W.DEFAULT_CONFIG, eval_tasks=3))
+
+
+@pytest.mark.slow
+def test_full_warm_start_build(tmp_path):
+    out = W.build_warm_start(tmp_path / "warm", cfg=W.DEFAULT_CONFIG)
+    assert W.is_warm_complete(out, verify=True)
+    manifest = json.loads((out / "envace_manifest.json").read_text())
+    assert manifest["train"]["final_loss"] < manifest["train"]["first_loss"]
+    assert 0.0 < manifest["heldout_success"]["success"] < 1.0
+    assert W.build_warm_start(tmp_path / "warm") == out  # cached
