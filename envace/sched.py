@@ -97,18 +97,22 @@ def collect_groups(
     scores: Sequence[Any],
     extra_fields: Sequence[Mapping[str, Any] | None],
     uid_task: Mapping[str, str],
+    tags: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[list[dict[str, Any]]]], int]:
     """Per-task rewards (one per rollout) and action sequences from a trained batch.
 
     TransferQueue keys are ``{uid}_{session}_{output index}``; a rollout with several outputs counts
     once. Rollouts whose verifier failed (``reward_extra_info.verify_failed``) are left out rather
-    than observed as reward 0. Returns (rewards, trajectories, number of unscored rollouts).
+    than observed as reward 0, and so are the no-op rows verl appends to make the batch divisible
+    (``tags[i]["is_padding"]``). Returns (rewards, trajectories, number of unscored rollouts).
     """
     rewards: dict[str, list[float]] = defaultdict(list)
     trajectories: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)
     seen: set[str] = set()
     unscored = 0
     for i, key in enumerate(keys):
+        if tags is not None and tags[i].get("is_padding", False):
+            continue
         rollout = key.rsplit("_", 1)[0]
         if rollout in seen:
             continue
@@ -199,7 +203,7 @@ def _register() -> None:
             )
             uids = [str(u) for u in data["uid"]]
             rewards, trajectories, unscored = collect_groups(
-                batch.keys, uids, data["rm_scores"], list(data["extra_fields"]), self._uid_task
+                batch.keys, uids, data["rm_scores"], list(data["extra_fields"]), self._uid_task, batch.tags
             )
             for uid in set(uids):  # this step's prompts are done
                 self._uid_task.pop(uid, None)

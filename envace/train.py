@@ -84,14 +84,19 @@ def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int
 
 
 def resolve_model_path(path: str) -> str:
-    """``builtin:tiny-qwen3`` → the cached embedded model (built on first use); else a local dir."""
+    """``builtin:tiny-qwen3`` / ``builtin:tiny-qwen3-warm`` → the cached embedded model (built on first use);
+    else a local checkpoint directory."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
-        if name != "tiny-qwen3":
-            raise ConfigError(f"unknown builtin model {name!r}; available: tiny-qwen3")
-        from envace.models import ensure_tiny_model
+        if name == "tiny-qwen3":
+            from envace.models import ensure_tiny_model
 
-        return str(ensure_tiny_model())
+            return str(ensure_tiny_model())
+        if name == "tiny-qwen3-warm":  # supervised warm start on the synthetic pool (built once, ~6 min)
+            from envace.models.warmstart import ensure_warm_model
+
+            return str(ensure_warm_model())
+        raise ConfigError(f"unknown builtin model {name!r}; available: tiny-qwen3, tiny-qwen3-warm")
     local = Path(path).expanduser()
     if not (local / "config.json").is_file():
         raise ConfigError(

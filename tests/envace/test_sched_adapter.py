@@ -71,3 +71,17 @@ def test_collect_groups_one_reward_per_rollout_and_skips_unscored():
     assert rewards == {"p/t1": [1.0, 0.0], "p/t2": [1.0]}
     assert unscored == 1
     assert trajs["p/t1"] == [[{"name": "ls", "arguments": {}}]] * 2
+
+
+def test_collect_groups_skips_the_padding_rows_verl_appends():
+    """verl pads a multi-output batch with no-op rows of an unknown uid (``is_padding`` tag)."""
+    import torch
+
+    keys = ["u1_0_0", "u1_0_1", "padabc_0_0", "padabc_1_0"]
+    uids = ["u1", "u1", "padabc", "padabc"]
+    scores = [torch.tensor([1.0])] * 4
+    tags = [{}, {}, {"is_padding": True}, {"is_padding": True}]
+    rewards, _, unscored = collect_groups(keys, uids, scores, [{}] * 4, {"u1": "p/t1"}, tags)
+    assert rewards == {"p/t1": [1.0]} and unscored == 0
+    with pytest.raises(KeyError):  # without the tags the pad uid is unknown
+        collect_groups(keys, uids, scores, [{}] * 4, {"u1": "p/t1"})
