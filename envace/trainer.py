@@ -13,7 +13,8 @@ It also adds, every step:
   empty-output rates; trajectory-level calls per trajectory, stop reasons and the masked (unscored) rate;
 * ``envace/rehearsal_fidelity/*``: for rehearsed responses whose real counterpart is known, the share
   that equals the real environment's response (normalised JSON), key overlap and error agreement;
-* ``role`` and ``trajectory_id`` columns in the per-step rollout dump (``rollouts/N.jsonl``).
+* ``role``, ``trajectory_id`` and ``advantage`` (the row's advantage) columns in the per-step rollout dump
+  (``rollouts/N.jsonl``).
 
 :class:`envace.sched.EnvSchedTrainer` (``envsched_sync``) derives from it, so EnvSched and role-wise
 GRPO combine.
@@ -167,10 +168,13 @@ def _register() -> type:
             return batch
 
         def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
-            extra = self._extra_fields(batch)
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "advantages"]
+            )
+            advantages = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
             self._dump_labels = {
-                key: (str((ef or {}).get("role", "act")), str((ef or {}).get("trajectory_id", _key_traj(key))))
-                for key, ef in zip(batch.keys, extra, strict=True)
+                key: (str((ef or {}).get("role", "act")), str((ef or {}).get("trajectory_id", _key_traj(key))), adv)
+                for key, ef, adv in zip(batch.keys, list(data["extra_fields"]), advantages, strict=True)
             }
             try:
                 super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
@@ -182,8 +186,10 @@ def _register() -> type:
             keys = reward_extra_infos_dict.get("uid")
             if labels and keys:
                 reward_extra_infos_dict = dict(reward_extra_infos_dict)
-                reward_extra_infos_dict["role"] = [labels.get(k, ("act", ""))[0] for k in keys]
-                reward_extra_infos_dict["trajectory_id"] = [labels.get(k, ("", _key_traj(k)))[1] for k in keys]
+                rows = [labels.get(k, ("act", _key_traj(k), 0.0)) for k in keys]
+                reward_extra_infos_dict["role"] = [r[0] for r in rows]
+                reward_extra_infos_dict["trajectory_id"] = [r[1] for r in rows]
+                reward_extra_infos_dict["advantage"] = [r[2] for r in rows]
             return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)
 
     return EnvaceTrainer
