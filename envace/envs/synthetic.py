@@ -587,6 +587,8 @@ class _Env:
     def build_tasks(self, pool: SyntheticPool) -> None:
         rng = self.rng
         shapes = self.shapes()
+        if pool.shapes is not None:  # keep only the pool's shapes (a query if the environment allows none)
+            shapes = [s for s in shapes if s in pool.shapes] or ["query"]
         seen: set[str] = set()
         width = max(2, len(str(pool.tasks_per_env - 1)))
         for j in range(pool.tasks_per_env):
@@ -1015,6 +1017,11 @@ class SyntheticPool(EnvironmentPool):
         seed: generator seed (entities, tools, renamings, tasks) and split seed.
         reward: ``"binary"`` (1.0 iff every check passes) or ``"partial"`` (fraction of checks passed).
         test_fraction: share of tasks in the ``"test"`` split.
+        shapes: keep only these task shapes (a subset of :data:`SHAPES`; ``None``: all). Each
+            environment cycles through the kept shapes its tools allow (``act``, ``query``,
+            ``lookup_act``, ``lookup_query`` and ``multiturn`` are allowed everywhere; an environment
+            that allows none of the kept shapes gets ``query`` tasks). Task ids and splits do not
+            depend on ``shapes``; the tasks themselves do.
     """
 
     name = POOL_NAME
@@ -1026,7 +1033,16 @@ class SyntheticPool(EnvironmentPool):
         seed: int | str = 0,
         reward: str = "binary",
         test_fraction: float = 0.2,
+        shapes: Sequence[str] | None = None,
     ) -> None:
+        if shapes is not None:
+            if isinstance(shapes, str):
+                shapes = (shapes,)
+            unknown = [s for s in shapes if s not in SHAPES]
+            if unknown or not shapes:
+                raise ValueError(f"shapes must be a non-empty subset of {SHAPES}, got {shapes!r}")
+            shapes = tuple(s for s in SHAPES if s in set(shapes))
+        self.shapes: tuple[str, ...] | None = shapes
         if int(n_envs) < 1 or int(tasks_per_env) < 1:
             raise ValueError(f"n_envs and tasks_per_env must be positive, got {n_envs}, {tasks_per_env}")
         if reward not in ("binary", "partial"):

@@ -423,3 +423,48 @@ def test_cli_lists_and_replays_synthetic():
     assert res.stdout.startswith("synthetic: 2550 tasks")
     rows = {line.split()[0] for line in res.stdout.splitlines()[2:]}
     assert rows == set(SHAPES)
+
+
+# --------------------------------------------------------------------------------------------------
+# shape filter (the easy learning configuration)
+# --------------------------------------------------------------------------------------------------
+
+EASY = ("act", "query", "lookup_act", "lookup_query")
+
+
+def test_shapes_filter_keeps_only_those_shapes():
+    easy = SyntheticPool(shapes=EASY)
+    ids = easy.task_ids()
+    assert len(ids) == 51 * 50 and easy.shapes == EASY
+    cats = Counter(easy.task(t).category for t in ids)
+    assert set(cats) == set(EASY) and min(cats.values()) > 400  # every kept shape in every environment's cycle
+    assert all(easy.task(t).metadata["n_calls"] <= 2 and easy.task(t).metadata["n_turns"] == 1 for t in ids)
+    # ids and splits do not depend on the filter; the default pool is unchanged by the option
+    full = SyntheticPool()
+    assert easy.task_ids("test") == full.task_ids("test") and easy.task_ids("train") == full.task_ids("train")
+    assert full.shapes is None and len({full.task(t).category for t in full.task_ids()}) == len(SHAPES)
+    assert _snapshot(SyntheticPool(n_envs=9, shapes=EASY)) == _snapshot(SyntheticPool(n_envs=9, shapes=list(EASY)))
+    assert _snapshot(SyntheticPool(n_envs=9, shapes=EASY)) != _snapshot(SyntheticPool(n_envs=9))
+    # order and repetition do not matter; a single shape may be given as a string
+    assert SyntheticPool(n_envs=3, shapes=("query", "act", "act")).shapes == ("act", "query")
+    acts = SyntheticPool(n_envs=3, shapes="act")
+    assert {acts.task(t).category for t in acts.task_ids()} == {"act"}
+    for bad in ((), ("nope",), ("act", "walk")):
+        with pytest.raises(ValueError):
+            SyntheticPool(shapes=bad)
+
+
+def test_shapes_filter_gold_replays_to_one():
+    for shapes in (EASY, ("transfer_chain", "create_verify"), ("multiturn",)):
+        p = SyntheticPool(n_envs=18, shapes=shapes, reward="partial")
+        for tid in p.task_ids():
+            assert p.task(tid).category in shapes or p.task(tid).category == "query"
+            assert p.replay(tid, p.gold_actions(tid)).reward == 1.0, tid
+            assert p.replay(tid, p.gold_actions(tid), replies=p.gold_replies(tid)).reward == 1.0, tid
+
+
+def test_shapes_filter_through_get_pool_is_deterministic():
+    a, b = get_pool("synthetic", shapes=EASY), get_pool("synthetic", shapes=EASY)
+    tids = a.task_ids("test")[::23]
+    assert [a.user_messages(t) for t in tids] == [b.user_messages(t) for t in tids]
+    assert [a.gold_actions(t) for t in tids] == [b.gold_actions(t) for t in tids]
