@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
@@ -354,7 +353,3 @@ class TurnEngine:
                 return obs.kind
         return None
 
-
-def json_dumps_safe(obj: Any) -> str:
-    """JSON text that never raises (lone surrogates and odd objects are escaped / stringified)."""
-    return json.dumps(obj, ensure_ascii=True, default=str)

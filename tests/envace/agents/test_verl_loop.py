@@ -326,3 +326,16 @@ def test_rows_without_an_environment_cannot_train_against_the_real_source(tokeni
     loop, _ = make_loop(tokenizer, ["hi"])
     with pytest.raises(ValueError, match="no executable environment"):
         loop.loop.run_until_complete(loop.run({"temperature": 1.0}, **row))
+
+
+def test_a_conversation_that_does_not_extend_the_tokenised_context_is_refused(tokenizer):
+    from envace.agents.engine import Role
+    from envace.agents.verl_loop import PrefixError, VerlPolicy
+
+    loop, _ = make_loop(tokenizer, ["Done.", "Done."])
+    policy = VerlPolicy(loop, {"logprobs": True}, loop.agent_cfg)
+    messages = [{"role": "user", "content": "hi"}]
+    loop.loop.run_until_complete(policy.respond(messages, None, Role.ACT))
+    edited = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Done."}]
+    with pytest.raises(PrefixError):  # an earlier turn changed: it would have to be re-encoded
+        loop.loop.run_until_complete(policy.respond(edited, None, Role.ACT))
