@@ -164,7 +164,11 @@ def is_complete(path: str | os.PathLike[str], spec: TinyQwen3Spec = DEFAULT_SPEC
     manifest = _read_manifest(path)
     if not manifest or manifest.get("recipe_hash") != recipe_hash(spec):
         return False
-    files = manifest.get("files")
+    return files_intact(path, manifest.get("files"), verify)
+
+
+def files_intact(path: Path, files: Any, verify: bool = False) -> bool:
+    """Every file a manifest lists (``{name: {"size", "sha256"}}``) is there with its size (and hash)."""
     if not isinstance(files, dict) or not files:
         return False
     for name, meta in files.items():

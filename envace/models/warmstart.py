@@ -654,18 +654,9 @@ def is_warm_complete(path: str | os.PathLike[str], cfg: WarmStartConfig = DEFAUL
         manifest = json.loads((path / _tiny.MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return False
-    if manifest.get("recipe_hash") != warm_recipe_hash(cfg) or not isinstance(manifest.get("files"), dict):
+    if manifest.get("recipe_hash") != warm_recipe_hash(cfg):
         return False
-    for name, meta in manifest["files"].items():
-        f = path / name
-        try:
-            if f.stat().st_size != meta["size"]:
-                return False
-        except (OSError, KeyError, TypeError):
-            return False
-        if verify and _tiny.file_sha256(f) != meta.get("sha256"):
-            return False
-    return bool(manifest["files"])
+    return _tiny.files_intact(path, manifest.get("files"), verify)
 
 
 def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[str, Any]:
