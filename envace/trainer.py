@@ -160,26 +160,26 @@ def _register() -> type:
 
         def step(self, metrics: dict, timing_raw: dict):
             batch = super().step(metrics, timing_raw)
+            # one read of the trained rows serves the per-role metrics and the rollout dump of this step
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "advantages"]
             )
+            extra = list(data["extra_fields"])
             first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
-            metrics.update(role_metrics(batch.keys, list(data["extra_fields"]), first, batch.tags))
+            metrics.update(role_metrics(batch.keys, extra, first, batch.tags))
+            self._step_rows = {
+                key: (str((ef or {}).get("role", "act")), str((ef or {}).get("trajectory_id", _key_traj(key))), adv)
+                for key, ef, adv in zip(batch.keys, extra, first, strict=True)
+            }
             return batch
 
         def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
-            data = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "advantages"]
-            )
-            advantages = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
-            self._dump_labels = {
-                key: (str((ef or {}).get("role", "act")), str((ef or {}).get("trajectory_id", _key_traj(key))), adv)
-                for key, ef, adv in zip(batch.keys, list(data["extra_fields"]), advantages, strict=True)
-            }
+            # called by verl's fit() right after step() for the same batch (before the rows are cleared)
+            self._dump_labels = getattr(self, "_step_rows", None)
             try:
                 super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
             finally:
-                self._dump_labels = None
+                self._dump_labels = self._step_rows = None
 
         def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path):
             labels = getattr(self, "_dump_labels", None)
