@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 PHASES = ["gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "save_checkpoint", "testing", "step"]
 
@@ -31,7 +30,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for scripts/train.sh")
     args = parser.parse_args()
-    from plot_metrics import load_metrics
+    from envace.metrics import load_metrics
 
     with tempfile.TemporaryDirectory(prefix="envace-cpu-step-") as tmp:
         cmd = [str(REPO / "scripts" / "train.sh"), *args.overrides, f"trainer.total_training_steps={args.steps}",

@@ -377,21 +377,25 @@ class _Env:
         rng = random.Random(f"{pool.seed}:{index}")
         self.rng = rng
 
-        # -- renamings --------------------------------------------------------------------------------
-        idp = rng.choice(d.idp)
-        src, dst = rng.choice((*_SRC_DST, (f"from_{d.noun}", f"to_{d.noun}")))
+        # -- renamings (without them: each domain's first variant) --------------------------------------
+        def pick(options: Sequence[Any], canonical: Any) -> Any:
+            chosen = rng.choice(options)
+            return chosen if pool.renamings else canonical
+
+        idp = pick(d.idp, d.idp[0])
+        src, dst = pick((*_SRC_DST, (f"from_{d.noun}", f"to_{d.noun}")), _SRC_DST[0])
         self.roles: dict[str, dict[str, str]] = {
-            "find": {"name": rng.choice(sorted({d.namef, "name"}))},
+            "find": {"name": pick(sorted({d.namef, "name"}), d.namef)},
             "get": {"id": idp},
             "list": {"status": d.statf},
-            "set": {"id": idp, "status": rng.choice((d.statf, f"new_{d.statf}"))},
-            "add": {"id": idp, "amount": rng.choice(d.amtp)},
-            "setnum": {"id": idp, "value": rng.choice((d.numf, "value"))},
-            "move": {"src": src, "dst": dst, "amount": rng.choice(d.amtp)},
-            "create": {"name": rng.choice(sorted({d.namef, "name"})), "value": rng.choice((d.numf, "value"))},
+            "set": {"id": idp, "status": pick((d.statf, f"new_{d.statf}"), d.statf)},
+            "add": {"id": idp, "amount": pick(d.amtp, d.amtp[0])},
+            "setnum": {"id": idp, "value": pick((d.numf, "value"), d.numf)},
+            "move": {"src": src, "dst": dst, "amount": pick(d.amtp, d.amtp[0])},
+            "create": {"name": pick(sorted({d.namef, "name"}), d.namef), "value": pick((d.numf, "value"), d.numf)},
             "delete": {"id": idp},
         }
-        self.tool_name = {op: rng.choice(d.tools[op]) for op in OPS if op in d.tools}
+        self.tool_name = {op: pick(d.tools[op], d.tools[op][0]) for op in OPS if op in d.tools}
 
         # -- tool subset: find + get + one of set/add/setnum, then random extra ops up to a random target
         # in [3, 8] while the rendered schemas fit the prompt budget (in practice 3-6 tools fit) -------
@@ -1022,6 +1026,10 @@ class SyntheticPool(EnvironmentPool):
             ``lookup_act``, ``lookup_query`` and ``multiturn`` are allowed everywhere; an environment
             that allows none of the kept shapes gets ``query`` tasks). Task ids and splits do not
             depend on ``shapes``; the tasks themselves do.
+        renamings: each environment draws its own tool and parameter names from its domain's variants
+            (``True``, the default: environments of one domain look different, related only by their
+            abstract operations) or uses the domain's first variant everywhere (``False``: the pool the
+            warm-started tiny policy learns on, see ``envace.models.warmstart``).
     """
 
     name = POOL_NAME
@@ -1034,6 +1042,7 @@ class SyntheticPool(EnvironmentPool):
         reward: str = "binary",
         test_fraction: float = 0.2,
         shapes: Sequence[str] | None = None,
+        renamings: bool = True,
     ) -> None:
         if shapes is not None:
             if isinstance(shapes, str):
@@ -1043,6 +1052,7 @@ class SyntheticPool(EnvironmentPool):
                 raise ValueError(f"shapes must be a non-empty subset of {SHAPES}, got {shapes!r}")
             shapes = tuple(s for s in SHAPES if s in set(shapes))
         self.shapes: tuple[str, ...] | None = shapes
+        self.renamings = bool(renamings)
         if int(n_envs) < 1 or int(tasks_per_env) < 1:
             raise ValueError(f"n_envs and tasks_per_env must be positive, got {n_envs}, {tasks_per_env}")
         if reward not in ("binary", "partial"):

@@ -7,7 +7,7 @@ device exists, so GPU clusters run verl's own NVIDIA platform and vLLM untouched
 
 from __future__ import annotations
 
-import os
+import warnings
 
 __all__ = ["register_cpu_platform", "ROLLOUT_NAME"]
 
@@ -35,9 +35,10 @@ def register_cpu_platform(force: bool = False) -> bool:
     _ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "envace.platform.rollout.HFCPUServerAdapter"
     RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica_class)
     install_gloo_backend_fix()
-    # verl registers its FSDP engines for device "cuda"/"npu" only (workers/engine/fsdp/
-    # transformer_impl.py:1143,1594); VERL_ENGINE_DEVICE is verl's own override of the device
-    # used for that lookup (workers/engine/base.py:405), and the FSDP2 engine runs on CPU tensors.
-    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    # verl registers its FSDP engines for "cuda"/"npu" only; this registers the CPU one
+    # (response-only vocabulary projection, envace/platform/engine.py) under verl's EngineRegistry.
+    with warnings.catch_warnings():  # verl.workers.engine warns about every optional backend it lacks
+        warnings.simplefilter("ignore", UserWarning)
+        import envace.platform.engine  # noqa: F401
     _registered = True
     return True

@@ -1,6 +1,6 @@
 """End to end on CPU through scripts/train.sh and the project's own config: EnvACE and EnvSched together.
 
-Run A: 2 steps of EnvACE (``experiment=cpu_envace``: the warm-started tiny Qwen3 acts and rehearses the
+Run A: 2 steps of EnvACE (``experiment=cpu_default``: the warm-started tiny Qwen3 acts and rehearses the
 environment on the synthetic pool, role-wise GRPO, reward = the pool's verifier on a real-environment
 replay of the actor's calls) with EnvSched choosing the batches, through verl's real V1 trainer (FSDP2 on
 gloo, the hfcpu rollout), checkpointing at steps 1 and 2, validating in the real environment at step 2.
@@ -24,10 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 FAST = [
-    "experiment=cpu_envace",
+    "experiment=cpu_default",
     "trainer.v1.trainer_mode=envsched_sync",
     # partial credit gives reward variance inside groups, so the advantages are not all zero
-    "+envace.agent.pool_kwargs.synthetic.reward=partial",
+    "envace.agent.pool_kwargs.synthetic.reward=partial",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "trainer.val_before_train=false",
     "trainer.logger=[console,file]",
     "trainer.total_training_steps=2",
     "trainer.save_freq=1",

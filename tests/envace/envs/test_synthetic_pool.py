@@ -468,3 +468,21 @@ def test_shapes_filter_through_get_pool_is_deterministic():
     tids = a.task_ids("test")[::23]
     assert [a.user_messages(t) for t in tids] == [b.user_messages(t) for t in tids]
     assert [a.gold_actions(t) for t in tids] == [b.gold_actions(t) for t in tids]
+
+
+def test_without_renamings_every_domain_uses_its_first_names():
+    plain, renamed = SyntheticPool(n_envs=27, renamings=False), SyntheticPool(n_envs=27)
+    names_plain: dict[str, set[str]] = {}
+    names_renamed: dict[str, set[str]] = {}
+    for env_id in plain.environments():
+        domain = env_id.split("-")[1]
+        names_plain.setdefault(domain, set()).update(t["function"]["name"] for t in plain.env_tools(env_id))
+        names_renamed.setdefault(domain, set()).update(t["function"]["name"] for t in renamed.env_tools(env_id))
+    for d in DOMAINS:
+        firsts = {variants[0] for variants in d.tools.values()}
+        assert names_plain[d.name] <= firsts, d.name  # one name per operation across the domain's environments
+        assert not names_renamed[d.name] <= firsts  # the default pool renames
+    # the same generator otherwise: deterministic, every gold sequence replays to 1.0
+    assert _snapshot(SyntheticPool(n_envs=9, renamings=False)) == _snapshot(SyntheticPool(n_envs=9, renamings=False))
+    for tid in plain.task_ids()[::5]:
+        assert plain.replay(tid, plain.gold_actions(tid), replies=plain.gold_replies(tid)).reward == 1.0, tid

@@ -230,14 +230,26 @@ def test_recipe_hash_tracks_the_config():
 def test_learning_pool_is_the_easy_synthetic_configuration():
     from envace.envs.synthetic import SyntheticPool
 
-    assert dict(W.LEARNING_POOL_KWARGS) == {"shapes": ("act", "query", "lookup_act", "lookup_query")}
+    assert dict(W.LEARNING_POOL_KWARGS) == {"shapes": ("act", "query", "lookup_act", "lookup_query"), "renamings": False}
     assert W.DEFAULT_CONFIG.pool == "synthetic" and W.DEFAULT_CONFIG.pool_kwargs == W.LEARNING_POOL_KWARGS
     p = W.learning_pool()
-    assert isinstance(p, SyntheticPool) and p.shapes == dict(W.LEARNING_POOL_KWARGS)["shapes"]
+    assert isinstance(p, SyntheticPool) and p.shapes == dict(W.LEARNING_POOL_KWARGS)["shapes"] and not p.renamings
     assert {p.task(t).category for t in p.task_ids("test")} == set(p.shapes)
     # the recipe (with its pool options) is JSON and enters the hash
     json.dumps(W.warm_recipe())
-    assert W.warm_recipe()["train"]["pool_kwargs"] == [["shapes", ["act", "query", "lookup_act", "lookup_query"]]]
+    assert W.warm_recipe()["train"]["pool_kwargs"] == [["shapes", ["act", "query", "lookup_act", "lookup_query"]],
+                                                       ["renamings", False]]
+
+
+def test_default_run_trains_on_the_warm_start_pool():
+    """The CPU default (configs/experiment/cpu_default.yaml) draws its tasks from the pool the warm start learned."""
+    from envace.train import compose
+
+    cfg = compose(["experiment=cpu_default"])
+    kwargs = dict(cfg.envace.agent.pool_kwargs.synthetic)
+    assert kwargs.pop("reward") == "binary"
+    assert {k: tuple(v) if not isinstance(v, bool) else v for k, v in kwargs.items()} == dict(W.LEARNING_POOL_KWARGS)
+    assert cfg.actor_rollout_ref.model.path == f"builtin:{W.WARM_NAME}" and list(cfg.envace.data.pools) == ["synthetic"]
     assert W.warm_recipe_hash() != W.warm_recipe_hash(dataclasses.replace(W.DEFAULT_CONFIG, pool_kwargs=()))
 
 

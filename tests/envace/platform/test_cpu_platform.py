@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import verl
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform is inactive where CUDA exists")
@@ -63,16 +62,18 @@ def test_pinned_verl_line_duplicate_backend_still_exists():
     assert 'f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"' in src
 
 
-def test_pinned_fsdp_engine_device_registration():
-    """verl registers FSDP engines for cuda/npu only; VERL_ENGINE_DEVICE=cuda is the documented override."""
+def test_fsdp_engine_for_the_cpu_device_is_envaces():
+    """verl registers its FSDP engines for cuda/npu only; envace registers its CPU engine for "cpu" (no override)."""
+    import verl.workers.engine  # noqa: F401  (registers verl's engines)
     from verl.workers.engine.base import EngineRegistry
 
-    import verl.workers.engine  # noqa: F401  (registers the engines)
+    from envace.platform.engine import CPUFSDPEngineWithLMHead
 
     registry = EngineRegistry._engines["language_model"]["fsdp2"]
-    assert "cpu" not in {k if isinstance(k, str) else k[0] for k in registry}
-    assert os.environ.get("VERL_ENGINE_DEVICE") == "cuda"
-    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is not None
+    assert {"cuda", "npu"} <= {k if isinstance(k, str) else k[0] for k in registry}
+    assert registry["cpu"] is CPUFSDPEngineWithLMHead
+    assert "VERL_ENGINE_DEVICE" not in os.environ
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is CPUFSDPEngineWithLMHead
 
 
 def _free_port() -> int:

@@ -1,0 +1,162 @@
+"""verl's FSDP language-model engine for the ``cpu`` device, with the vocabulary projection on response tokens only.
+
+verl registers its FSDP engines for the ``cuda`` and ``npu`` devices (``EngineRegistry``). This module
+registers one for ``cpu``: :class:`CPUFSDPEngineWithLMHead`, verl's ``FSDPEngineWithLMHead`` with one change.
+
+verl projects every position of every sequence onto the vocabulary and takes log-probabilities of all of them,
+prompt positions included, although only response tokens enter any loss or metric
+(``verl.workers.utils.padding.no_padding_2_padding`` keeps ``values[off - resp_len - 1 : off - 1]`` of each
+sequence). With Qwen3's 151,936-entry vocabulary and ~400-token prompts that projection is most of a CPU step.
+verl has no option that limits it (``use_fused_kernels`` computes the same positions, chunked, and its torch
+backend is slower on CPU), and its packed layout (``use_remove_padding``) needs flash-attention's varlen kernels
+to stay linear in the micro-batch: with eager attention the packed sequence costs ``(Σ lengths)²``.
+
+So on the padded path (``use_remove_padding: false``, what ``configs/platform/cpu.yaml`` sets) this engine lays
+each micro-batch out with the prompts right-aligned, ``[pad… prompt_i response_i pad…]``, so that every row's
+response occupies the same columns, passes those columns to the model as transformers' ``logits_to_keep`` (a
+1-D index tensor is part of the ``*ForCausalLM.forward`` API), and scatters the log-probabilities (and
+entropies) back into verl's nested layout. Prompt positions hold 0, which nothing reads; response positions
+hold the values verl computes (``tests/envace/platform/test_cpu_engine.py`` compares values and gradients).
+
+Anything else (packed inputs, sequence parallelism, fused kernels, distillation, Σπ², position ids with
+more than one row per token) falls through to verl unchanged. The class overrides two methods of verl's,
+so the test also pins the verl version it was written against.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils import torch_functional as verl_F
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.model import extract_multi_modal_inputs
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "response_logit_positions"]
+
+#: the verl release whose ``FSDPEngineWithLMHead.prepare_model_inputs/outputs`` this engine follows
+VERL_VERSION = "0.9.1"
+
+_KEPT = "envace_logits_kept"
+logger = logging.getLogger(__name__)
+
+
+def response_logit_positions(prompt_lens: torch.Tensor, response_lens: torch.Tensor) -> torch.Tensor:
+    """Packed positions whose next-token logits score a response token.
+
+    Sequence ``i`` occupies ``[start_i, start_i + P_i + R_i)``; its response tokens are predicted at
+    ``start_i + P_i - 1 … start_i + P_i + R_i - 2``.
+    """
+    seq = prompt_lens + response_lens
+    starts = torch.cumsum(seq, 0) - seq
+    first = starts + prompt_lens - 1
+    counts = response_lens
+    idx = torch.repeat_interleave(first - torch.cumsum(counts, 0) + counts, counts)
+    return idx + torch.arange(int(counts.sum()), device=idx.device)
+
+
+def _flag(micro_batch: TensorDict, key: str, default: Any) -> Any:
+    return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+
+@EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")
+class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """verl's FSDP actor/ref engine; logits are computed for response positions only (see the module doc)."""
+
+    def _response_only(self, micro_batch: TensorDict) -> bool:
+        reason = self._fallback_reason(micro_batch)
+        if reason is not None and reason not in self._reported:
+            self._reported.add(reason)
+            logger.warning("envace CPU engine: full-vocabulary logits over every position (%s)", reason)
+        return reason is None
+
+    _reported: ClassVar[set[str]] = set()  # fallback reasons already logged in this process
+
+    def _fallback_reason(self, micro_batch: TensorDict) -> str | None:
+        if _flag(micro_batch, "use_remove_padding", True):
+            return "use_remove_padding is on"
+        if self.use_ulysses_sp:
+            return "Ulysses sequence parallelism"
+        if _flag(micro_batch, "pad_mode", DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
+            return "pad_mode is not no_padding"
+        for key in ("use_fused_kernels", "distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
+            if _flag(micro_batch, key, False):
+                return key
+        if extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
+            return "multi-modal inputs"
+        missing = {"prompts", "responses", "input_ids", "position_ids"} - set(micro_batch.keys())
+        if missing:
+            return f"micro-batch lacks {sorted(missing)}"
+        if not all(micro_batch[k].is_nested for k in ("prompts", "responses", "input_ids", "position_ids")):
+            return "not nested tensors"
+        if micro_batch["position_ids"].dim() != 2:
+            return "multi-row position ids"
+        return None
+
+    def prepare_model_inputs(self, micro_batch: TensorDict):
+        if not self._response_only(micro_batch):
+            return super().prepare_model_inputs(micro_batch)
+        input_ids, position_ids = micro_batch["input_ids"], micro_batch["position_ids"]
+        prompt_lens = micro_batch["prompts"].offsets().diff()
+        response_lens = micro_batch["responses"].offsets().diff()
+        seq_lens = input_ids.offsets().diff()
+        if not torch.equal(prompt_lens + response_lens, seq_lens):
+            raise ValueError("micro-batch prompts + responses do not add up to its input_ids")
+        batch, width_p, width_r = len(seq_lens), int(prompt_lens.max()), int(response_lens.max())
+        # token j of sequence i goes to column (width_p - P_i) + j: prompts end, and responses start, together
+        row = torch.repeat_interleave(torch.arange(batch), seq_lens)
+        col = torch.arange(int(seq_lens.sum())) - torch.repeat_interleave(input_ids.offsets()[:-1], seq_lens)
+        col = col + torch.repeat_interleave(width_p - prompt_lens, seq_lens)
+        pad_token_id = _flag(micro_batch, "pad_token_id", 0)
+        ids = torch.full((batch, width_p + width_r), pad_token_id, dtype=input_ids.dtype)
+        pos = torch.zeros((batch, width_p + width_r), dtype=position_ids.dtype)
+        mask = torch.zeros((batch, width_p + width_r), dtype=torch.long)
+        ids[row, col] = input_ids.values()
+        pos[row, col] = position_ids.values()
+        mask[row, col] = 1
+        temperature = micro_batch["temperature"]
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((batch,), float(temperature))
+        output_args = {
+            _KEPT: True,
+            "labels": ids[:, width_p : width_p + width_r],  # response token t of row i is predicted at width_p - 1 + t
+            "valid": torch.arange(width_r).unsqueeze(0) < response_lens.unsqueeze(1),
+            "temperature": temperature.to(torch.float32),
+            "packed_positions": response_logit_positions(prompt_lens, response_lens),
+        }
+        model_inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                        "logits_to_keep": torch.arange(width_p - 1, width_p - 1 + width_r)}
+        return model_inputs, output_args
+
+    def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
+        if not output_args.get(_KEPT):
+            return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        valid = output_args["valid"]
+        logits = output.logits[valid]  # (Σ R_i, vocab), sequence by sequence
+        temperature = output_args["temperature"]
+        if not bool((temperature == 1.0).all()):
+            logits = logits / temperature.unsqueeze(1).expand_as(valid)[valid].unsqueeze(-1)
+        labels = output_args["labels"][valid]
+        keep = output_args["packed_positions"]
+        total = int(micro_batch["input_ids"].offsets()[-1])
+        cu_seqlens = micro_batch["input_ids"].offsets()
+
+        def packed(values: torch.Tensor) -> torch.Tensor:
+            full = torch.zeros(total, dtype=values.dtype, device=values.device).index_put((keep,), values)
+            return torch.nested.nested_tensor_from_jagged(full, cu_seqlens)
+
+        model_output: dict[str, torch.Tensor] = {}
+        if _flag(micro_batch, "calculate_entropy", False):
+            # as verl's padded path: the plain function (its torch.compile'd one is for the packed path)
+            if self.engine_config.entropy_checkpointing:
+                entropy = torch.utils.checkpoint.checkpoint(verl_F.entropy_from_logits, logits)
+            else:
+                entropy = verl_F.entropy_from_logits(logits)
+            model_output["entropy"] = packed(entropy)
+        model_output["log_probs"] = packed(verl_F.logprobs_from_logits(logits=logits, labels=labels, inplace_backward=False))
+        return model_output

@@ -1,0 +1,151 @@
+"""The CPU FSDP engine (envace/platform/engine.py): response-only logits give verl's own numbers.
+
+The engine overrides two methods of verl's ``FSDPEngineWithLMHead``; these tests run both classes on the same
+micro-batch and model and compare what verl's loss reads (``no_padding_2_padding``), values and
+gradients, and pin the verl version and the verl lines the override mirrors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+import verl
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.utils.padding import no_padding_2_padding
+
+from envace.platform.engine import VERL_VERSION, CPUFSDPEngineWithLMHead, response_logit_positions
+
+
+def test_pins_the_verl_release_and_the_lines_it_mirrors():
+    assert verl.__version__ == VERL_VERSION, "re-check envace/platform/engine.py against this verl release"
+    outputs = inspect.getsource(FSDPEngineWithLMHead.prepare_model_outputs)
+    # the padded path the override replaces: full logits, temperature scaling, log-probs of the rolled ids
+    assert "logits = output.logits  # (bsz, response_length, vocab_size)" in outputs
+    assert "log_probs = logprobs_from_logits(logits=logits_rmpad, labels=input_ids_rmpad_rolled)" in outputs
+    assert 'model_output["log_probs"] = log_probs' in outputs
+    inputs = inspect.getsource(FSDPEngineWithLMHead.prepare_model_inputs)
+    assert "input_ids_rmpad_rolled = torch.roll(input_ids.values(), shifts=-1, dims=0)" in inputs
+    # what the loss reads of the packed outputs: the positions response_logit_positions keeps
+    assert "left-shift model output by one token" in inspect.getsource(no_padding_2_padding)
+
+
+def test_registered_for_the_cpu_device(monkeypatch):
+    monkeypatch.delenv("VERL_ENGINE_DEVICE", raising=False)
+    monkeypatch.setattr("verl.workers.engine.base.get_device_name", lambda: "cpu")
+    for backend in ("fsdp", "fsdp2"):
+        assert EngineRegistry.get_engine_cls("language_model", backend) is CPUFSDPEngineWithLMHead
+
+
+def test_response_positions():
+    keep = response_logit_positions(torch.tensor([3, 2]), torch.tensor([2, 4]))
+    # sequence 0 = positions 0..4 (prompt 0..2), sequence 1 = 5..10 (prompt 5..6)
+    assert keep.tolist() == [2, 3, 6, 7, 8, 9]
+
+
+def _engine(cls, entropy_checkpointing=False):
+    from verl.utils import torch_functional as verl_F
+
+    eng = object.__new__(cls)
+    eng.pad_to_length = False
+    eng.pad_to_length_bucket = 0
+    eng.use_ulysses_sp = False
+    eng.engine_config = SimpleNamespace(entropy_checkpointing=entropy_checkpointing,
+                                        entropy_from_logits_with_chunking=False)
+    eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+    return eng
+
+
+def _micro_batch(prompts, responses, temperature):
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    def nested(rows):
+        return torch.nested.as_nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+
+    td = TensorDict(
+        {
+            "input_ids": nested(seqs),
+            "position_ids": nested([list(range(len(s))) for s in seqs]),
+            "prompts": nested(prompts),
+            "responses": nested(responses),
+            "temperature": torch.tensor([temperature] * len(seqs)),
+        },
+        batch_size=[len(seqs)],
+    )
+    tu.assign_non_tensor(td, use_remove_padding=False, calculate_entropy=True, pad_token_id=0)
+    return td
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=997, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                      attn_implementation="eager")
+    return Qwen3ForCausalLM(cfg).float()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_same_log_probs_entropy_and_gradients_as_verl(model, temperature):
+    g = torch.Generator().manual_seed(1)
+    lens = [(5, 3), (9, 6), (4, 1)]
+    prompts = [torch.randint(0, 997, (p,), generator=g).tolist() for p, _ in lens]
+    responses = [torch.randint(0, 997, (r,), generator=g).tolist() for _, r in lens]
+    results = {}
+    for cls in (FSDPEngineWithLMHead, CPUFSDPEngineWithLMHead):
+        mb = _micro_batch(prompts, responses, temperature)
+        eng = _engine(cls)
+        model.zero_grad()
+        inputs, args = eng.prepare_model_inputs(mb)
+        out = eng.prepare_model_outputs(model(**inputs, use_cache=False), args, mb, None)
+        lp = no_padding_2_padding(out["log_probs"], mb)
+        ent = no_padding_2_padding(out["entropy"], mb)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results[cls] = (lp.detach(), ent.detach(), grads, inputs)
+    lp0, ent0, g0, in0 = results[FSDPEngineWithLMHead]
+    lp1, ent1, g1, in1 = results[CPUFSDPEngineWithLMHead]
+    assert "logits_to_keep" not in in0 and in1["logits_to_keep"].numel() == max(r for _, r in lens)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_right_aligned_prompts_give_each_sequence_its_own_log_probs(model):
+    """Rows of very different prompt lengths, each scored alone without padding, match the batched engine."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 997, (n,), generator=g).tolist() for n in (11, 3, 7)]
+    responses = [torch.randint(1, 997, (n,), generator=g).tolist() for n in (2, 6, 4)]
+    eng = _engine(CPUFSDPEngineWithLMHead)
+    mb = _micro_batch(prompts, responses, 1.0)
+    with torch.no_grad():
+        inputs, args = eng.prepare_model_inputs(mb)
+        assert inputs["input_ids"].shape == (3, 11 + 6) and inputs["logits_to_keep"].tolist() == list(range(10, 16))
+        batched = no_padding_2_padding(eng.prepare_model_outputs(model(**inputs, use_cache=False), args, mb, None)["log_probs"], mb)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1 : -1]
+            alone = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
+            torch.testing.assert_close(batched[i, : len(r)], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_verl_outside_the_padded_path(model):
+    for flags in ({"use_remove_padding": True}, {"calculate_sum_pi_squared": True}, {"use_fused_kernels": True}):
+        mb = _micro_batch([[1, 2, 3]], [[4, 5]], 1.0)
+        tu.assign_non_tensor(mb, **flags)
+        assert not _engine(CPUFSDPEngineWithLMHead)._response_only(mb), flags
+
+
+def test_text_only_multi_modal_field_keeps_the_response_only_path():
+    """verl's batches carry an (empty) multi_modal_inputs entry per row; text-only rows still take the fast path."""
+    from tensordict.tensorclass import NonTensorStack
+
+    mb = _micro_batch([[1, 2, 3], [4, 5]], [[6], [7, 8]], 1.0)
+    mb["multi_modal_inputs"] = NonTensorStack({}, {})
+    assert _engine(CPUFSDPEngineWithLMHead)._fallback_reason(mb) is None
