@@ -1,0 +1,79 @@
+"""scripts/gpu_smoke.sh: on a machine without CUDA it checks the checkpoint and the shrunk paper recipe, then
+stops with a clear message and exit status 3; the full run is a `gpu` test (ENVACE_SMOKE_MODEL=<checkpoint>)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from envace import gpu_smoke
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Qwen3-0.6B's shape (config.json only: the dry run never loads weights)
+QWEN3_0_6B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+              "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "tie_word_embeddings": True}
+
+
+def checkpoint(tmp_path: Path, config: dict | None = None) -> Path:
+    ckpt = tmp_path / "Qwen3-0.6B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(config or QWEN3_0_6B))
+    return ckpt
+
+
+def test_parameter_estimate_matches_qwen3_sizes():
+    assert 0.55e9 < gpu_smoke.estimate_params(QWEN3_0_6B) < 0.65e9
+    q17 = dict(QWEN3_0_6B, hidden_size=2048, intermediate_size=6144, num_attention_heads=16)
+    assert 1.6e9 < gpu_smoke.estimate_params(q17) < 2.1e9  # Qwen3-1.7B: 1.7B without embeddings, 2.0B with
+
+
+def test_shrunk_recipe_keeps_the_paper_values_and_fits_one_gpu():
+    from envace.train import compose
+
+    cfg = compose(gpu_smoke.overrides("/models/Qwen3-1.7B", Path("/tmp/run"), 2))
+    a = cfg.actor_rollout_ref
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, a.rollout.tensor_model_parallel_size) == (1, 1, 1)
+    assert (cfg.data.train_batch_size, a.rollout.n) == (4, 2)
+    assert (cfg.trainer.total_training_steps, cfg.trainer.save_freq) == (2, 2)
+    assert (a.actor.optim.lr, a.actor.kl_loss_coef, a.actor.kl_loss_type) == (1e-6, 1e-4, "low_var_kl")
+    assert a.model.override_config.attn_implementation == "sdpa" and a.rollout.name == "vllm"
+    assert a.rollout.max_model_len >= cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: the smoke test would run")
+def test_dry_run_on_cpu_stops_where_cuda_is_needed(tmp_path):
+    ckpt = checkpoint(tmp_path)
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([str(REPO / "scripts" / "gpu_smoke.sh"), str(ckpt), "--out", str(tmp_path / "out")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "stopped before the GPU checks: this machine has no CUDA GPU" in out.stderr
+    table = out.stdout[out.stdout.index("check "):]
+    assert "[ok] checkpoint: qwen3, ~0.60B parameters" in out.stdout
+    assert "recipe" in table and "envace_qwen3_8b_h20_2x8 -> 1x1 GPU, TP 1, batch 4x2" in table
+    assert "CUDA" in table and "FAIL" in table
+    assert not (tmp_path / "out" / "run").exists()  # nothing started
+
+
+def test_bad_checkpoint_is_a_usage_error(tmp_path, capsys):
+    assert gpu_smoke.main([str(tmp_path / "missing")]) == 2
+    assert "has no config.json" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_full_smoke_on_a_gpu(tmp_path):
+    model = os.environ.get("ENVACE_SMOKE_MODEL")
+    if not model:
+        pytest.skip("set ENVACE_SMOKE_MODEL to a local Qwen3 0.6B-1.7B checkpoint")
+    out = subprocess.run([str(REPO / "scripts" / "gpu_smoke.sh"), model, "--out", str(tmp_path / "out")],
+                         cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]

@@ -1,0 +1,130 @@
+"""The paper's GPU recipes (EnvACE §5.1) composed through Hydra exactly as scripts/train.sh does, checked field
+by field; and trainer.total_training_steps honoured against verl's epoch limit."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import open_dict
+
+from envace.config import ConfigError
+from envace.train import compose, fit_total_epochs
+
+ENVACE = ["envace_qwen3_1_7b_h20_2x8", "envace_qwen3_4b_h20_2x8", "envace_qwen3_8b_h20_2x8", "envace_qwen3_8b_h100_2x8",
+          "ablation_real_env_grpo", "ablation_simulator"]
+PLAIN = ["qwen3_8b_h20_2x8", "qwen3_8b_h100_2x8"]
+MODELS = {"envace_qwen3_1_7b_h20_2x8": "/models/Qwen3-1.7B", "envace_qwen3_4b_h20_2x8": "/models/Qwen3-4B"}
+
+
+@pytest.mark.parametrize("name", ENVACE + PLAIN)
+def test_recipe_has_the_paper_values(name):
+    cfg = compose([f"experiment={name}"])
+    actor, rollout, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
+    # 16 prompts x 4 rollouts = 64 instances per step, 470 steps
+    assert (cfg.data.train_batch_size, rollout.n) == (16, 4)
+    assert cfg.trainer.total_training_steps == 470
+    # one PPO update per step: the mini-batch is the whole batch, one pass
+    assert actor.ppo_mini_batch_size == cfg.data.train_batch_size and actor.ppo_epochs == 1
+    # lr 1e-6, KL loss 1e-4 with verl's low-variance KL, no KL in the reward, entropy 0
+    assert actor.optim.lr == 1.0e-6
+    assert actor.use_kl_loss is True and actor.kl_loss_coef == 1.0e-4 and actor.kl_loss_type == "low_var_kl"
+    assert cfg.algorithm.use_kl_in_reward is False
+    assert actor.entropy_coeff == 0
+    # prompt 12,000 / response 8,000 tokens; the rollout window covers both
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (12000, 8000)
+    assert rollout.max_model_len == 20000
+    # 30 user turns
+    assert cfg.envace.agent.limits.max_user_turns == 30
+    # 2 nodes x 8 GPUs, vLLM, SDPA attention with packed micro-batches (no flash-attn wheel needed)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 8)
+    assert rollout.name == "vllm" and cfg.trainer.device == "cuda"
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    assert cfg.actor_rollout_ref.model.use_remove_padding is True
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is True
+    # one longest rollout fits one micro-batch; vLLM leaves room for the resident training state
+    assert actor.use_dynamic_bsz is True
+    assert actor.ppo_max_token_len_per_gpu >= rollout.max_model_len
+    assert ref.log_prob_max_token_len_per_gpu >= rollout.max_model_len
+    assert 0.5 <= rollout.gpu_memory_utilization <= 0.75
+    assert rollout.agent.num_workers == 16
+    # total_training_steps decides the run length (epochs derived at launch), checkpoints are bounded
+    assert cfg.trainer.total_epochs == "auto"
+    assert cfg.trainer.max_actor_ckpt_to_keep == 3 and cfg.trainer.save_freq == 50
+    assert cfg.actor_rollout_ref.model.path == MODELS.get(name, "/models/Qwen3-8B")
+
+
+@pytest.mark.parametrize("name", ENVACE)
+def test_envace_recipes_rehearse_with_rolewise_grpo_and_validate_at_the_paper_sampling(name):
+    cfg = compose([f"experiment={name}"])
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    assert (val.temperature, val.top_p, val.do_sample) == (0.6, 0.95, True)
+    if name.startswith("envace_"):
+        assert cfg.envace.agent.observation_source == "rehearse"
+        assert cfg.algorithm.adv_estimator == "grpo_rolewise"
+
+
+def test_plain_grpo_recipes_train_one_row_per_rollout_in_the_real_environment():
+    for name in PLAIN:
+        cfg = compose([f"experiment={name}"])
+        assert cfg.algorithm.adv_estimator == "grpo"
+        assert cfg.envace.agent.observation_source == "real" and cfg.envace.agent.act_layout == "trajectory"
+
+
+def test_memory_settings_follow_the_gpu():
+    h20, h100 = compose(["experiment=envace_qwen3_8b_h20_2x8"]), compose(["experiment=envace_qwen3_8b_h100_2x8"])
+    # 96 GB H20: 32,000 tokens per micro-batch (~55 GB peak); 80 GB H100: 24,000 (~45 GB)
+    assert h20.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 32000
+    assert h100.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 24000
+    assert h100.actor_rollout_ref.rollout.gpu_memory_utilization < h20.actor_rollout_ref.rollout.gpu_memory_utilization
+    for small in ("envace_qwen3_1_7b_h20_2x8", "envace_qwen3_4b_h20_2x8"):
+        assert compose([f"experiment={small}"]).actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+    assert h20.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
+# -- trainer.total_training_steps against verl's epochs ------------------------------------------------------
+def with_rows(tmp_path, overrides: list[str], rows: int):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"x": list(range(rows))}), path)
+    cfg = compose(overrides)
+    with open_dict(cfg):
+        cfg.data.train_files = str(path)
+    return cfg
+
+
+def test_auto_epochs_cover_total_training_steps(tmp_path, capsys):
+    # the issue's case: 608 tasks, 64 per step -> 9 steps per epoch; verl's 30 epochs would stop at 270
+    cfg = with_rows(tmp_path, ["experiment=qwen3_8b_h20_2x8", "data.train_batch_size=64",
+                               "data.filter_overlong_prompts=false"], 608)
+    with open_dict(cfg):
+        fit_total_epochs(cfg)
+    assert cfg.trainer.total_epochs == 53 and 53 * 9 >= 470 > 52 * 9
+    assert "9 steps per epoch" in capsys.readouterr().out
+    # the paper's recipe: 16 per step -> 38 steps per epoch -> 13 epochs, + 1 spare for verl's length filter
+    cfg = with_rows(tmp_path, ["experiment=envace_qwen3_8b_h20_2x8"], 608)
+    with open_dict(cfg):
+        fit_total_epochs(cfg)
+    assert cfg.trainer.total_epochs == 14
+
+
+def test_explicit_epochs_too_few_for_the_steps_is_a_preflight_error(tmp_path):
+    cfg = with_rows(tmp_path, ["experiment=qwen3_8b_h20_2x8", "data.train_batch_size=64",
+                               "trainer.total_epochs=30"], 608)
+    with pytest.raises(ConfigError, match=r"total_training_steps=470 needs 53 epochs of 9 steps "
+                                          r".*total_epochs=30 ends the run at step 270"):
+        fit_total_epochs(cfg)
+    cfg = with_rows(tmp_path, ["experiment=qwen3_8b_h20_2x8", "data.train_batch_size=64",
+                               "trainer.total_epochs=60"], 608)
+    fit_total_epochs(cfg)  # enough: left as set
+    assert cfg.trainer.total_epochs == 60
+
+
+def test_epoch_count_respects_train_max_samples_and_rejects_a_partial_batch(tmp_path):
+    cfg = with_rows(tmp_path, ["trainer.total_training_steps=10", "data.train_batch_size=4",
+                               "data.train_max_samples=8", "data.filter_overlong_prompts=false"], 100)
+    with open_dict(cfg):
+        fit_total_epochs(cfg)
+    assert cfg.trainer.total_epochs == 5  # 8 rows / 4 = 2 steps per epoch
+    cfg = with_rows(tmp_path, ["trainer.total_training_steps=10", "data.train_batch_size=16"], 8)
+    with pytest.raises(ConfigError, match="no full batch"):
+        fit_total_epochs(cfg)
