@@ -1,19 +1,194 @@
-"""Launch helpers used by ``scripts/train.sh`` (``python -m envace.launch wait-nodes ...``)."""
+"""Launch helpers used by ``scripts/train.sh`` and by :mod:`envace.train`'s pre-flight.
+
+``python -m envace.launch SUBCOMMAND``:
+
+``gpus``
+    Prints the number of CUDA devices this node offers: ``CUDA_VISIBLE_DEVICES`` restricts the list, a
+    MIG-enabled GPU counts as its MIG devices (``nvidia-smi -L`` prints both), no NVIDIA driver means one
+    logical device slot backed by the CPU platform.
+``bound-exec --parent PID -- COMMAND...``
+    Becomes COMMAND bound to the life of ``PID``: Linux delivers SIGTERM to it when ``PID`` ends, however it
+    ends (SIGKILL included). ``scripts/train.sh`` runs ``ray start --block`` this way: on SIGTERM it stops
+    exactly the Ray processes it started (never ``ray stop``, which stops every Ray cluster of the machine).
+``wait-head --address HOST:PORT [--timeout S]``
+    Waits until the head's GCS port accepts connections (a worker started before its head retries).
+``wait-nodes --address HOST:PORT --nodes N [--timeout S]``
+    Waits until the cluster has N alive nodes (connection attempts retried while the head starts).
+
+Library functions: :func:`passthrough_env` (network-interface variables every Ray worker gets) and
+:func:`check_shared_storage` (every node sees the run directory and the model before training starts).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PASSTHROUGH_PREFIXES",
+    "bound_exec",
+    "check_shared_storage",
+    "count_gpus",
+    "passthrough_env",
+    "wait_head",
+    "wait_nodes",
+]
+
+#: network-interface and transport settings of NCCL / gloo: set on the head (or every node), handed to every
+#: Ray worker of the job, so collectives on all nodes use the same interfaces
+PASSTHROUGH_EXACT = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY",
+                     "NCCL_DEBUG", "NCCL_CROSS_NIC", "NCCL_P2P_DISABLE", "NCCL_NET")
+PASSTHROUGH_PREFIXES = ("NCCL_IB_", "NCCL_NET_", "NCCL_SOCKET_")
 
 
-def wait_nodes(n: int, timeout: float, poll: float = 2.0) -> int:
-    """Block until the Ray cluster at RAY_ADDRESS has ``n`` alive nodes; returns 0, or 1 on timeout."""
+def passthrough_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The network-interface variables of ``environ`` (default: this process) to hand to every Ray worker."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k in PASSTHROUGH_EXACT or k.startswith(PASSTHROUGH_PREFIXES)}
+
+
+# -- GPUs ---------------------------------------------------------------------------------------------------
+_GPU_LINE = re.compile(r"^GPU (\d+):.*\(UUID: (GPU-[^)]+)\)")
+_MIG_LINE = re.compile(r"^\s+MIG .*\(UUID: (MIG-[^)]+)\)")
+
+
+def parse_nvidia_smi(listing: str) -> list[dict[str, Any]]:
+    """``nvidia-smi -L`` → one entry per physical GPU: ``{"index", "uuid", "mig": [MIG uuids]}``."""
+    gpus: list[dict[str, Any]] = []
+    for line in listing.splitlines():
+        if m := _GPU_LINE.match(line):
+            gpus.append({"index": int(m.group(1)), "uuid": m.group(2), "mig": []})
+        elif (m := _MIG_LINE.match(line)) and gpus:
+            gpus[-1]["mig"].append(m.group(1))
+    return gpus
+
+
+def count_gpus(listing: str | None, cuda_visible_devices: str | None) -> int:
+    """CUDA devices a process sees, from ``nvidia-smi -L`` output and ``CUDA_VISIBLE_DEVICES``.
+
+    A MIG-enabled GPU contributes its MIG devices, not itself. ``CUDA_VISIBLE_DEVICES`` (indices, GPU-…
+    or MIG-… UUIDs, as CUDA reads it) keeps the listed devices, in order, up to the first one that does not
+    exist. ``listing`` None (no driver) gives 0.
+    """
+    gpus = parse_nvidia_smi(listing or "")
+    devices = [m for g in gpus for m in g["mig"]] + [g["uuid"] for g in gpus if not g["mig"]]
+    if cuda_visible_devices is None:
+        return len(devices)
+    known_uuids = set(devices)
+    by_index = {str(g["index"]): g for g in gpus}
+    n = 0
+    for item in (x.strip() for x in cuda_visible_devices.split(",")):
+        if not item:
+            break
+        if item in by_index:
+            g = by_index[item]
+            n += len(g["mig"]) if g["mig"] else 1
+        elif item in known_uuids or any(u.startswith(item) for u in known_uuids if item.startswith(("GPU-", "MIG-"))):
+            n += 1
+        else:  # CUDA stops at the first invalid entry (e.g. -1)
+            break
+    return n
+
+
+def gpus_here() -> int:
+    """The device slots this node offers: its CUDA devices, or 1 logical slot where no NVIDIA driver answers."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 1
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    if not parse_nvidia_smi(out):
+        return 1
+    return count_gpus(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+# -- Ray nodes ------------------------------------------------------------------------------------------------
+def _set_parent_death_signal(sig: int) -> None:
+    """Linux: deliver ``sig`` to this process when its parent exits (survives exec)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def bound_exec(parent: int, command: Sequence[str]) -> int:
+    """Exec ``command`` bound to the life of ``parent`` (see the module docstring); returns only on failure."""
+    if not command:
+        print("envace: bound-exec needs a command after --", file=sys.stderr)
+        return 2
+    if sys.platform.startswith("linux"):
+        _set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the death signal was armed, or it is not our parent
+        print(f"envace: parent {parent} is gone; not starting {command[0]}", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(command[0], list(command))
+    return 1  # pragma: no cover - execvp does not return
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def wait_head(address: str, timeout: float, poll: float = 1.0) -> int:
+    """Block until ``address`` accepts TCP connections; 0, or 1 on time-out."""
+    host, port = _split_address(address)
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(poll, 0.5))):
+                return 0
+        except OSError as exc:
+            last = str(exc)
+        if time.monotonic() > deadline:
+            print(f"envace: the Ray head {address} did not accept connections within {timeout:g}s ({last})",
+                  file=sys.stderr)
+            return 1
+        time.sleep(poll)
+
+
+def wait_nodes(n: int, timeout: float, poll: float = 2.0, address: str | None = None) -> int:
+    """Block until the Ray cluster at ``address`` (default RAY_ADDRESS) has ``n`` alive nodes; 0, or 1 on time-out.
+
+    Connection attempts are retried until the deadline (the head may still be starting).
+    """
     import ray
 
-    ray.init(address="auto", log_to_driver=False)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        print("envace: wait-nodes needs --address or RAY_ADDRESS", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.init(address=address, log_to_driver=False)
+            break
+        except (ConnectionError, RuntimeError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                print(f"envace: cannot connect to the Ray cluster at {address}: {exc}", file=sys.stderr)
+                return 1
+            time.sleep(poll)
     try:
-        deadline = time.monotonic() + timeout
         while True:
             alive = sum(1 for node in ray.nodes() if node.get("Alive"))
             if alive >= n:
@@ -27,15 +202,106 @@ def wait_nodes(n: int, timeout: float, poll: float = 2.0) -> int:
         ray.shutdown()
 
 
+# -- shared storage -------------------------------------------------------------------------------------------
+MARKER_PREFIX = ".envace-shared-storage-"
+
+
+def _probe_node(marker: str, token: str, paths: Mapping[str, str]) -> dict[str, Any]:
+    """Runs on one node: can it read the head's marker and the listed paths?"""
+    import ray
+
+    problems = []
+    try:
+        if Path(marker).read_text() != token:
+            problems.append(f"the marker {marker} has other content (another run, or a different file system)")
+    except OSError as exc:
+        problems.append(f"cannot read {marker} ({exc.strerror or exc})")
+    for what, path in paths.items():
+        if not os.path.exists(path):
+            problems.append(f"{what} {path} does not exist")
+        elif not os.access(path, os.R_OK):
+            problems.append(f"{what} {path} is not readable")
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "host": socket.gethostname(), "problems": problems}
+
+
+def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, str], timeout: float = 300.0) -> None:
+    """Every alive node of the connected Ray cluster must see ``run_dir`` (the checkpoint directory: the
+    head writes a marker file there, an actor on each node reads it back) and every path in ``paths``
+    (e.g. the model). Raises :class:`~envace.config.ConfigError` naming each node that cannot, before any
+    training starts."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from envace.config import ConfigError
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    marker = run / f"{MARKER_PREFIX}{token[:12]}"
+    marker.write_text(token)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        head_key = "node:__internal_head__"
+        label = {n["NodeID"]: ("head" if head_key in (n.get("Resources") or {}) else "worker") for n in nodes}
+        probe = ray.remote(num_cpus=0)(_probe_node)
+        refs = {
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                str(marker), token, dict(paths)
+            ): n
+            for n in nodes
+        }
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        failures = []
+        for ref in pending:
+            n = refs[ref]
+            failures.append(f"{label[n['NodeID']]} node {n.get('NodeManagerAddress')} ({n['NodeID'][:12]}): did not "
+                            f"answer within {timeout:g}s")
+        for ref in ready:
+            n = refs[ref]
+            try:
+                out = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the node could not even run the probe
+                failures.append(f"{label[n['NodeID']]} node {n.get('NodeManagerAddress')} ({n['NodeID'][:12]}): {exc}")
+                continue
+            if out["problems"]:
+                failures.append(f"{label[n['NodeID']]} node {n.get('NodeManagerAddress')} ({out['host']}, "
+                                f"{n['NodeID'][:12]}): " + "; ".join(out["problems"]))
+        if failures:
+            raise ConfigError(
+                "every node must see the run directory and the model on shared storage (the same path on a "
+                "shared file system); " + " | ".join(failures)
+            )
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m envace.launch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("wait-nodes", help="wait until the Ray cluster has N alive nodes")
     w.add_argument("--nodes", type=int, required=True)
     w.add_argument("--timeout", type=float, default=600.0)
+    w.add_argument("--address", default=None, help="HOST:PORT (default: RAY_ADDRESS)")
+    h = sub.add_parser("wait-head", help="wait until the Ray head accepts connections")
+    h.add_argument("--address", required=True)
+    h.add_argument("--timeout", type=float, default=600.0)
+    sub.add_parser("gpus", help="print the CUDA devices of this node (1 logical slot without a driver)")
+    r = sub.add_parser("bound-exec", help="exec COMMAND, terminated when --parent ends")
+    r.add_argument("--parent", type=int, required=True)
+    r.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd == "wait-nodes":
-        return wait_nodes(args.nodes, args.timeout)
+        return wait_nodes(args.nodes, args.timeout, address=args.address)
+    if args.cmd == "wait-head":
+        return wait_head(args.address, args.timeout)
+    if args.cmd == "gpus":
+        print(gpus_here())
+        return 0
+    if args.cmd == "bound-exec":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        return bound_exec(args.parent, command)
     return 2
 
 

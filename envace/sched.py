@@ -9,7 +9,9 @@ with verl's own ``register_trainer`` (select it with ``trainer.v1.trainer_mode=e
   TransferQueue) go to ``observe``; the scheduler's per-step metrics join verl's;
 * the scheduler's ``state_dict`` is saved inside verl's checkpoint folder (``envsched.pt``, written
   before verl marks the checkpoint complete) and restored on resume, so the batch chosen after a
-  resume equals the one an uninterrupted run chooses;
+  resume equals the one an uninterrupted run chooses. Its numpy arrays are stored as tensors and every
+  other value as a plain Python container, so the file loads with ``torch.load(weights_only=True)``:
+  resuming never unpickles arbitrary objects (:func:`save_scheduler_state` / :func:`load_scheduler_state`);
 * ``envsched.scheduler=random`` is the paper's random baseline through the same path.
 
 The scheduler's task pool is built from the environment pools of the training rows
@@ -36,6 +38,54 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "envsched.pt"
 SELECTIONS_FILE = "envsched_selections.jsonl"
+
+
+def encode_state(value: Any) -> Any:
+    """A scheduler state with numpy arrays as tensors and numpy scalars as Python scalars: only types
+    ``torch.load(weights_only=True)`` accepts (tensors, str/int/float/bool/None, lists, tuples, dicts)."""
+    import torch
+
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return [encode_state(v) for v in value.tolist()]
+        return torch.from_numpy(np.ascontiguousarray(value).copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {encode_state(k): encode_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(encode_state(v) for v in value)
+    return value
+
+
+def decode_state(value: Any) -> Any:
+    """Inverse of :func:`encode_state`: tensors back to numpy arrays (the scheduler state holds no tensors)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    if isinstance(value, dict):
+        return {k: decode_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(decode_state(v) for v in value)
+    return value
+
+
+def save_scheduler_state(scheduler: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``scheduler.state_dict()`` to ``path`` atomically, loadable with ``weights_only=True``."""
+    import torch
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(encode_state(scheduler.state_dict()), tmp)
+    os.replace(tmp, path)
+
+
+def load_scheduler_state(scheduler: Any, path: str | os.PathLike[str]) -> None:
+    """Restore ``scheduler`` from :func:`save_scheduler_state`'s file (``torch.load(weights_only=True)``)."""
+    import torch
+
+    scheduler.load_state_dict(decode_state(torch.load(path, weights_only=True)))
 
 
 def task_key(pool: str, task_id: str) -> str:
@@ -152,7 +202,6 @@ def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kw
 
 
 def _register() -> None:
-    import torch
     from verl.trainer.ppo.v1.trainer_base import register_trainer
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.rl_dataset import collate_fn
@@ -224,9 +273,7 @@ def _register() -> None:
             # written before verl's own save, which marks the checkpoint complete last
             folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / (STATE_FILE + ".tmp")
-            torch.save(self.scheduler.state_dict(), tmp)
-            os.replace(tmp, folder / STATE_FILE)
+            save_scheduler_state(self.scheduler, folder / STATE_FILE)
             super()._save_checkpoint()
 
         def _load_checkpoint(self) -> None:
@@ -241,7 +288,7 @@ def _register() -> None:
                     f"resuming at step {self.global_steps} but {path} is missing: the checkpoint was not written "
                     "by the envsched trainer, so the scheduler state cannot be restored"
                 )
-            self.scheduler.load_state_dict(torch.load(path, weights_only=False))
+            load_scheduler_state(self.scheduler, path)
             logger.info("envsched: restored scheduler state from %s", path)
 
 

@@ -3,13 +3,18 @@
 ``scripts/train.sh`` wraps this. It composes ``configs/envace_trainer.yaml`` (verl's
 ``ppo_trainer`` + envace's groups), then, before anything heavy starts:
 
-1. validates envace's typed keys (:mod:`envace.config`) and verl's own config;
+1. validates envace's typed keys (:mod:`envace.config`) and verl's own config (its ``validate_config``
+   and its typed dataclasses), so a bad value fails before any Ray work;
 2. pre-flight checks with clear errors: a GPU config on a machine without GPUs, a Ray cluster
    with fewer GPU slots or nodes than the config asks for, a missing model path;
 3. resolves ``builtin:tiny-qwen3`` (builds the embedded model once into the cache) and
    ``data.*_files: auto`` (builds verl parquet from the environment pools);
-4. connects to (``RAY_ADDRESS``) or starts Ray, and hands the config to verl's own
-   ``run_ppo`` with its V1 ``TaskRunner`` — the real verl trainer, unmodified.
+4. verifies the checkpoint a resumed run would load (:mod:`envace.resume`; falls back to the newest
+   complete one with a warning);
+5. joins exactly the Ray cluster it is told to (``RAY_ADDRESS``; a multi-node cluster is checked for
+   shared storage on every node) or starts its own local one — never a cluster Ray's "current cluster"
+   file happens to name — and hands the config to verl's own ``run_ppo`` with its V1 ``TaskRunner`` —
+   the real verl trainer, unmodified.
 """
 
 from __future__ import annotations
@@ -218,6 +223,56 @@ def validate_envsched_config(cfg: DictConfig) -> None:
         raise ConfigError(f"envsched: {exc}") from None
 
 
+def count_rows(path: str) -> int:
+    """Rows of one training file as verl's dataset reads it (parquet, or JSON lines)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"data file {path} does not exist")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    if path.endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8") as fh:
+            return sum(1 for line in fh if line.strip())
+    raise ConfigError(f"cannot count the rows of {path}: verl reads .parquet, .json and .jsonl")
+
+
+def fit_total_epochs(cfg: DictConfig) -> None:
+    """Honour ``trainer.total_training_steps`` exactly: verl stops at ``total_epochs`` epochs of
+    ``rows // data.train_batch_size`` steps even before that many steps (its default of 30 epochs ends a
+    470-step run of 608 rows at 64 per step after 270). ``total_epochs: auto`` becomes the epochs the steps
+    need (one more when verl's own length filter may still drop rows after this count; the run stops at
+    ``total_training_steps`` either way); an integer too small for the steps is a ConfigError naming both.
+    """
+    import math
+
+    steps, epochs = cfg.trainer.get("total_training_steps"), cfg.trainer.get("total_epochs")
+    auto = epochs is None or str(epochs) == "auto"
+    if steps is None:
+        if auto:
+            raise ConfigError("trainer.total_epochs=auto needs trainer.total_training_steps (or set an epoch count)")
+        return
+    rows = sum(count_rows(f) for f in _as_list(cfg.data.train_files))
+    cap = int(cfg.data.get("train_max_samples", -1) or -1)
+    if 0 < cap < rows:
+        rows = cap
+    batch = int(cfg.data.train_batch_size)
+    per_epoch = rows // batch
+    if per_epoch == 0:
+        raise ConfigError(f"{rows} training row(s) make no full batch of data.train_batch_size={batch}")
+    need = math.ceil(int(steps) / per_epoch)
+    if auto:
+        cfg.trainer.total_epochs = need + (1 if cfg.data.get("filter_overlong_prompts", False) else 0)
+        print(f"envace: trainer.total_training_steps={steps}: {rows} training rows / data.train_batch_size={batch} "
+              f"= {per_epoch} steps per epoch, trainer.total_epochs={cfg.trainer.total_epochs}")
+    elif int(epochs) < need:
+        raise ConfigError(
+            f"trainer.total_training_steps={steps} needs {need} epochs of {per_epoch} steps ({rows} training rows / "
+            f"data.train_batch_size={batch}), but trainer.total_epochs={epochs} ends the run at step "
+            f"{int(epochs) * per_epoch}; set trainer.total_epochs=auto (or >= {need})"
+        )
+
+
 def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
     """Validate and resolve a composed config in place; raises ConfigError before heavy work."""
     ecfg = validate_envace_config(cfg)
@@ -232,6 +287,9 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
             cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = agent_loop_config_path()
         run_dir = Path(str(cfg.trainer.default_local_dir)).expanduser().resolve()
         cfg.trainer.default_local_dir = str(run_dir)
+        from envace.resume import select_resume_checkpoint
+
+        select_resume_checkpoint(cfg)
         cfg.actor_rollout_ref.rollout.agent.default_agent_loop = loop_name(ecfg.agent.observation_source)
         if cfg.data.train_files == "auto" or cfg.data.val_files == "auto":
             train, val = build_data(cfg, ecfg)
@@ -249,7 +307,41 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
         if ecfg.preflight:
             files = [f for key in ("train_files", "val_files") for f in _as_list(cfg.data[key])]
             check_agent_names(files, str(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path))
+        fit_total_epochs(cfg)
+        from envace.trackers import degrade_trackers
+
+        cfg.trainer.logger = degrade_trackers([str(x) for x in _as_list(cfg.trainer.logger)])
+    validate_verl_config(cfg)
     return cfg, ecfg
+
+
+#: the sections verl turns into its typed dataclasses inside its workers (``omega_conf_to_dataclass``)
+VERL_TYPED_SECTIONS = ("actor_rollout_ref.rollout", "actor_rollout_ref.rollout.checkpoint_engine",
+                       "actor_rollout_ref.model", "algorithm")
+
+
+def validate_verl_config(cfg: DictConfig) -> None:
+    """verl's own validation, before any Ray work: ``validate_config`` (batch sizes, the actor's dataclass)
+    and the typed dataclasses verl builds later inside its workers (rollout, model, algorithm; critic when
+    used), whose ``__post_init__`` checks would otherwise fail only after the cluster is up."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    sections = list(VERL_TYPED_SECTIONS)
+    try:
+        use_critic = need_critic(cfg)
+        if use_critic:
+            sections.append("critic")
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=use_critic)
+        for key in sections:
+            node = OmegaConf.select(cfg, key)
+            if node is not None:
+                omega_conf_to_dataclass(node)
+    except (AssertionError, ValueError, TypeError, OmegaConfBaseException, HydraException) as exc:
+        cause = exc.__cause__ if isinstance(exc, (OmegaConfBaseException, HydraException)) and exc.__cause__ else exc
+        raise ConfigError(f"verl rejects the config: {type(cause).__name__}: {cause}") from exc
 
 
 def _as_list(value: Any) -> list[str]:
@@ -282,6 +374,9 @@ def init_ray(cfg: DictConfig) -> None:
         resolve=True,
     )
     env_vars = dict(runtime_env.get("env_vars") or {})
+    from envace.launch import check_shared_storage, passthrough_env
+
+    env_vars.update(passthrough_env())  # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*: same on every node
     env_vars.update(run_env(cfg))
     if cfg.transfer_queue.enable:
         env_vars["TRANSFER_QUEUE_ENABLE"] = "1"
@@ -292,6 +387,12 @@ def init_ray(cfg: DictConfig) -> None:
         ray.init(address=address, runtime_env=runtime_env)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         check_ray_resources(cfg, ray.cluster_resources(), len(nodes))
+        if len(nodes) > 1:  # every node reads the model and the data and writes checkpoints: the same paths
+            paths = {"model": str(cfg.actor_rollout_ref.model.path)}
+            for key in ("train_files", "val_files"):
+                for i, f in enumerate(_as_list(cfg.data[key])):
+                    paths[f"data.{key}[{i}]"] = f
+            check_shared_storage(cfg.trainer.default_local_dir, paths)
     else:
         if int(cfg.trainer.nnodes) > 1:
             raise ConfigError(
@@ -300,6 +401,9 @@ def init_ray(cfg: DictConfig) -> None:
             )
         kwargs = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
         kwargs["runtime_env"] = runtime_env
+        # address="local": a new cluster of this run's own. Without it ray.init() joins whatever cluster
+        # Ray's "current cluster" file (RAY_TMPDIR/ray/ray_current_cluster) names, stale or foreign.
+        kwargs["address"] = "local"
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
         check_ray_resources(cfg, ray.cluster_resources(), 1)
 
@@ -325,12 +429,9 @@ def task_runner_class():
 
 
 def launch(cfg: DictConfig) -> None:
-    """Validate with verl and run its trainer (V1 TaskRunner by default)."""
+    """Start or join Ray and run verl's trainer (V1 TaskRunner by default) on a config :func:`prepare` validated."""
     from verl.trainer.main_ppo import run_ppo
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
 
-    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     init_ray(cfg)
     if cfg.trainer.use_v1:
         run_ppo(cfg, task_runner_class=task_runner_class())
@@ -371,7 +472,25 @@ def main(argv: list[str] | None = None) -> int:
         f"metrics/*.jsonl, tensorboard/, rollouts/ (plot: python scripts/plot_metrics.py {run_dir})",
         flush=True,
     )
+    report_learning(Path(run_dir))
     return 0
+
+
+def report_learning(run_dir: Path) -> None:
+    """Print first-vs-last validation success and draw the reward curve (``scripts/plot_metrics.py --reward-curve``)."""
+    from envace.metrics import learning_summary, load_metrics, reward_curve
+
+    if not any((run_dir / "metrics").glob("*.jsonl")):
+        return  # no file logger in trainer.logger
+    series = load_metrics(run_dir)
+    summary = learning_summary(series)
+    if summary is not None:
+        line = (f"envace: validation success {summary['first']:.3f} (step {summary['first_step']}) -> "
+                f"{summary['last']:.3f} (step {summary['last_step']}) [mean over {summary['sources']} validation sources]")
+        if "train_reward_first" in summary:
+            line += f"; training reward {summary['train_reward_first']:.3f} -> {summary['train_reward_last']:.3f}"
+        print(line, flush=True)
+    print(f"envace: reward curve {reward_curve(series, run_dir / 'plots' / 'reward_curve.png')}", flush=True)
 
 
 if __name__ == "__main__":

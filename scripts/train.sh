@@ -9,54 +9,123 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/train.sh                  # worker: joins, then waits
 # or, on an existing Ray cluster: RAY_ADDRESS=10.0.0.1:6379 scripts/train.sh experiment=...
 #
-# Environment: RAY_PORT (6379), GPUS_PER_NODE (auto: nvidia-smi, else 1 logical slot on CPU),
-# RAY_NUM_CPUS (auto), RAY_STOP_ON_EXIT (1: the head stops the Ray cluster it started),
-# RAY_AUTH_TOKEN (same value on every node: enables Ray token authentication; unset: off).
+# Environment: RAY_PORT (6379), GPUS_PER_NODE (auto: the CUDA devices this node offers, honouring
+# CUDA_VISIBLE_DEVICES and MIG; 1 logical slot without an NVIDIA driver), RAY_NUM_CPUS (auto),
+# RAY_JOIN_TIMEOUT (600: how long a worker waits for its head, and the head for its workers).
+# Multi-node Ray is token-authenticated: RAY_AUTH_TOKEN (the same secret on every node) or
+# RAY_AUTH_TOKEN_PATH (a file on shared storage: the head writes a new token there, the workers read it);
+# RAY_AUTH_MODE=disabled opts out explicitly. Network interfaces: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
+# NCCL_IB_* set here reach every Ray worker of the job. Every node must see the model and
+# trainer.default_local_dir at the same paths (shared storage); the head checks that before training.
+# Single node: the job starts its own Ray cluster (never one an old `ray start` left behind).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/bootstrap.sh
 source "$ROOT/scripts/bootstrap.sh"
 
+# No network at run time: models, tokenizers and data come from local paths and the envace cache.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 RAY_PORT="${RAY_PORT:-6379}"
+RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-${RAY_WAIT_NODES_TIMEOUT:-600}}"
 
-gpus_here() {
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    nvidia-smi -L | wc -l
-  else
-    echo 1  # one logical device slot backed by CPU (the cpu platform)
+# Multi-node Ray authentication (see the header): sets RAY_AUTH_MODE=token and a token source, or exits.
+ray_auth() {
+  if [[ "${RAY_AUTH_MODE:-}" == "disabled" ]]; then
+    echo "envace: WARNING: RAY_AUTH_MODE=disabled: the Ray cluster on ${MASTER_ADDR}:${RAY_PORT} accepts any" \
+      "client that can reach it (its ports listen on all interfaces); use it only on a trusted network" >&2
+    return 0
   fi
+  export RAY_AUTH_MODE=token
+  if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
+    return 0
+  fi
+  if [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+    export RAY_AUTH_TOKEN_PATH
+    if [[ "$NODE_RANK" -eq 0 ]]; then
+      if [[ ! -s "$RAY_AUTH_TOKEN_PATH" ]]; then
+        mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
+        (umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"${RAY_AUTH_TOKEN_PATH}.tmp" &&
+          mv "${RAY_AUTH_TOKEN_PATH}.tmp" "$RAY_AUTH_TOKEN_PATH")
+        echo "envace: wrote a new Ray auth token to $RAY_AUTH_TOKEN_PATH (mode 600)"
+      fi
+    else
+      local waited=0
+      until [[ -s "$RAY_AUTH_TOKEN_PATH" ]]; do
+        if [[ "$waited" -ge "$RAY_JOIN_TIMEOUT" ]]; then
+          echo "envace: no Ray auth token at $RAY_AUTH_TOKEN_PATH after ${RAY_JOIN_TIMEOUT}s" \
+            "(the head writes it there: is the path on storage shared with the head?)" >&2
+          exit 2
+        fi
+        sleep 2
+        waited=$((waited + 2))
+      done
+    fi
+    return 0
+  fi
+  cat >&2 <<'EOF'
+envace: multi-node Ray needs token authentication, and no token was given. Either
+  export RAY_AUTH_TOKEN=<secret>       the same value on every node (e.g. `openssl rand -hex 32` once,
+                                       handed out by your scheduler's secret store), or
+  export RAY_AUTH_TOKEN_PATH=<file>    a path on storage all nodes share: the head writes a new token
+                                       there (mode 600) and the workers read it, or
+  export RAY_AUTH_MODE=disabled        run unauthenticated (a trusted, isolated network only).
+EOF
+  exit 2
 }
 
 if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
   : "${MASTER_ADDR:?MASTER_ADDR (the head node address) is required when NNODES > 1}"
-  # Ray token authentication: on with a shared RAY_AUTH_TOKEN (the same value on every node),
-  # otherwise off, since each node would generate a different token of its own.
-  if [[ -z "${RAY_AUTH_MODE:-}" ]]; then
-    if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then export RAY_AUTH_MODE=token; else export RAY_AUTH_MODE=disabled; fi
-  fi
-  GPUS_PER_NODE="${GPUS_PER_NODE:-$(gpus_here)}"
+  ray_auth
+  GPUS_PER_NODE="${GPUS_PER_NODE:-$("$PY" -m envace.launch gpus)}"
   CPUS_ARG=()
   [[ -n "${RAY_NUM_CPUS:-}" ]] && CPUS_ARG=(--num-cpus="$RAY_NUM_CPUS")
+  RAY_NODE_PID=""
+  TRAIN_PID=""
+  # On exit, stop the training driver (if still running), then only the Ray node this script started
+  # (never `ray stop`, which stops every Ray cluster of the host). The node is also bound to this
+  # script's life (envace.launch bound-exec), so even a SIGKILL of this script stops it.
+  stop_children() {
+    local pid
+    for pid in "$TRAIN_PID" "$RAY_NODE_PID"; do
+      if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+      fi
+    done
+  }
+  trap stop_children EXIT
+  trap 'exit 143' TERM
+  trap 'exit 130' INT
   if [[ "$NODE_RANK" -eq 0 ]]; then
-    echo "envace: starting Ray head on ${MASTER_ADDR}:${RAY_PORT} (${GPUS_PER_NODE} device slot(s))"
-    "$PY" -m ray.scripts.scripts start --head --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" \
-      --num-gpus="$GPUS_PER_NODE" "${CPUS_ARG[@]}" --disable-usage-stats
-    if [[ "${RAY_STOP_ON_EXIT:-1}" == "1" ]]; then
-      trap '"$PY" -m ray.scripts.scripts stop >/dev/null 2>&1 || true' EXIT
-    fi
+    echo "envace: starting Ray head on ${MASTER_ADDR}:${RAY_PORT} (${GPUS_PER_NODE} device slot(s)," \
+      "auth: ${RAY_AUTH_MODE})"
+    "$PY" -m envace.launch bound-exec --parent $$ -- "$PY" -m ray.scripts.scripts start --head \
+      --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" --num-gpus="$GPUS_PER_NODE" "${CPUS_ARG[@]}" \
+      --disable-usage-stats --block &
+    RAY_NODE_PID=$!
     export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
-    "$PY" -m envace.launch wait-nodes --nodes "$NNODES" --timeout "${RAY_WAIT_NODES_TIMEOUT:-600}"
+    "$PY" -m envace.launch wait-nodes --address "$RAY_ADDRESS" --nodes "$NNODES" --timeout "$RAY_JOIN_TIMEOUT"
     exec_args=(trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@")
-    "$PY" -m envace.train "${exec_args[@]}"
-    exit $?
+    "$PY" -m envace.train "${exec_args[@]}" &
+    TRAIN_PID=$!
+    rc=0
+    wait "$TRAIN_PID" || rc=$?
+    TRAIN_PID=""
+    exit "$rc"
   else
     echo "envace: node ${NODE_RANK} joining Ray head ${MASTER_ADDR}:${RAY_PORT} (${GPUS_PER_NODE} device slot(s))"
-    "$PY" -m ray.scripts.scripts start --address="${MASTER_ADDR}:${RAY_PORT}" \
-      --num-gpus="$GPUS_PER_NODE" "${CPUS_ARG[@]}" --block
-    exit $?
+    "$PY" -m envace.launch wait-head --address "${MASTER_ADDR}:${RAY_PORT}" --timeout "$RAY_JOIN_TIMEOUT"
+    "$PY" -m envace.launch bound-exec --parent $$ -- "$PY" -m ray.scripts.scripts start \
+      --address="${MASTER_ADDR}:${RAY_PORT}" --num-gpus="$GPUS_PER_NODE" "${CPUS_ARG[@]}" --block &
+    RAY_NODE_PID=$!
+    rc=0
+    wait "$RAY_NODE_PID" || rc=$?
+    RAY_NODE_PID=""
+    exit "$rc"
   fi
 fi
 

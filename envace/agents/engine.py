@@ -21,7 +21,9 @@ always the task's :class:`~envace.envs.base.Episode`. One rollout::
             reply = policy.respond(messages, tools, ACT)          # one assistant message
             malformed calls   → an error observation each (on_malformed_call: feedback | end)
             calls over the cap → an error observation each (limits.max_calls_per_message)
-            each call          → source.observe(call) → ``role: tool`` message (truncated)
+            each call          → source.observe(call) → ``role: tool`` message (truncated); a call
+                                 past the tool bounds (limits.tool_timeout_s / tool_memory_mb) is
+                                 stopped before it runs and answered with an error (``bound_hits``)
             no call at all     → the user turn ends
         episode.end_turn(final text) → next user message, or None (completed)
     → :class:`Transcript` (messages, per-step records, executed actions, counters, stop reason)
@@ -88,6 +90,11 @@ class LoopLimits:
     on_malformed_call: str = "feedback"
     # a malformed rehearsal (rehearse source): feed an error observation back, or end the episode
     on_malformed_rehearsal: str = "end"
+    # CPU seconds one tool call may compute (and 3x as many wall-clock seconds); a call past it is stopped,
+    # has no effect, and the model reads an error observation (envace/envs/sandbox.py; 0: no bound)
+    tool_timeout_s: float = 30.0
+    # MiB one tool call may allocate, with the same consequence (0: no bound)
+    tool_memory_mb: int = 2048
 
     #: allowed values of the string-valued fields
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -100,8 +107,9 @@ class LoopLimits:
         for name in ("max_user_turns", "max_steps_per_turn", "max_calls_per_message"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)!r}")
-        if int(self.max_observation_chars) < 0:
-            raise ValueError(f"limits.max_observation_chars must be >= 0, got {self.max_observation_chars!r}")
+        for name in ("max_observation_chars", "tool_timeout_s", "tool_memory_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"limits.{name} must be >= 0, got {getattr(self, name)!r}")
         for name, allowed in self.CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"limits.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -146,10 +154,14 @@ class Observation:
     """What a source answered for one tool call."""
 
     text: str  # the tool message content the agent sees
-    kind: str = "result"  # result | tool_error | env_error | malformed_rehearsal | timeout
+    # result | tool_error | env_error | bound_exceeded | malformed_rehearsal | timeout
+    kind: str = "result"
     real_text: str | None = None  # the real environment's response to the same call (fidelity), if known
     terminate: bool = False  # end the episode after this observation (malformed rehearsal with on_malformed=end)
     masked: bool = False  # the rollout cannot be scored (e.g. an environment time-out): never reward it
+    # False: the call never ran in the environment (it exceeded a tool bound); it stays out of the
+    # replayable actions, so no replay or verifier runs it again
+    executed: bool = True
     meta: dict[str, Any] = field(default_factory=dict)  # source-specific (e.g. rehearsal fidelity scores)
 
 
@@ -162,6 +174,7 @@ class CallContext:
     reply: Reply  # the assistant message that issued the call
     call_index: int  # position of the call within that message
     episode: Episode
+    limits: LoopLimits = field(default_factory=LoopLimits)  # the rollout's limits (tool bounds)
 
 
 class ObservationSource(Protocol):
@@ -195,6 +208,7 @@ class Transcript:
     skipped_calls: int = 0  # calls over max_calls_per_message
     malformed_rehearsals: int = 0
     env_errors: int = 0  # the environment raised while executing a call
+    bound_hits: int = 0  # calls stopped at a tool bound (time or memory)
     masked: bool = False  # some part of the rollout could not be judged (time-out ...): do not score it
     mask_reason: str = ""
     final_text: str = ""
@@ -208,6 +222,7 @@ class Transcript:
             "skipped_calls": float(self.skipped_calls),
             "malformed_rehearsals": float(self.malformed_rehearsals),
             "env_errors": float(self.env_errors),
+            "bound_hits": float(self.bound_hits),
         }
 
 
@@ -335,10 +350,15 @@ class TurnEngine:
                 t.skipped_calls += 1
                 obs = Observation(text=skipped_call_observation(call.name, limits.max_calls_per_message), kind="skipped")
             else:
-                ctx = CallContext(messages=before, tools=tools, reply=reply, call_index=i, episode=episode)
+                ctx = CallContext(messages=before, tools=tools, reply=reply, call_index=i, episode=episode,
+                                  limits=limits)
                 obs = await source.observe(call, ctx)
                 t.tool_calls += 1
-                t.actions.append({**call.to_dict(), "output": obs.real_text if obs.real_text is not None else obs.text})
+                if obs.executed:
+                    output = obs.real_text if obs.real_text is not None else obs.text
+                    t.actions.append({**call.to_dict(), "output": output})
+                else:
+                    t.bound_hits += 1
                 if obs.kind == "env_error":
                     t.env_errors += 1
                 if obs.kind == "malformed_rehearsal":

@@ -17,7 +17,11 @@
 
 Every source returns an :class:`~envace.agents.engine.Observation`; none raises for anything the model
 did. Environment exceptions become ``env_error`` observations (the model's failure: its arguments broke
-the tool); environment time-outs mask the rollout (it cannot be scored) and end it.
+the tool). A call that computes or allocates past the tool bounds (``limits.tool_timeout_s`` /
+``tool_memory_mb``) is stopped in a forked copy of the episode before it ever runs for real
+(:mod:`envace.envs.sandbox`): the model reads a ``bound_exceeded`` error observation and the rollout goes
+on, with the episode unchanged. Environment time-outs of the real execution (``env_timeout_s``, e.g. an
+environment waiting on the network) mask the rollout (it cannot be scored) and end it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from envace.agents.engine import CallContext, Observation, Policy, Role, assistant_message
-from envace.envs.base import ToolCall
+from envace.envs.base import ToolCall, scrub_surrogates
+from envace.envs.sandbox import BoundExceeded, Bounds, ChildFailed, run_bounded
 from envace.toolcall import THINK_END, THINK_START, render_tool_call
 
 logger = logging.getLogger(__name__)
@@ -58,7 +63,12 @@ MAX_OUTPUT_CHARS = 65536
 
 # -- the real environment ------------------------------------------------------------------------
 class RealSource:
-    """The task's own environment executes each call (in a worker thread, under a time bound)."""
+    """The task's own environment executes each call (in a worker thread, under a time bound).
+
+    Each call first runs in a forked copy of the episode under the rollout's tool bounds
+    (``ctx.limits.tool_timeout_s`` / ``tool_memory_mb``); only a call that finishes within them runs for
+    real. ``timeout_s`` bounds the real execution (a time-out there masks the rollout).
+    """
 
     name = "real"
 
@@ -66,6 +76,23 @@ class RealSource:
         self.timeout_s = timeout_s
 
     async def execute(self, call: ToolCall, ctx: CallContext) -> Observation:
+        bounds = Bounds(timeout_s=float(ctx.limits.tool_timeout_s), memory_mb=int(ctx.limits.tool_memory_mb))
+        try:
+            await asyncio.to_thread(run_bounded, lambda: ctx.episode.execute(call), bounds)
+        except BoundExceeded as exc:
+            return Observation(
+                text=f"Error: the tool call '{call.name}' {exc}; it had no effect. Use smaller arguments.",
+                kind="bound_exceeded",
+                executed=False,
+                meta={"bound": exc.what},
+            )
+        except ChildFailed as exc:
+            return Observation(
+                text=f"Error: the environment crashed on '{call.name}'; it had no effect.",
+                kind="bound_exceeded",
+                executed=False,
+                meta={"bound": "crash", "reason": str(exc)},
+            )
         try:
             text = await asyncio.wait_for(asyncio.to_thread(ctx.episode.execute, call), self.timeout_s)
         except TimeoutError:
@@ -95,7 +122,7 @@ def _safe_str(obj: Any) -> str:
         text = str(obj)
     except Exception as exc:  # noqa: BLE001  (e.g. ValueError: exceeds the limit for integer string conversion)
         text = f"<unprintable {type(obj).__name__}: {type(exc).__name__}>"
-    return text.encode("utf-8", "replace").decode("utf-8")
+    return scrub_surrogates(text)
 
 
 def _looks_like_error(text: str) -> bool:
@@ -339,6 +366,7 @@ class GeneratedSource:
                 obs.meta["fidelity"] = fidelity(result, real.text)
         if real is not None:
             obs.real_text = real.text
+            obs.executed = real.executed
             if real.masked:  # the shadow environment timed out: the final state cannot be scored
                 obs.masked, obs.terminate = True, True
                 obs.meta["reason"] = real.meta.get("reason", "environment time-out")

@@ -115,6 +115,24 @@ class _ActState:
     tools: list[dict[str, Any]] | None = None
 
 
+def _tool_name(tool: dict[str, Any]) -> str:
+    return str((tool.get("function") or tool).get("name"))
+
+
+def _added_tools(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    known = {_tool_name(t) for t in before or []}
+    return [t for t in after or [] if _tool_name(t) not in known]
+
+
+def announce_tools(tools: list[dict[str, Any]]) -> str:
+    """The text that hands the model tools added mid-episode (e.g. BFCL ``miss_func``), in the chat template's
+    own ``<tools>`` notation. An OpenAI endpoint re-renders the system prompt with the new tool list on every
+    request; a token-in/token-out context cannot change its tokenised system prompt, so the tools are
+    announced in the next user message instead (BFCL's own format for prompted models does the same)."""
+    body = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)  # one tool per line, as the template does
+    return f"You can now also call these functions (signatures within <tools></tools> XML tags):\n<tools>\n{body}\n</tools>"
+
+
 class VerlPolicy:
     """The engine's :class:`~envace.agents.engine.Policy` over ``server_manager.generate``."""
 
@@ -142,8 +160,15 @@ class VerlPolicy:
         if len(messages) < n or messages[:n] != st.seen:
             raise PrefixError("the conversation does not extend the tokenised acting context")
         if len(messages) > n:
+            appended = [dict(m) for m in messages[n:]]
+            added = _added_tools(st.tools, tools)
+            if added:  # the chat template put the tools in the system prompt, which is already tokenised
+                for m in appended:
+                    if m.get("role") == "user":
+                        m["content"] = announce_tools(added) + "\n\n" + str(m.get("content") or "")
+                        break
             merge, st.mask, st.logprobs = await self.loop.ct_merge_context_msg(
-                st.seen, messages, st.ids, st.mask, st.logprobs, tools=tools
+                st.seen, st.seen + appended, st.ids, st.mask, st.logprobs, tools=tools
             )
             st.ids = list(merge.token_ids)
             st.seen = [dict(m) for m in messages]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "ToolCallError",
     "END_TURN",
     "flatten_turns",
+    "scrub_surrogates",
     "split_turns",
 ]
 
@@ -47,13 +49,48 @@ class ToolCallError(ValueError):
     """A tool call that cannot be parsed or does not match any tool."""
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def scrub_surrogates(value: Any) -> Any:
+    """``value`` with every lone UTF-16 surrogate in its strings (keys included) replaced by U+FFFD.
+
+    JSON allows ``"\\ud800"``, and ``json.loads`` turns it into a Python string that cannot be encoded as
+    UTF-8: written anywhere (a result file, an HTTP request, a parquet column, the rollout dump) it
+    raises ``UnicodeEncodeError``. Model output is scrubbed where it enters envace (tool calls here, chat
+    text in the evaluation client), so nothing downstream ever sees one. Returns ``value`` itself when
+    there is nothing to replace.
+    """
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        items = [(scrub_surrogates(k), scrub_surrogates(v)) for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
+            return value
+        return dict(items)
+    if isinstance(value, (list, tuple)):
+        out = [scrub_surrogates(v) for v in value]
+        if all(a is b for a, b in zip(out, value, strict=True)):
+            return value
+        return type(value)(out) if isinstance(value, tuple) else out
+    return value
+
+
 @dataclass(frozen=True)
 class ToolCall:
-    """One tool call: ``name`` plus JSON-object ``arguments``."""
+    """One tool call: ``name`` plus JSON-object ``arguments``.
+
+    Lone surrogates in the name or the arguments (a model's ``"\\ud800"`` escape) are replaced by U+FFFD
+    on construction (:func:`scrub_surrogates`).
+    """
 
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
     id: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", scrub_surrogates(self.name))
+        object.__setattr__(self, "arguments", scrub_surrogates(self.arguments))
 
     @classmethod
     def from_dict(cls, obj: Any) -> ToolCall:

@@ -96,6 +96,11 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
     loop = p.add_argument_group("agent loop (the training loop's limits: envace.agents.engine.LoopLimits)")
     add_limit_arguments(loop)
     loop.add_argument(
+        "--env-timeout", type=float, default=60.0,
+        help="seconds one real tool execution or the verification may take before the task counts as an "
+        "infrastructure failure (retried on the next run); compute-heavy calls hit --tool-timeout-s first",
+    )
+    loop.add_argument(
         "--runner", default="agent_loop", help="per-task strategy registered with envace.eval.runner.register_runner"
     )
     loop.add_argument("--runner-arg", action="append", default=[], metavar="KEY=VALUE", help="option for --runner")
@@ -213,6 +218,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(str(exc))
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
+    if args.env_timeout <= 0:
+        parser.error("--env-timeout must be > 0")
     if args.checkpoint:
         from envace.eval.server import server_command
 
@@ -330,7 +337,17 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             start_kwargs=start_kwargs,
             keep_transcript=not args.no_transcripts,
             options=_runner_options(args.runner_arg),
+            env_timeout_s=args.env_timeout,
         )
+        if todo:  # a wrong --model / --base-url fails here, before any task runs
+            from envace.eval.client import check_model_served
+
+            launched = base_url if args.checkpoint else None  # serves exactly what we launched it with
+            for name, client in (("agent", ctx.client), *start_kwargs.items()):
+                if client is not None and client.config.base_url != launched:
+                    print(f"[envace.eval] checking the {name} endpoint {client.config.base_url} "
+                          f"(model {client.config.model!r})", file=sys.stderr)
+                    check_model_served(client.config)
         runner = build_runner(args.runner, ctx)
         outcome = evaluate(
             pool, bench, selected, runner, store, concurrency=args.concurrency, progress=not args.no_progress
@@ -380,12 +397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "table":
         return run_table(args)
     from envace.eval.driver import EvalAborted
-    from envace.eval.server import ServerLaunchError
+    from envace.eval.server import ServerLaunchError, terminate_on_sigterm
     from envace.eval.store import RunConfigMismatch
+    from envace.rewards.llm import ConfigurationError, InfrastructureError
 
     try:
-        return run_benchmark(args, parser)
-    except (EvalAborted, ServerLaunchError, RunConfigMismatch, ValueError, KeyError) as exc:
+        with terminate_on_sigterm():  # SIGTERM unwinds like Ctrl-C: a launched model server is stopped
+            return run_benchmark(args, parser)
+    except ConfigurationError as exc:
+        if os.environ.get("ENVACE_DEBUG"):
+            raise
+        print(f"envace.eval: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except (EvalAborted, ServerLaunchError, RunConfigMismatch, InfrastructureError, ValueError, KeyError) as exc:
         if os.environ.get("ENVACE_DEBUG"):
             raise
         print(f"envace.eval: error: {exc}", file=sys.stderr)

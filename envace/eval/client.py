@@ -12,18 +12,32 @@ with the project's parser :func:`envace.toolcall.parse_tool_calls`: text for the
 (reasoning and tool-call blocks removed), well-formed :class:`~envace.envs.base.ToolCall`
 objects, and the malformed blocks with the reason they could not be used. Malformed calls are data,
 never exceptions: the agent loop feeds them back to the model as error observations and counts them.
+Text from the server passes :func:`~envace.envs.base.scrub_surrogates` (a ``"\\ud800"`` escape in the
+JSON body would otherwise leave an unencodable lone surrogate in the conversation).
+
+Failed requests raise exceptions of envace's one error taxonomy (:mod:`envace.rewards.llm`):
+
+* :class:`~envace.rewards.llm.InfrastructureError` - connection refused/reset, time-out, HTTP
+  408/409/425/429/5xx, a malformed body (after the client's retries): the caller retries the task later;
+* :class:`~envace.rewards.llm.ConfigurationError` - HTTP 400/401/403/404/405/422 that no retry can fix
+  (unknown model, bad key, wrong base URL, a parameter the server rejects): the caller aborts the run;
+* :class:`~envace.agents.engine.ModelError` - the request failed because of what the model produced
+  (HTTP 400/413/422 saying the context or the prompt is too long): scored as the model's failure.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from envace.envs.base import ToolCall, ToolCallError
+from envace.agents.engine import ModelError
+from envace.envs.base import ToolCall, ToolCallError, scrub_surrogates
+from envace.rewards.llm import ConfigurationError, InfrastructureError
 from envace.toolcall import THINK_END, parse_tool_calls
 
 __all__ = [
@@ -31,7 +45,8 @@ __all__ = [
     "ChatReply",
     "EndpointConfig",
     "MalformedToolCall",
-    "ModelRequestError",
+    "check_model_served",
+    "classify_http_error",
     "parse_assistant_output",
 ]
 
@@ -89,16 +104,30 @@ class ChatReply:
         return msg
 
 
-class ModelRequestError(RuntimeError):
-    """The endpoint failed to answer (connection, timeout, server error after retries).
+#: HTTP statuses of a server that may answer the same request later (besides 5xx)
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+#: a rejection caused by the conversation's length, i.e. by what the model generated
+_CONTEXT_TOO_LONG = re.compile(
+    r"context[ _-]?length|context window|maximum context|prompt is too long|input is too long|too many tokens"
+    r"|longer than the model|exceeds? the (model|maximum)|(input|prompt|context|conversation)[^.]{0,40}too long",
+    re.IGNORECASE,
+)
 
-    ``retryable`` is False for errors the model itself caused (e.g. the context is too long),
-    which count as a failed task rather than an infrastructure problem.
-    """
 
-    def __init__(self, message: str, *, retryable: bool) -> None:
-        super().__init__(message)
-        self.retryable = retryable
+def classify_http_error(status: int | None, message: str, *, base_url: str = "", model: str = "") -> Exception:
+    """The taxonomy error for a failed chat request (``status`` None: no HTTP answer at all)."""
+    where = f"{base_url}: " if base_url else ""
+    if status is None or status in RETRYABLE_STATUS or status >= 500:
+        code = f"HTTP {status}: " if status is not None else ""
+        return InfrastructureError(f"{where}{code}{message}")
+    if status in (400, 413, 422) and _CONTEXT_TOO_LONG.search(message):
+        return ModelError(f"{where}HTTP {status}: {message}")
+    hint = " (is the model name served there, and does the base URL end in /v1?)" if status == 404 else ""
+    return ConfigurationError(
+        f"{where}the request for model {model!r} was rejected: HTTP {status}: {message}{hint}",
+        status_code=status,
+        base_url=base_url or None,
+    )
 
 
 def _new_call_id() -> str:
@@ -120,7 +149,7 @@ def parse_assistant_output(content: str | None, api_tool_calls: Sequence[Any] | 
     :class:`MalformedToolCall` carrying the parser's message. A ``<think>`` block cut off by
     ``max_tokens`` is reasoning with no visible text, not a malformed tool call.
     """
-    raw = content or ""
+    raw = scrub_surrogates(content or "")
     parsed = parse_tool_calls(raw)
     calls: list[ToolCall] = []
     malformed: list[MalformedToolCall] = []
@@ -170,8 +199,9 @@ class EndpointConfig:
 class ChatClient:
     """Synchronous chat-completions client (thread-safe: one ``openai.OpenAI`` shared by threads).
 
-    ``complete`` never raises for model-side formatting problems; it raises
-    :class:`ModelRequestError` when the endpoint itself fails.
+    ``complete`` never raises for model-side formatting problems; a failed request raises
+    :class:`~envace.rewards.llm.InfrastructureError`, :class:`~envace.rewards.llm.ConfigurationError` or
+    :class:`~envace.agents.engine.ModelError` (see the module docstring).
     """
 
     def __init__(self, config: EndpointConfig) -> None:
@@ -207,20 +237,21 @@ class ChatClient:
         kwargs.update(overrides)
         try:
             response = self._client.chat.completions.create(**kwargs)
-        except self._openai.BadRequestError as exc:  # e.g. context length exceeded: the model's problem
-            raise ModelRequestError(f"endpoint rejected the request: {exc}", retryable=False) from exc
-        except self._openai.APIError as exc:  # connection, timeout, 5xx after the client's retries
-            raise ModelRequestError(f"endpoint {cfg.base_url} failed: {exc}", retryable=True) from exc
+        except self._openai.APIStatusError as exc:
+            detail = getattr(exc, "message", None) or str(exc)
+            raise classify_http_error(exc.status_code, detail, base_url=cfg.base_url, model=cfg.model) from exc
+        except self._openai.APIError as exc:  # connection, timeout, malformed body (after the client's retries)
+            raise classify_http_error(None, f"{type(exc).__name__}: {exc}", base_url=cfg.base_url) from exc
         with self._lock:
             self.requests += 1
         if not response.choices:
-            raise ModelRequestError(f"endpoint {cfg.base_url} returned no choices", retryable=True)
+            raise InfrastructureError(f"{cfg.base_url}: the response has no choices")
         choice = response.choices[0]
         message = choice.message
         reply = parse_assistant_output(message.content, message.tool_calls)
         server_reasoning = getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
         if server_reasoning and not reply.reasoning:
-            reply.reasoning = server_reasoning
+            reply.reasoning = scrub_surrogates(server_reasoning)
         reply.finish_reason = choice.finish_reason
         if response.usage is not None:
             reply.usage = {
@@ -231,3 +262,35 @@ class ChatClient:
 
     def list_models(self) -> list[str]:
         return [m.id for m in self._client.models.list().data]
+
+
+def check_model_served(config: EndpointConfig) -> None:
+    """Fail fast on a wrong ``--model`` / ``--base-url``: the endpoint's ``GET /models`` must list the model.
+
+    Raises :class:`~envace.rewards.llm.ConfigurationError` when the endpoint answers and does not serve
+    the model (or answers 401/403/404 to the listing), :class:`~envace.rewards.llm.InfrastructureError`
+    when it cannot be reached. An endpoint without a model listing (other 4xx) is not judged here: its
+    chat requests are classified one by one.
+    """
+    import openai
+
+    client = openai.OpenAI(base_url=config.base_url, api_key=config.api_key or "EMPTY",
+                           timeout=min(config.timeout, 60.0), max_retries=config.max_retries)
+    try:
+        served = [m.id for m in client.models.list().data]
+    except openai.APIStatusError as exc:
+        if exc.status_code in (401, 403, 404) or exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
+            detail = getattr(exc, "message", None) or str(exc)
+            raise classify_http_error(exc.status_code, f"GET /models: {detail}", base_url=config.base_url,
+                                      model=config.model) from exc
+        return
+    except openai.APIError as exc:
+        raise InfrastructureError(f"{config.base_url}: GET /models failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        client.close()
+    if served and config.model not in served:
+        raise ConfigurationError(
+            f"{config.base_url} does not serve model {config.model!r}; it serves {served[:20]}",
+            status_code=404,
+            base_url=config.base_url,
+        )

@@ -14,11 +14,14 @@ from envace.envs.tau2 import UserSimulatorRequired
 from envace.eval.report import Benchmark, normalize_category, summarize
 from envace.eval.runner import TaskRecord, TaskRunner, format_exception
 from envace.eval.store import ResultStore
+from envace.rewards.llm import ConfigurationError
 
 __all__ = ["EvalAborted", "EvalOutcome", "evaluate", "select_tasks"]
 
-# Errors that no retry can fix: stop the whole run instead of logging them per task.
-FATAL_ERRORS: tuple[type[BaseException], ...] = (UserSimulatorRequired,)
+# Errors that no retry can fix (envace's configuration errors): stop the whole run at once, with the
+# reason, instead of logging them per task. What the model causes is in the task's record (scored once);
+# anything else is infrastructure (logged, retried on the next run).
+FATAL_ERRORS: tuple[type[BaseException], ...] = (UserSimulatorRequired, ConfigurationError)
 
 
 class EvalAborted(RuntimeError):
@@ -120,7 +123,7 @@ def evaluate(
                         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                             raise exc
                         if isinstance(exc, FATAL_ERRORS):
-                            raise EvalAborted(f"{tid}: {exc}") from exc
+                            raise EvalAborted(f"configuration error ({tid}): {exc}") from exc
                         errors += 1
                         consecutive += 1
                         store.append_error(tid, format_exception(exc))

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from envace.agents.engine import LoopLimits, ModelError, Reply, Role, TurnEngine
+from envace.agents.engine import LoopLimits, Reply, Role, TurnEngine
 from envace.agents.sources import RealSource
-from envace.envs.base import EnvironmentPool, TaskSpec
-from envace.eval.client import ChatClient, ModelRequestError
+from envace.envs.base import EnvironmentPool, TaskSpec, Verdict, scrub_surrogates
+from envace.eval.client import ChatClient
+from envace.rewards.llm import InfrastructureError
 
 __all__ = [
     "AgentLoopRunner",
@@ -51,6 +53,7 @@ class TaskRecord:
     # completed | episode_done | max_user_turns | max_steps_per_turn | malformed_call | model_error | ...
     stop_reason: str = "completed"
     error: str | None = None  # model-side request error (e.g. context too long), if any
+    bound_hits: int = 0  # tool calls stopped at a tool bound (time / memory); scored as the model's failure
     unjudged: list[str] = field(default_factory=list)  # verifier components that could not be judged
     turns: int = 0
     completions: int = 0
@@ -73,8 +76,11 @@ class TaskRecord:
 
 
 class TaskRunner(Protocol):
-    """Runs one task end to end and returns its record. Raise only for infrastructure failures
-    (endpoint down, ...): such tasks are logged to ``errors.jsonl`` and retried on the next run."""
+    """Runs one task end to end and returns its record; whatever the model causes is in the record.
+
+    Raise only what the record cannot hold: :class:`~envace.rewards.llm.ConfigurationError` (wrong model
+    name, bad key: the run aborts at once) or any other exception for an infrastructure failure (endpoint
+    down, ...): such tasks are logged to ``errors.jsonl`` and retried on the next run."""
 
     def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord: ...
 
@@ -105,8 +111,8 @@ class ChatPolicy:
     """The engine's :class:`~envace.agents.engine.Policy` over an OpenAI-compatible chat endpoint.
 
     ``sampling`` maps a role to per-request overrides (e.g. ``{Role.REHEARSE: {"temperature": 1.0}}``).
-    A request the endpoint rejects because of what the model produced raises
-    :class:`~envace.agents.engine.ModelError`; endpoint failures raise :class:`ModelRequestError`.
+    The client's errors pass through unchanged: :class:`~envace.agents.engine.ModelError` (the engine scores
+    it), :class:`~envace.rewards.llm.ConfigurationError` and :class:`~envace.rewards.llm.InfrastructureError`.
     """
 
     def __init__(self, client: ChatClient, sampling: dict[Role, dict[str, Any]] | None = None) -> None:
@@ -116,14 +122,9 @@ class ChatPolicy:
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, role: Role) -> Reply:
         overrides = dict(self.sampling.get(role, {}))
-        try:
-            chat = await asyncio.to_thread(
-                self.client.complete, to_api_messages(messages), tools=tools if role is Role.ACT else None, **overrides
-            )
-        except ModelRequestError as exc:
-            if exc.retryable:
-                raise
-            raise ModelError(str(exc)) from exc
+        chat = await asyncio.to_thread(
+            self.client.complete, to_api_messages(messages), tools=tools if role is Role.ACT else None, **overrides
+        )
         self.requests += 1
         usage = chat.usage or {}
         self.prompt_tokens += usage.get("prompt_tokens") or 0
@@ -170,10 +171,11 @@ class AgentLoopRunner:
         rec.completions = len(transcript.steps)
         rec.tool_calls = transcript.tool_calls
         rec.malformed_tool_calls = transcript.malformed_calls
+        rec.bound_hits = transcript.bound_hits
         rec.prompt_tokens, rec.completion_tokens = policy.prompt_tokens, policy.completion_tokens
-        if transcript.masked:  # an environment time-out: infrastructure, retried on the next run
-            raise RuntimeError(f"task {task_id} could not be scored: {transcript.mask_reason}")
-        verdict = episode.verify()
+        if transcript.masked:  # the real environment timed out: infrastructure, retried on the next run
+            raise InfrastructureError(f"task {task_id} could not be scored: {transcript.mask_reason}")
+        verdict = _verify(episode, self.env_timeout_s)
         rec.reward, rec.passed = float(verdict.reward), bool(verdict.passed)
         rec.details = _json_safe(verdict.details)
         rec.reason = str(verdict.details.get("reason", "")) if isinstance(verdict.details, dict) else ""
@@ -183,9 +185,35 @@ class AgentLoopRunner:
         return rec
 
 
+def _verify(episode: Any, timeout_s: float | None) -> Verdict:
+    """``episode.verify()`` in a worker thread, waited for at most ``timeout_s``.
+
+    The calls a verifier replays all finished within the tool bounds (a call past them never ran), so
+    a verifier that takes longer is stuck: InfrastructureError, the task is retried on the next run.
+    """
+    if not timeout_s:
+        return episode.verify()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["verdict"] = episode.verify()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name="envace-verify", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise InfrastructureError(f"the verifier did not finish within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["verdict"]
+
+
 def _json_safe(obj: Any) -> Any:
-    """A JSON-round-tripped copy (lone surrogates escaped, odd objects stringified)."""
-    return json.loads(json.dumps(obj, default=str, ensure_ascii=True))
+    """A JSON-round-tripped copy (odd objects stringified, lone surrogates replaced)."""
+    return scrub_surrogates(json.loads(json.dumps(obj, default=str, ensure_ascii=True)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,6 +230,8 @@ class RunContext:
     start_kwargs: dict[str, Any]  # forwarded to pool.start (τ²: user / judge)
     keep_transcript: bool
     options: dict[str, str]  # --runner-arg KEY=VALUE pairs
+    # seconds the real execution of one call, or the verification, may take (then: infrastructure, retried)
+    env_timeout_s: float = 60.0
 
 
 RunnerFactory = Callable[[RunContext], TaskRunner]
@@ -236,7 +266,8 @@ def build_runner(name: str, ctx: RunContext) -> TaskRunner:
 def _agent_loop(ctx: RunContext) -> TaskRunner:
     if ctx.options:
         raise ValueError(f"runner 'agent_loop' takes no --runner-arg options, got {sorted(ctx.options)}")
-    return AgentLoopRunner(ctx.client, ctx.limits, start_kwargs=ctx.start_kwargs, keep_transcript=ctx.keep_transcript)
+    return AgentLoopRunner(ctx.client, ctx.limits, start_kwargs=ctx.start_kwargs, keep_transcript=ctx.keep_transcript,
+                           env_timeout_s=ctx.env_timeout_s)
 
 
 def format_exception(exc: BaseException) -> str:

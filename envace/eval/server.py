@@ -4,11 +4,15 @@
 * ``transformers``: ``transformers serve CKPT`` (CPU or small GPUs). In transformers 5.10 it serves
   ``/v1/chat/completions``, renders ``tools`` with the model's chat template and, for model types
   qwen2/qwen3/..., parses ``<tool_call>{json}</tool_call>`` into ``tool_calls`` (the raw blocks also
-  stay in ``content``; :mod:`envace.eval.client` handles both). A block with invalid JSON makes the
-  server fail the request (HTTP 500) instead of returning the text.
+  stay in ``content``; :mod:`envace.eval.client` handles both). Stock ``transformers serve`` fails the
+  whole request (HTTP 500, retried as an infrastructure error) when the model writes a block with invalid
+  JSON; envace starts it through :mod:`envace.eval.tfserve`, which answers with the text instead, so the
+  malformed call is the model's, fed back to it like in training.
 
-The server runs in its own process group on 127.0.0.1 with a free port; its output goes to a log file
-whose tail is shown if it fails to start.
+The server runs on 127.0.0.1 with a free port, in its own session led by a small guard process; its output
+goes to a log file whose tail is shown if it fails to start. The guard reads a pipe whose other end only
+the evaluation process holds: when that process ends in any way (SIGTERM, SIGKILL, a crash) the pipe
+closes and the guard stops the server's whole process group, so no server outlives its evaluation.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LaunchedServer", "ServerLaunchError", "free_port", "launch_server", "wait_for_models"]
+__all__ = [
+    "LaunchedServer",
+    "ServerLaunchError",
+    "free_port",
+    "launch_server",
+    "terminate_on_sigterm",
+    "wait_for_models",
+]
 
 SERVER_KINDS = ("vllm", "transformers")
 
@@ -76,7 +87,7 @@ def server_command(kind: str, checkpoint: str, host: str, port: int, extra: Sequ
                 "--server transformers needs fastapi and uvicorn (pip install 'transformers[serving]')"
             )
         return [
-            sys.executable, "-m", "transformers.cli.transformers", "serve", checkpoint,
+            sys.executable, "-m", "envace.eval.tfserve", "serve", checkpoint,
             "--host", host, "--port", str(port), "--log-level", "warning",
             *extra,
         ]  # fmt: skip
@@ -151,8 +162,19 @@ def launch_server(
     proc_env = {**os.environ, **(env or {})}
     if kind == "transformers":
         proc_env.update(_transformers_serve_env(proc_env, log.parent if log_path else None))
-    with open(log, "ab") as log_fh:
-        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True, env=proc_env)
+    lifeline_r, lifeline_w = os.pipe()  # only this process holds the write end
+    os.set_inheritable(lifeline_w, False)
+    try:
+        with open(log, "ab") as log_fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _GUARD, *cmd], stdin=lifeline_r, stdout=log_fh, stderr=subprocess.STDOUT,
+                start_new_session=True, env=proc_env,
+            )
+    except BaseException:
+        os.close(lifeline_w)
+        raise
+    finally:
+        os.close(lifeline_r)
     base_url = f"http://{host}:{port}/v1"
     try:
         try:
@@ -162,18 +184,84 @@ def launch_server(
         yield LaunchedServer(base_url=base_url, model=checkpoint, pid=proc.pid, log_path=log)
     finally:
         _stop(proc)
+        os.close(lifeline_w)
+
+
+# The guard (python -c _GUARD CMD...): leader of the server's session; runs CMD as its child in its process
+# group; stdin is the lifeline pipe. EOF on it (the evaluation process is gone, however it ended) or a
+# SIGTERM stops the whole group: SIGTERM, a grace period, then SIGKILL. Plain stdlib: starts in milliseconds.
+_GUARD = r"""
+import os, signal, subprocess, sys, threading, time
+server = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+stopping = threading.Event()
+
+def stop_group(*_):
+    if stopping.is_set():
+        return
+    stopping.set()
+    try:
+        os.killpg(0, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + float(os.environ.get("ENVACE_SERVER_GRACE_S", "20"))
+    while server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(0, signal.SIGKILL)
+
+def lifeline():
+    while os.read(0, 4096):
+        pass
+    stop_group()
+
+signal.signal(signal.SIGTERM, stop_group)
+threading.Thread(target=lifeline, daemon=True).start()
+sys.exit(server.wait())
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _stop(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
+    """Stop the guard and with it the server's whole process group (SIGTERM, then SIGKILL)."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        if proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+        else:
+            time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace)
+
+
+@contextlib.contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``SystemExit(143)`` in the main thread, so ``finally`` clauses and
+    context managers (a launched server's shutdown) run as they do on Ctrl-C. Elsewhere a no-op."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

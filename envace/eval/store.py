@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from envace.envs.base import scrub_surrogates
 from envace.eval.runner import TaskRecord
 
 __all__ = ["ResultStore", "RunConfigMismatch"]
@@ -117,7 +118,8 @@ class ResultStore:
         self._append_line(self.errors_path, {"task_id": task_id, "error": error, "time": time.time()})
 
     def _append_line(self, path: Path, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, ensure_ascii=False, default=str) + "\n"
+        # lone surrogates (never valid UTF-8) would make the encode below raise and lose the record
+        line = json.dumps(scrub_surrogates(obj), ensure_ascii=False, default=str) + "\n"
         with self._lock, path.open("a+b") as fh:
             fh.seek(0, os.SEEK_END)
             if fh.tell() > 0:

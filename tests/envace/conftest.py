@@ -58,6 +58,7 @@ def script(*replies: Reply) -> Responder:
 class FakeOpenAI:
     def __init__(self, responder: Responder) -> None:
         self.responder = responder
+        self.models: list[str] = []  # what GET /v1/models lists (empty: no model check possible)
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.in_flight = 0
@@ -68,6 +69,19 @@ class FakeOpenAI:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                if self.path != "/v1/models":
+                    status, payload = 404, {"error": {"message": f"no route {self.path}"}}
+                else:
+                    status, payload = 200, {"object": "list", "data": [
+                        {"id": m, "object": "model", "created": 0, "owned_by": "test"} for m in fake.models]}
+                raw = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")

@@ -1,16 +1,24 @@
 """The multi-node path of scripts/train.sh, for real on one machine.
 
 Two Ray nodes on loopback (a head and a worker, two raylets), NNODES=2 with one CPU-platform device
-slot per node, one training step across both nodes (FSDP over gloo, one rank per node).
+slot per node, one training step across both nodes (FSDP over gloo, one rank per node). The cluster is
+token-authenticated (the head writes the token to RAY_AUTH_TOKEN_PATH, the worker reads it), an unrelated
+Ray cluster on the same machine survives the run (train.sh stops only what it started), and a worker node
+that cannot see the run directory stops the run before training, named in the error.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
+import stat
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,44 +40,178 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_two_ray_nodes_one_training_step(tmp_path):
-    port = _free_port()
+def _ray_processes(port: int) -> list[int]:
+    """Ray processes of the cluster whose GCS listens on ``port`` (their command lines name it)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if re.search(rf"(gcs_server_port=|127\.0\.0\.1:){port}\b", cmd) and "pytest" not in cmd:
+            found.append(p.info["pid"])
+    return found
+
+
+class Lines:
+    """Collects a process's output in a thread; ``wait_for`` blocks until a pattern shows up."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines, self.cond = proc, [], threading.Condition()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append(line)
+                self.cond.notify_all()
+
+    @property
+    def text(self) -> str:
+        with self.cond:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not re.search(pattern, "".join(self.lines)):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    return bool(re.search(pattern, "".join(self.lines)))
+                self.cond.wait(min(left, 1.0))
+            return True
+
+
+def _env(port: int, token_path: Path) -> dict[str, str]:
     env = dict(os.environ, NNODES="2", MASTER_ADDR="127.0.0.1", RAY_PORT=str(port), RAY_NUM_CPUS="16",
-               GPUS_PER_NODE="1", RAY_DEDUP_LOGS="0")
-    env.pop("RAY_ADDRESS", None)
+               GPUS_PER_NODE="1", RAY_DEDUP_LOGS="0", RAY_AUTH_TOKEN_PATH=str(token_path))
+    for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE"):
+        env.pop(key, None)
+    return env
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float = 120) -> None:
+    """SIGTERM a train.sh (its trap stops its own Ray node), SIGKILL if it does not end."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def bystander():
+    """An unrelated Ray cluster on this machine (someone else's), which no envace run may stop."""
+    port = _free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                             "--num-cpus=1", "--num-gpus=0", f"--temp-dir={tmp}", "--disable-usage-stats",
+                             "--include-dashboard=false", "--block"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not _port_open(port):
+        assert proc.poll() is None and time.monotonic() < deadline, "the bystander Ray cluster did not start"
+        time.sleep(1)
+    yield proc, port
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_two_ray_nodes_one_training_step(tmp_path, bystander):
+    bystander_proc, bystander_port = bystander
+    port = _free_port()
+    token = tmp_path / "shared" / "ray_token"
+    env = _env(port, token)
     head_cmd = [
         str(REPO / "scripts" / "train.sh"),
+        "experiment=cpu_bfcl",  # the tiny random Qwen3 on BFCL: the mechanics, not the learning
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
         "data.max_response_length=64", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
     ]
     head = subprocess.Popen(head_cmd, cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = Lines(head)
     worker = None
     try:
-        deadline = time.monotonic() + 300
-        while not _port_open(port):
-            assert head.poll() is None, head.stdout.read()[-4000:]
-            assert time.monotonic() < deadline, "Ray head did not come up"
-            time.sleep(1)
+        # the worker starts while the head is still coming up: it waits for the head and its token
         worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=dict(env, NODE_RANK="1"),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        out, _ = head.communicate(timeout=1500)
+        assert out.wait_for(r"Ray cluster has 2/2 nodes", 600), out.text[-4000:]
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        # the cluster is authenticated: a client with another token is turned away
+        intruder = subprocess.run(
+            [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}', log_to_driver=False)"],
+            env={**{k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN_PATH"}, "RAY_AUTH_MODE": "token",
+                 "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True, timeout=300, check=False,
+        )
+        assert intruder.returncode != 0, intruder.stdout + intruder.stderr
+        head.wait(timeout=1500)
     finally:
-        if head.poll() is None:
-            head.kill()
-        if worker is not None:
-            try:
-                worker.wait(timeout=60)  # the head stops the cluster on exit, which ends the worker node
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)  # train.sh and its `ray start --block` child
-        subprocess.run([str(REPO / ".venv" / "bin" / "ray"), "stop", "--force"], capture_output=True)
-    assert head.returncode == 0, out[-6000:]
-    assert "Ray cluster has 2/2 nodes" in out
-    assert "step:1 - " in out
-    assert "training/rollout_probs_diff_max" in out
+        _stop(head)
+        _stop(worker)
+    text = out.text
+    assert head.returncode == 0, text[-6000:]
+    assert "auth: token" in text and "wrote a new Ray auth token" in text
+    assert "step:1 - " in text
+    assert "training/rollout_probs_diff_max" in text
     # two FSDP ranks, one rollout replica each, placed on two different Ray nodes
-    servers = re.findall(r"hfcpu://[^/\s']+/(\w+)/hfcpu_server_(\d+)_0", out)
+    servers = re.findall(r"hfcpu://[^/\s']+/(\w+)/hfcpu_server_(\d+)_0", text)
     assert {rank for _, rank in servers} == {"0", "1"}, servers
     assert len({node for node, _ in servers}) == 2, servers
-    assert "envace: training finished" in out
+    assert "envace: training finished" in text
+    # it stopped what it started, and only that
+    deadline = time.monotonic() + 60
+    while _ray_processes(port) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _ray_processes(port) == []
+    assert bystander_proc.poll() is None and _port_open(bystander_port), "train.sh stopped another Ray cluster"
+
+
+def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_training(tmp_path):
+    """The worker node runs in its own mount namespace where the run directory is an empty tmpfs: it cannot
+    read the marker the head writes there, and the head stops before training, naming that node."""
+    if shutil.which("unshare") is None or subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False
+    ).returncode != 0:
+        pytest.skip("needs mount namespaces (unshare -m)")
+    port = _free_port()
+    run = tmp_path / "run"
+    run.mkdir()
+    env = _env(port, tmp_path / "ray_token")
+    head = subprocess.Popen(
+        [str(REPO / "scripts" / "train.sh"), "experiment=cpu_bfcl", f"trainer.default_local_dir={run}",
+         "trainer.total_training_steps=1",
+         "trainer.logger=[console]"],
+        cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    out = Lines(head)
+    worker = None
+    try:
+        hidden = f"mount -t tmpfs none {run} && exec {REPO / 'scripts' / 'train.sh'}"
+        worker = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", hidden], cwd=REPO,
+                                  env=dict(env, NODE_RANK="1"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        head.wait(timeout=1200)
+    finally:
+        _stop(head)
+        _stop(worker)
+    text = out.text
+    assert head.returncode == 2, text[-6000:]
+    failure = next(line for line in text.splitlines() if "every node must see the run directory" in line)
+    assert "worker node " in failure and "cannot read" in failure and "head node" not in failure, failure
+    assert "step:1 - " not in text
+    deadline = time.monotonic() + 60
+    while _ray_processes(port) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _ray_processes(port) == []

@@ -85,3 +85,24 @@ def test_collect_groups_skips_the_padding_rows_verl_appends():
     assert rewards == {"p/t1": [1.0]} and unscored == 0
     with pytest.raises(KeyError):  # without the tags the pad uid is unknown
         collect_groups(keys, uids, scores, [{}] * 4, {"u1": "p/t1"})
+
+
+def test_scheduler_state_file_loads_with_weights_only_and_restores_the_next_batch(bfcl, tmp_path):
+    """Old behaviour: envsched.pt held pickled numpy objects and was read with torch.load(weights_only=False),
+    i.e. resuming unpickled whatever the file contained."""
+    import torch
+
+    from envace.sched import load_scheduler_state, save_scheduler_state
+
+    rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
+    cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
+                            "envsched": {"scheduler": "envsched"}})
+    sched, _ = build_scheduler(cfg, rows)
+    for step in (1, 2, 3):
+        sched.observe(step, {t: [float(i % 2), 1.0] for i, t in enumerate(sched.select(step))})
+    path = tmp_path / "envsched.pt"
+    save_scheduler_state(sched, path)
+    torch.load(path, weights_only=True)  # no pickled objects beyond tensors and plain containers
+    restored, _ = build_scheduler(cfg, rows)
+    load_scheduler_state(restored, path)
+    assert restored.select(4) == sched.select(4)

@@ -339,3 +339,118 @@ def test_a_conversation_that_does_not_extend_the_tokenised_context_is_refused(to
     edited = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Done."}]
     with pytest.raises(PrefixError):  # an earlier turn changed: it would have to be re-encoded
         loop.loop.run_until_complete(policy.respond(edited, None, Role.ACT))
+
+
+# -- limits, bounds and odd model output in the training loop ------------------------------------------
+
+
+def _run_task(loop, pool: str, task_id: str):
+    kwargs = {"extra_info": {"pool": pool, "task_id": task_id}, "uid": "u1", "session_id": 0}
+    return loop.loop.run_until_complete(loop.run({"temperature": 1.0, "logprobs": True}, **kwargs))
+
+
+def test_per_message_call_cap_runs_and_counts_only_the_capped_calls(tokenizer):
+    """50 calls in one message with max_calls_per_message=4: 4 run, 46 get an error observation."""
+    many = "\n".join([render_tool_call({"name": "ls", "arguments": {}})] * 50)
+    loop, server = make_loop(tokenizer, [many, "Done."], max_calls_per_message=4, max_user_turns=1)
+    outs = run(loop)
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert info["tool_calls"] == 4.0 and info["skipped_calls"] == 46.0
+    assert len(json.loads(outs[-1].extra_fields["actions"])) == 4  # only the 4 that ran are replayable
+    assert tokenizer.decode(server.calls[-1][1]).count("at most 4 tool calls are answered per message") == 46
+
+
+def test_long_observations_are_truncated_in_the_middle(tokenizer, monkeypatch):
+    episode_cls = type(get_pool("bfcl_multi_turn").start(TASK))
+    monkeypatch.setattr(episode_cls, "execute", lambda self, call: "HEAD" + "x" * 5000 + "TAIL")
+    loop, server = make_loop(tokenizer, [render_tool_call({"name": "ls", "arguments": {}}), "Done."],
+                             max_user_turns=1, max_observation_chars=200)
+    run(loop)
+    seen = tokenizer.decode(server.calls[-1][1])
+    assert "HEAD" in seen and "TAIL" in seen and "characters truncated" in seen and "x" * 300 not in seen
+
+
+def test_max_user_turns_stops_the_episode(tokenizer):
+    loop, server = make_loop(tokenizer, ["Done."] * 10, max_user_turns=2)
+    outs = run(loop)  # the task has 4 user turns
+    assert len(server.calls) == 2 and outs[-1].extra_fields["stop_reason"] == "max_user_turns"
+    assert outs[-1].extra_fields["reward_extra_info"]["user_turns"] == 2.0
+
+
+def test_miss_func_reveals_the_withheld_tool_to_the_model(tokenizer):
+    """BFCL miss_func adds a function at a later turn. Old behaviour: the token-in/token-out context kept the
+    system prompt it had tokenised first, so the model never saw the revealed function's schema in training
+    (evaluation re-sends the tool list with every request and did show it)."""
+    tid = "multi_turn_miss_func_0"  # ``sort`` is withheld until user turn 4 (index 3)
+    loop, server = make_loop(tokenizer, ["Done."] * 10, max_user_turns=8)
+    _run_task(loop, "bfcl_multi_turn", tid)
+    schema = '"name": "sort"'
+    counts = [tokenizer.decode(prompt).count(schema) for _, prompt, _ in server.calls]
+    assert counts == [0, 0, 0, 1, 1], counts  # announced once, at the reveal turn, and kept in the context
+
+
+def test_lone_surrogates_never_reach_the_actions(tokenizer):
+    """A ``\\ud800`` escape in the model's tool-call JSON decodes to a lone surrogate. Old behaviour: it went into
+    the call's arguments, the ``actions`` field and the rollout dump (UnicodeEncodeError when written as UTF-8)."""
+    call = '<tool_call>\n{"name": "cd", "arguments": {"folder": "doc\\ud800s"}}\n</tool_call>'
+    loop, _ = make_loop(tokenizer, [call, "Done."], max_user_turns=1)
+    outs = run(loop)
+    actions = json.loads(outs[-1].extra_fields["actions"])
+    assert actions[0]["arguments"] == {"folder": "doc\ufffds"}
+    for out in outs:
+        json.dumps(out.extra_fields, ensure_ascii=False).encode("utf-8")  # raised UnicodeEncodeError before
+
+
+def test_a_compute_heavy_tool_call_is_stopped_and_the_model_told(tokenizer):
+    """``power(base=10, exponent=10**7)`` computes for ~10 s inside one C call that holds the GIL (10**9 would
+    hold the rollout worker for hours). Old behaviour: the thread-based time-out could not fire until the
+    computation ended. Now the call runs first in a forked copy of the episode, is killed at
+    limits.tool_timeout_s, never runs for real, and the model reads an error observation."""
+    import time
+
+    call = render_tool_call({"name": "power", "arguments": {"base": 10, "exponent": 10**7}})
+    loop, server = make_loop(tokenizer, [call, "Done."], max_user_turns=1, tool_timeout_s=1.0)
+    started = time.monotonic()
+    outs = _run_task(loop, "bfcl_multi_turn", "multi_turn_base_15")  # involves MathAPI
+    assert time.monotonic() - started < 8
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert info["bound_hits"] == 1.0 and info["tool_calls"] == 1.0 and info["verify_failed"] == 0.0
+    assert "exceeded the time limit (1s)" in tokenizer.decode(server.calls[-1][1])
+    assert json.loads(outs[-1].extra_fields["actions"]) == []  # never executed, never replayed
+
+
+TELECOM0 = "telecom/[mobile_data_issue]airplane_mode_on|user_abroad_roaming_enabled_off[PERSONA:None]"
+
+
+def test_tau2_in_the_training_loop_with_a_simulated_user(tokenizer, fake_openai, replies):
+    """A τ² telecom task through envace's verl agent loop: the simulated user answers over a real local
+    OpenAI-compatible endpoint (envace.agent.pool_kwargs.tau2.user), acts on their own phone, and τ²'s
+    official evaluator scores the episode."""
+    user = fake_openai(replies.script(
+        replies.chat("My phone has no data."),
+        replies.chat('<tool_call>{"name": "toggle_airplane_mode", "arguments": {}}</tool_call>'),
+        replies.chat("I turned airplane mode off."),
+        replies.chat('<tool_call>{"name": "toggle_roaming", "arguments": {}}</tool_call>'),
+        replies.chat("Roaming is on and data works."),
+        replies.chat("###STOP###"),
+    ))
+    act = [render_tool_call({"name": "get_customer_by_phone", "arguments": {"phone_number": "555-123-2002"}}),
+           "Please turn off airplane mode.", "Now please turn on data roaming.", "Glad it works!"]
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"response_length": 4096, "prompt_length": 16384, "multi_turn": {},
+                                          "agent": {}}},
+        "envace": {"agent": {"limits": {"max_steps_per_turn": 4, "max_user_turns": 8},
+                             "pool_kwargs": {"tau2": {"domains": ["telecom"],
+                                                      "user": {"base_url": user.base_url, "model": "user"}}}}},
+    })
+    server = ScriptedServer(tokenizer, act)
+    loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,
+                           processor=None, dataset_cls=RLHFDataset,
+                           data_config=DictConfigWrap(OmegaConf.create({"apply_chat_template_kwargs": {
+                               "enable_thinking": False}})), hf_model_type="qwen3")
+    outs = _run_task(loop, "tau2", TELECOM0)
+    assert [o.extra_fields["role"] for o in outs] == ["act"] * 4
+    assert all(o.reward_score == 1.0 for o in outs), json.loads(outs[-1].extra_fields["verdict"])
+    assert outs[-1].extra_fields["stop_reason"] == "completed"  # the user ended it (###STOP###)
+    assert outs[-1].extra_fields["reward_extra_info"]["tool_calls"] == 1.0
+    assert "My phone has no data." in tokenizer.decode(server.calls[0][1])

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envace.eval.client import ChatClient, EndpointConfig, ModelRequestError, parse_assistant_output
+from envace.agents.engine import ModelError
+from envace.eval.client import ChatClient, EndpointConfig, parse_assistant_output
+from envace.rewards.llm import ConfigurationError, InfrastructureError
 
 
 def block(obj: Any) -> str:
@@ -212,12 +214,45 @@ def test_client_transformers_serve_style_reply(stub: str) -> None:
     assert sent["chat_template_kwargs"] == {"enable_thinking": False} and sent["tools"]
 
 
-def test_client_errors(stub: str) -> None:
+@pytest.mark.parametrize(
+    ("status", "message", "kind"),
+    [
+        # the conversation outgrew the model: the model's failure, scored
+        (400, "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens.", ModelError),
+        (400, "context too long", ModelError),
+        # a request that can never succeed as configured: abort the run (old: scored as a failed task, or
+        # logged and retried on every rerun)
+        (404, "The model `qwen-typo` does not exist.", ConfigurationError),
+        (401, "invalid api key", ConfigurationError),
+        (400, "temperature must be >= 0", ConfigurationError),
+        # the server may answer later: retried
+        (500, "boom", InfrastructureError),
+        (503, "overloaded", InfrastructureError),
+        (429, "slow down", InfrastructureError),
+    ],
+)
+def test_client_errors_follow_the_one_taxonomy(stub: str, status: int, message: str, kind: type) -> None:
     client = ChatClient(EndpointConfig(base_url=stub, model="m", max_retries=0))
-    _Stub.responses = [(400, {"error": {"message": "context too long"}}), (500, {"error": {"message": "boom"}})]
-    with pytest.raises(ModelRequestError) as bad:
+    _Stub.responses = [(status, {"error": {"message": message}})]
+    with pytest.raises(kind):
         client.complete([{"role": "user", "content": "hi"}])
-    assert bad.value.retryable is False
-    with pytest.raises(ModelRequestError) as down:
+
+
+def test_unreachable_endpoint_is_infrastructure(dead_url: str) -> None:
+    client = ChatClient(EndpointConfig(base_url=dead_url, model="m", max_retries=0, timeout=5))
+    with pytest.raises(InfrastructureError):
         client.complete([{"role": "user", "content": "hi"}])
-    assert down.value.retryable is True
+
+
+def test_lone_surrogates_from_the_server_never_reach_the_conversation() -> None:
+    """A ``\\ud800`` escape in the server's JSON (content or tool-call arguments) used to survive as a lone
+    surrogate: the result store then raised UnicodeEncodeError and the task was retried as an
+    infrastructure error on every rerun."""
+    raw = json.loads('"text \\ud800 <tool_call>{\\"name\\": \\"cd\\", \\"arguments\\": {\\"folder\\": \\"\\\\udc00x\\"}}</tool_call>"')
+    api = [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"a": "\\ud83d"}'}}]
+    for reply in (parse_assistant_output(raw), parse_assistant_output(raw, api)):
+        message = reply.assistant_message()
+        json.dumps(message, ensure_ascii=False).encode("utf-8")  # raised UnicodeEncodeError before
+        for call in reply.tool_calls:
+            json.dumps(call.arguments, ensure_ascii=False).encode("utf-8")
+    assert parse_assistant_output(raw).tool_calls[0].arguments == {"folder": "\ufffdx"}

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from envace.agents.engine import ModelError
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict, get_pool
-from envace.eval.client import ChatReply, ModelRequestError, parse_assistant_output
+from envace.eval.client import ChatReply, parse_assistant_output
 from envace.eval.runner import (
     AgentLoopRunner,
     LoopLimits,
@@ -19,6 +20,7 @@ from envace.eval.runner import (
     build_runner,
     register_runner,
 )
+from envace.rewards.llm import InfrastructureError
 
 Policy = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], ChatReply]
 
@@ -211,15 +213,15 @@ def test_step_and_turn_limits_stop_the_episode() -> None:
 
 def test_model_errors() -> None:
     def too_long(m: Any, t: Any) -> ChatReply:
-        raise ModelRequestError("context length exceeded", retryable=False)
+        raise ModelError("context length exceeded")
 
     rec = AgentLoopRunner(FakeClient(too_long))(EchoPool(), "echo_0")  # type: ignore[arg-type]
     assert rec.stop_reason == "model_error" and "context length" in rec.error and rec.reward == 0.0
 
     def down(m: Any, t: Any) -> ChatReply:
-        raise ModelRequestError("connection refused", retryable=True)
+        raise InfrastructureError("connection refused")
 
-    with pytest.raises(ModelRequestError):  # infrastructure: the driver logs and retries it later
+    with pytest.raises(InfrastructureError):  # infrastructure: the driver logs and retries it later
         AgentLoopRunner(FakeClient(down))(EchoPool(), "echo_0")  # type: ignore[arg-type]
 
 

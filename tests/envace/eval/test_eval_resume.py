@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
-from envace.eval.client import ModelRequestError
 from envace.eval.driver import EvalAborted, evaluate, select_tasks
 from envace.eval.report import BENCHMARKS, format_table, summarize
 from envace.eval.runner import TaskRecord
 from envace.eval.store import ResultStore, RunConfigMismatch
+from envace.rewards.llm import ConfigurationError, InfrastructureError
 
 BENCH = BENCHMARKS["bfcl"]
 CATS = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
@@ -53,9 +53,10 @@ class CatalogPool(EnvironmentPool):
 class FakeRunner:
     """Deterministic rewards; can interrupt or fail on chosen tasks; counts what it ran."""
 
-    def __init__(self, interrupt_at: str | None = None, fail: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, interrupt_at: str | None = None, fail: set[str] = frozenset(),  # type: ignore[assignment]
+                 misconfigured: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         self.ran: list[str] = []
-        self.interrupt_at, self.fail = interrupt_at, set(fail)
+        self.interrupt_at, self.fail, self.misconfigured = interrupt_at, set(fail), set(misconfigured)
 
     def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord:
         if task_id == self.interrupt_at:  # Ctrl-C arrives while this task is in flight
@@ -63,7 +64,9 @@ class FakeRunner:
             time.sleep(0.5)
             raise RuntimeError("killed with the process")
         if task_id in self.fail:
-            raise ModelRequestError("connection refused", retryable=True)
+            raise InfrastructureError("connection refused")
+        if task_id in self.misconfigured:
+            raise ConfigurationError("HTTP 404: The model `nope` does not exist.", status_code=404)
         self.ran.append(task_id)
         i = int(task_id[1:])
         reward = 1.0 if i % 3 == 0 else 0.0
@@ -157,6 +160,16 @@ def test_consecutive_failures_abort(tmp_path: Path) -> None:
         evaluate(
             pool, BENCH, sel, FakeRunner(fail=set(sel)), ResultStore(tmp_path), progress=False, max_consecutive_errors=3
         )
+
+
+def test_a_configuration_error_aborts_at_once_and_is_not_logged_as_a_task_error(tmp_path: Path) -> None:
+    """Old behaviour: an unknown model (HTTP 404) was an infrastructure error per task, logged and retried on
+    every rerun (10 in a row abort). It can never succeed: the run stops at the first one, with the reason."""
+    runner = FakeRunner(misconfigured={"t03"})
+    with pytest.raises(EvalAborted, match=r"configuration error \(t03\).*does not exist"):
+        run(tmp_path, runner)
+    assert runner.ran == ["t00", "t01", "t02"]
+    assert not (tmp_path / "errors.jsonl").exists()
 
 
 def test_run_config_mismatch_is_refused(tmp_path: Path) -> None:

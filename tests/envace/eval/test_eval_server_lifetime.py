@@ -1,0 +1,116 @@
+"""A model server launched for ``--checkpoint`` never outlives its evaluation, and envace's ``transformers
+serve`` entry point answers a malformed tool call with text instead of HTTP 500.
+
+The lifetime tests use a stand-in server (a stdlib HTTP server that answers ``GET /v1/models``) in place
+of vLLM / transformers, and kill the evaluating process the two ways a scheduler does: SIGTERM and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def do_GET(self):
+            raw = json.dumps({"data": [{"id": "ckpt"}]}).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(raw))); self.end_headers()
+            self.wfile.write(raw)
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """
+)
+
+EVALUATOR = textwrap.dedent(
+    """
+    import contextlib, sys, time
+    from envace.eval import server
+    fake, pidfile, ckpt = sys.argv[1:4]
+    server.server_command = lambda kind, checkpoint, host, port, extra=(): [sys.executable, fake, str(port), pidfile]
+    with getattr(server, "terminate_on_sigterm", contextlib.nullcontext)():  # what `python -m envace.eval` does
+        with server.launch_server(ckpt, "transformers", startup_timeout=120, log_path=ckpt + "/server.log"):
+            print("ready", flush=True)
+            time.sleep(600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_server_dies_with_the_evaluation(tmp_path, sig):
+    """Old behaviour: the server ran in its own session and the clean-up ran only on a normal exit or Ctrl-C;
+    SIGTERM or SIGKILL of the evaluation left it running (holding its GPUs) forever."""
+    fake = tmp_path / "fake_server.py"
+    fake.write_text(FAKE_SERVER)
+    pidfile = tmp_path / "server.pid"
+    evaluator = subprocess.Popen([sys.executable, "-c", EVALUATOR, str(fake), str(pidfile), str(tmp_path)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server_pid = None
+    try:
+        assert evaluator.stdout.readline().strip() == "ready", evaluator.stdout.read()
+        server_pid = int(pidfile.read_text())
+        assert _alive(server_pid)
+        evaluator.send_signal(sig)
+        evaluator.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server_pid), f"the model server outlived its evaluation ({sig.name})"
+    finally:
+        if evaluator.poll() is None:
+            evaluator.kill()
+        if server_pid is not None and _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def test_transformers_serve_returns_text_for_a_malformed_tool_call():
+    """Stock ``transformers serve`` lets the tool-call parser's exception escape (HTTP 500: an infrastructure
+    error, retried forever); envace's entry point returns no structured calls, so the raw block stays in the
+    text and envace's parser reports the malformed call to the model."""
+    from transformers.cli.serving import chat_completion
+
+    from envace.eval import tfserve
+    from envace.eval.server import server_command
+
+    class Processor:
+        def parse_response(self, ids, schema):
+            return json.loads('{"name": "cd", bad}')  # what parse_response does with an invalid block
+
+    from transformers.cli.serving import response
+
+    stock, stock_response = chat_completion.parse_tool_calls, response.parse_tool_calls
+    with pytest.raises(json.JSONDecodeError):
+        stock(Processor(), [1, 2], {})
+    try:
+        tfserve.install()
+        wrapped = chat_completion.parse_tool_calls
+        assert wrapped(Processor(), [1, 2], {}) is None
+        assert response.parse_tool_calls(Processor(), [1, 2], {}) is None
+        tfserve.install()  # idempotent: not wrapped twice
+        assert chat_completion.parse_tool_calls is wrapped
+    finally:
+        chat_completion.parse_tool_calls, response.parse_tool_calls = stock, stock_response
+    cmd = server_command("transformers", "/ckpt", "127.0.0.1", 8000)
+    assert cmd[1:3] == ["-m", "envace.eval.tfserve"] and "serve" in cmd

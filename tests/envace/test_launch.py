@@ -1,0 +1,173 @@
+"""Launch helpers (envace/launch.py) and the multi-node pre-flight of scripts/train.sh that needs no cluster:
+GPU counting, joining a head that is still starting, process lifetime, authentication, offline mode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from envace.launch import count_gpus, passthrough_env, wait_head
+
+REPO = Path(__file__).resolve().parents[2]
+
+TWO_GPUS = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb0000-0000-0000-0000-000000000000)
+"""
+MIG = """GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)
+  MIG 3g.20gb     Device  0: (UUID: MIG-1111aaaa-0000-0000-0000-000000000000)
+  MIG 2g.10gb     Device  1: (UUID: MIG-2222aaaa-0000-0000-0000-000000000000)
+  MIG 1g.5gb      Device  2: (UUID: MIG-3333aaaa-0000-0000-0000-000000000000)
+GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-bbbb0000-0000-0000-0000-000000000000)
+"""
+
+
+@pytest.mark.parametrize(
+    ("listing", "visible", "expected"),
+    [
+        (TWO_GPUS, None, 2),
+        (TWO_GPUS, "1", 1),
+        (TWO_GPUS, "0,1", 2),
+        (TWO_GPUS, "", 0),
+        (TWO_GPUS, "1,-1,0", 1),  # CUDA stops at the first invalid entry
+        (TWO_GPUS, "GPU-bbbb0000-0000-0000-0000-000000000000", 1),
+        (MIG, None, 4),  # `nvidia-smi -L | wc -l` said 5: the MIG-enabled GPU counted besides its MIG devices
+        (MIG, "MIG-2222aaaa-0000-0000-0000-000000000000", 1),
+        (MIG, "1", 1),
+        (None, None, 0),
+    ],
+)
+def test_gpu_count_honours_cuda_visible_devices_and_mig(listing, visible, expected):
+    assert count_gpus(listing, visible) == expected
+
+
+def test_network_interface_variables_are_selected_for_the_workers():
+    env = {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1", "NCCL_IB_HCA": "mlx5_0",
+           "NCCL_IB_GID_INDEX": "3", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"}
+    assert passthrough_env(env) == {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1",
+                                    "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_waits_for_a_head_that_is_still_starting_and_gives_up_at_the_timeout():
+    port = _free_port()
+    started = time.monotonic()
+    assert wait_head(f"127.0.0.1:{port}", timeout=1.0, poll=0.2) == 1
+    assert time.monotonic() - started < 5
+
+    listener = socket.socket()
+
+    def head_comes_up() -> None:
+        time.sleep(1.0)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    threading.Thread(target=head_comes_up, daemon=True).start()
+    try:
+        assert wait_head(f"127.0.0.1:{port}", timeout=30.0, poll=0.2) == 0
+    finally:
+        listener.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (ProcessLookupError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_bound_exec_dies_with_its_parent_even_on_sigkill(tmp_path):
+    """scripts/train.sh starts its Ray node this way: a SIGKILLed train.sh cannot run its exit trap, and the
+    node must not outlive it."""
+    pidfile = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        "{sys.executable}" -m envace.launch bound-exec --parent $$ -- \
+            "{sys.executable}" -c 'import os, time; open("{pidfile}", "w").write(str(os.getpid())); time.sleep(120)' &
+        wait
+    """)
+    parent = subprocess.Popen(["bash", "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert time.monotonic() < deadline, "the bound command did not start"
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+env > "{envfile}"
+cat <<'EOF'
+{listing}EOF
+"""
+
+
+def _worker(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """scripts/train.sh as worker node 1 of 2, its head never coming up, on a machine with a fake nvidia-smi."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI.format(envfile=tmp_path / "env.txt", listing=MIG))
+    smi.chmod(0o755)
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "GPUS_PER_NODE",
+                         "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
+    import torch
+
+    full.update(NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", RAY_PORT=str(_free_port()), RAY_JOIN_TIMEOUT="2",
+                PATH=f"{bindir}:{os.environ['PATH']}", **env)
+    # the fake nvidia-smi must not make scripts/bootstrap.sh reinstall this virtualenv for another platform
+    full["ENVACE_PLATFORM"] = "gpu" if torch.version.cuda else "cpu"
+    proc = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"scripts/train.sh did not give up on a head that never came up:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_multi_node_without_a_token_is_refused(tmp_path):
+    """Old behaviour: without RAY_AUTH_TOKEN, train.sh set RAY_AUTH_MODE=disabled and ran Ray unauthenticated."""
+    proc = _worker(tmp_path)
+    assert proc.returncode == 2
+    assert "needs token authentication" in proc.stderr and "RAY_AUTH_TOKEN_PATH" in proc.stderr
+    assert "RAY_AUTH_MODE=disabled" in proc.stderr  # the explicit opt-out is named
+    assert "joining Ray head" not in proc.stdout  # nothing was started
+
+
+def test_worker_counts_mig_devices_runs_offline_and_times_out_joining(tmp_path):
+    """Old behaviour: `nvidia-smi -L | wc -l` (5 here: one GPU line besides its three MIG lines), no offline
+    mode, and `ray start --address` against a head that is not up yet, with no retry or time-out of ours."""
+    proc = _worker(tmp_path, RAY_AUTH_TOKEN="t" * 32)
+    assert "(4 device slot(s))" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "did not accept connections within 2s" in proc.stderr
+    env = dict(line.split("=", 1) for line in (tmp_path / "env.txt").read_text().splitlines() if "=" in line)
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
+    assert env["RAY_AUTH_MODE"] == "token"
