@@ -89,6 +89,14 @@ def _env(port: int, token_path: Path) -> dict[str, str]:
     return env
 
 
+def _ray_processes_gone(port: int, timeout: float = 60) -> list[int]:
+    """Wait up to ``timeout`` s for the Ray processes of the cluster on ``port`` to exit; those still running."""
+    deadline = time.monotonic() + timeout
+    while _ray_processes(port) and time.monotonic() < deadline:
+        time.sleep(1)
+    return _ray_processes(port)
+
+
 def _stop(proc: subprocess.Popen | None, timeout: float = 120) -> None:
     """SIGTERM a train.sh (its trap stops its own Ray node), SIGKILL if it does not end."""
     if proc is None or proc.poll() is not None:
@@ -170,10 +178,7 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander):
     assert len({node for node, _ in servers}) == 2, servers
     assert "envace: training finished" in text
     # it stopped what it started, and only that
-    deadline = time.monotonic() + 60
-    while _ray_processes(port) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert _ray_processes(port) == []
+    assert _ray_processes_gone(port) == []
     assert bystander_proc.poll() is None and _port_open(bystander_port), "train.sh stopped another Ray cluster"
 
 
@@ -211,7 +216,4 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_training(
     failure = next(line for line in text.splitlines() if "every node must see the run directory" in line)
     assert "worker node " in failure and "cannot read" in failure and "head node" not in failure, failure
     assert "step:1 - " not in text
-    deadline = time.monotonic() + 60
-    while _ray_processes(port) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert _ray_processes(port) == []
+    assert _ray_processes_gone(port) == []
