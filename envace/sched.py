@@ -259,9 +259,14 @@ def _register() -> None:
             metrics["envsched/unscored_rollouts"] = float(unscored)
             if not rewards:
                 logger.warning("envsched: step %d produced no scored rollout; nothing to observe", self.global_steps)
+                metrics.update(self.scheduler.metrics(self.global_steps))  # the step's selection metrics still count
                 return batch
             t0 = time.perf_counter()
+            # all-or-nothing: an ObservationError (naming the task) leaves the scheduler unchanged
             self.scheduler.observe(self.global_steps, rewards, trajectories or None)
+            # every ``envsched/*`` key of the step: selection (envs_per_batch, selected_<evidence type>, ...),
+            # observation (realized_var_*, short_groups, missing_rewards, ...) and the prediction diagnostics
+            # (spearman_q_<evidence type>, spearman_v_<evidence type>, scored_<evidence type>)
             metrics.update(self.scheduler.metrics(self.global_steps))
             metrics["envsched/trainer_observe_time_s"] = time.perf_counter() - t0
             if self._sched_build_s is not None:  # once per process (also after a resume)

@@ -16,8 +16,8 @@ See envsched/README.md and the JSONL format in ``envsched.pool``.
 """
 
 from .config import ConfigError, EnvSchedConfig, LLMExtractorConfig
-from .estimate import Prediction
-from .graph import StaticGraph, build_static_graph
+from .estimate import EVIDENCE_TYPES, Prediction, evidence_types, prediction_diagnostics
+from .graph import StaticGraph, build_static_graph, load_or_build_graph
 from .operations import (
     DeterministicExtractor,
     Extraction,
@@ -26,11 +26,13 @@ from .operations import (
     OperationExtractionError,
     abstract_text,
 )
-from .pool import Action, PoolFormatError, Task, TaskPool, Tool
-from .scheduler import EnvScheduler
+from .pool import Action, Environment, PoolFormatError, Task, TaskPool, Tool, write_pool_jsonl
+from .scheduler import EnvScheduler, ObservationError, UnknownTaskError
 
 __all__ = [
-    "Action", "ConfigError", "DeterministicExtractor", "EnvSchedConfig", "EnvScheduler", "Extraction",
-    "LLMExtractor", "LLMExtractorConfig", "OperationDescription", "OperationExtractionError", "PoolFormatError",
-    "Prediction", "StaticGraph", "Task", "TaskPool", "Tool", "abstract_text", "build_static_graph",
+    "EVIDENCE_TYPES", "Action", "ConfigError", "DeterministicExtractor", "EnvSchedConfig", "EnvScheduler", "Environment",
+    "Extraction", "LLMExtractor", "LLMExtractorConfig", "ObservationError", "OperationDescription",
+    "OperationExtractionError", "PoolFormatError", "Prediction", "StaticGraph", "Task", "TaskPool", "Tool",
+    "UnknownTaskError", "abstract_text", "build_static_graph", "evidence_types", "load_or_build_graph",
+    "prediction_diagnostics", "write_pool_jsonl",
 ]

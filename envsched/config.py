@@ -61,10 +61,19 @@ class EnvSchedConfig(BaseModel):
     # ---- batch ---------------------------------------------------------------------------------
     # B: environment–task pairs per training batch (§3.1).
     batch_size: int = Field(64, ge=1)
-    # K: rollouts per pair (§3.1); informational, observe() accepts any group size >= 1.
+    # K: rollouts per pair (§3.1).  observe() accepts 1..K rewards per task (fewer when unscored rollouts are
+    # skipped; counted in the short_groups / missing_rewards metrics) and refuses more than K.
     rollouts_per_task: int = Field(8, ge=1)
     # rho: fraction of the batch assigned to coverage, B_cov = floor(rho * B) (§2.4).
     rho: float = Field(0.5, ge=0.0, le=1.0)
+
+    # ---- observation guards (observe(), Eq. 2) ---------------------------------------------------
+    # Closed interval [low, high] every observed reward must lie in; observe() refuses a reward outside it
+    # (naming the task) before changing any state.  The clip intervals of Eq. 6 below assume [0, 1].
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    # Rounding slack of that check: a reward at most this far outside reward_range (float32 reward tensors,
+    # normalised reward mixes) is clipped into it; anything farther is refused.  Implementation choice.
+    reward_range_tolerance: float = Field(1e-6, ge=0.0)
 
     # ---- static graph (Eq. 1, App. D) ----------------------------------------------------------
     # alpha_a: weights of the six concrete TF-IDF views in S_full, in the order
@@ -85,6 +94,10 @@ class EnvSchedConfig(BaseModel):
     operation_extractor: Literal["deterministic", "llm"] = "deterministic"
     # LLM extractor settings.
     llm: LLMExtractorConfig = LLMExtractorConfig()
+    # Folder of the on-disk cache of the static graph (the Eq. 1 views and operation descriptions), one
+    # entry per (pool content hash, graph-relevant config fields); a restart with the same pool and config
+    # loads the entry instead of rebuilding.  null: no cache.  Implementation choice, not in the paper.
+    graph_cache_dir: str | None = None
 
     # ---- neighbours (§2.2, Eq. 3, Eq. 7) -------------------------------------------------------
     # K_within: observed within-environment neighbours per target (by S_full).
@@ -176,7 +189,7 @@ class EnvSchedConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EnvSchedConfig:
-        for name in ("clip_v", "clip_m", "clip_d", "neighbor_weight_clip"):
+        for name in ("clip_v", "clip_m", "clip_d", "neighbor_weight_clip", "reward_range"):
             lo, hi = getattr(self, name)
             if lo > hi:
                 raise ValueError(f"{name}: lower bound {lo} exceeds upper bound {hi}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.stats import rankdata
+from scipy.stats import rankdata, spearmanr
 
 from .config import EnvSchedConfig
 
@@ -325,3 +325,81 @@ def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: di
     short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels)
     u, q = decline_priority(long["u"], short["u"], cfg.eta_decline)
     return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prediction diagnostics (issue 12): does the score rank the variance later realised?
+# ---------------------------------------------------------------------------------------------------
+
+# Evidence behind a prediction, in the order of the codes ``evidence_types`` returns.
+EVIDENCE_TYPES = ("observed", "within_env", "cross_env_only", "cold")
+
+
+def evidence_types(log: ObservationLog, nbr_idx: dict[str, np.ndarray], t: int, nodes: np.ndarray, n: int) -> np.ndarray:
+    """Which evidence the prediction of each of ``nodes`` for step ``t`` rests on (codes into EVIDENCE_TYPES).
+
+    0 ``observed``: the task's own history H_t(i) (observations at steps s < t) is non-empty, so Eq. 4 fuses
+      its history y-bar (Eq. 11) with the graph prior;
+    1 ``within_env``: no own history, but at least one available neighbour in N_t^in(i) (S_full), so G^in of
+      Eq. 3 carries evidence (and G^cross may too);
+    2 ``cross_env_only``: no own history and no available within-environment neighbour, at least one in
+      N_t^cross(i) (S_abs): G^in = b_t and only G^cross carries evidence;
+    3 ``cold``: none of these: every term of Eq. 3-4 is the global reference b_t (App. B).
+
+    "Available" is the test of ``estimate_half_life``: a neighbour index >= 0 whose own history is non-empty.
+    """
+    nodes = np.asarray(nodes, dtype=np.int64)
+    obs = log.arrays()
+    has = np.zeros(n, dtype=bool)
+    has[obs["node"][obs["step"] < t]] = True
+
+    def any_available(rel: str) -> np.ndarray:
+        idx = nbr_idx[rel][nodes]
+        return ((idx >= 0) & has[np.maximum(idx, 0)]).any(axis=1)
+
+    code = np.full(len(nodes), 3, dtype=np.int8)
+    code[any_available("cross")] = 2
+    code[any_available("in")] = 1
+    code[has[nodes]] = 0
+    return code
+
+
+def rank_correlation(x: np.ndarray, y: np.ndarray, min_count: int = 3) -> float | None:
+    """Spearman's rank correlation (``scipy.stats.spearmanr``) of x and y, or None where it is undefined
+    or not meaningful: fewer than ``min_count`` pairs, or a constant x or y."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < max(min_count, 2) or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+    rho = float(spearmanr(x, y)[0])
+    return rho if np.isfinite(rho) else None
+
+
+def prediction_diagnostics(score: np.ndarray, realised_v: np.ndarray, evidence: np.ndarray, predicted_v: np.ndarray | None = None, min_count: int = 3) -> dict[str, float]:
+    """Rank agreement between what the scheduler predicted at selection and what the rollouts showed.
+
+    For the observed groups of one step: ``score`` is each task's q_{i,t} (Eq. 13) at selection,
+    ``predicted_v`` its v-hat (Eq. 4, long half-life), ``realised_v`` the group's population variance v_{i,t}
+    (Eq. 2) and ``evidence`` its code from ``evidence_types``.  Returns, per evidence type and for ``all``:
+
+    * ``spearman_q_<type>``: Spearman correlation of q and the realised variance;
+    * ``spearman_v_<type>``: the same for v-hat (when ``predicted_v`` is given);
+    * ``scored_<type>``: how many groups of the type were observed.
+
+    A correlation is reported only with >= ``min_count`` groups and non-constant values on both sides
+    (otherwise its key is absent, never NaN).
+    """
+    score = np.asarray(score, dtype=np.float64)
+    realised_v = np.asarray(realised_v, dtype=np.float64)
+    evidence = np.asarray(evidence)
+    out: dict[str, float] = {}
+    groups = [(name, evidence == code) for code, name in enumerate(EVIDENCE_TYPES)] + [("all", np.ones(len(score), dtype=bool))]
+    for name, mask in groups:
+        out[f"scored_{name}"] = float(mask.sum())
+        rho = rank_correlation(score[mask], realised_v[mask], min_count)
+        if rho is not None:
+            out[f"spearman_q_{name}"] = rho
+        if predicted_v is not None:
+            rho = rank_correlation(np.asarray(predicted_v, dtype=np.float64)[mask], realised_v[mask], min_count)
+            if rho is not None:
+                out[f"spearman_v_{name}"] = rho
+    return out

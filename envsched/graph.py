@@ -16,14 +16,20 @@ O(N * (K + Delta)) per step (the incremental scheme of §3.3.2).
 from __future__ import annotations
 
 import ast
+import hashlib
 import io
+import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import time
 import tokenize
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -122,6 +128,7 @@ class StaticGraph:
     fallback_reasons: dict[str, str] = field(default_factory=dict)
     build_seconds: float = 0.0
     view_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    cache: str = "off"  # graph cache: "off" (no graph_cache_dir), "miss" (built and stored), "hit" (loaded), "skip"
     _rep_score: np.ndarray | None = field(default=None, repr=False)
     _fmap: np.ndarray | None = field(default=None, repr=False)
     _block_values: np.ndarray | None = field(default=None, repr=False)
@@ -139,6 +146,7 @@ class StaticGraph:
             "abstract_features": int(self.x_abs.shape[1]),
             "nnz_full": int(self.x_full.nnz),
             "build_seconds": self.build_seconds,
+            "cache": self.cache,
         }
 
     # ---- similarities (Eq. 1), never N x N ------------------------------------------------------
@@ -293,6 +301,13 @@ def view_texts(pool: TaskPool, descriptions: Sequence[OperationDescription]) -> 
     }
 
 
+def _env_members(pool: TaskPool) -> list[np.ndarray]:
+    """Node indices of each environment, ascending."""
+    order = np.argsort(pool.env, kind="stable")
+    bounds = np.searchsorted(pool.env[order], np.arange(pool.n_envs + 1))
+    return [order[bounds[e] : bounds[e + 1]] for e in range(pool.n_envs)]
+
+
 def make_extractor(cfg: EnvSchedConfig, client: Any = None) -> Any:
     if cfg.operation_extractor == "llm":
         return LLMExtractor.from_config(cfg.llm, client=client)
@@ -334,9 +349,7 @@ def build_static_graph(
         blocks.append(h * np.sqrt(weight))
     x_full = sp.hstack(blocks, format="csr")
     x_abs = _tfidf([abstract_text(d) for d in descriptions], cfg, token_pattern=r"\S+", lowercase=False)
-    order = np.argsort(pool.env, kind="stable")
-    bounds = np.searchsorted(pool.env[order], np.arange(pool.n_envs + 1))
-    members = [order[bounds[e] : bounds[e + 1]] for e in range(pool.n_envs)]
+    members = _env_members(pool)
     graph = StaticGraph(
         x_full=x_full, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,
         extractor_counts=dict(counts), fallback_reasons=fallbacks, build_seconds=time.perf_counter() - t0,
@@ -344,6 +357,163 @@ def build_static_graph(
     )
     graph.mean_within_env_similarity()  # cold-start representatives use static structure only
     graph.build_seconds = time.perf_counter() - t0
+    return graph
+
+
+# ---------------------------------------------------------------------------------------------------
+# On-disk cache of the static graph (a restart with the same pool and config does not rebuild)
+# ---------------------------------------------------------------------------------------------------
+
+GRAPH_CACHE_VERSION = 1
+# config fields the static graph depends on (Eq. 1 views and the operation extractor of App. E)
+_GRAPH_FIELDS = ("view_weights", "tfidf_min_df", "tfidf_max_features", "tfidf_sublinear_tf", "tfidf_float32", "operation_extractor")
+# LLM settings that can change the extracted descriptions (not the transport: workers, timeout, key, cache)
+_LLM_FIELDS = ("base_url", "model", "temperature", "max_retries", "on_invalid")
+_ARRAYS = "graph.npz"
+_META = "graph.json"
+_DESCRIPTIONS = "descriptions.jsonl"
+
+
+def graph_cache_key(pool: TaskPool, cfg: EnvSchedConfig) -> str:
+    """SHA-256 of everything the static graph is a function of: the pool's content (``TaskPool.content_hash``),
+    the graph's config fields, the scikit-learn version (TF-IDF) and the source of this module and of
+    ``operations`` (so a code change never reuses a stale graph)."""
+    import sklearn
+
+    from . import operations
+
+    settings = {k: getattr(cfg, k) for k in _GRAPH_FIELDS}
+    if cfg.operation_extractor == "llm":
+        settings["llm"] = {k: getattr(cfg.llm, k) for k in _LLM_FIELDS}
+    code = hashlib.sha256()
+    for mod_file in (__file__, operations.__file__):
+        code.update(Path(mod_file).read_bytes())
+    payload = {
+        "version": GRAPH_CACHE_VERSION,
+        "pool": pool.content_hash(),
+        "config": settings,
+        "sklearn": sklearn.__version__,
+        "code": code.hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
+
+
+class _DescriptionFile(Sequence):
+    """The operation descriptions of a cached graph, read from disk on first access (they are kept for
+    inspection only; scheduling never reads them)."""
+
+    def __init__(self, path: Path, n: int):
+        self.path, self.n = path, n
+        self._items: list[OperationDescription] | None = None
+
+    def _load(self) -> list[OperationDescription]:
+        if self._items is None:
+            with self.path.open(encoding="utf-8") as fh:
+                self._items = [OperationDescription.model_validate_json(line) for line in fh if line.strip()]
+        return self._items
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._load()[i]
+
+
+def _save_csr(prefix: str, x: sp.csr_matrix, out: dict[str, np.ndarray]) -> None:
+    out[f"{prefix}_data"], out[f"{prefix}_indices"], out[f"{prefix}_indptr"] = x.data, x.indices, x.indptr
+    out[f"{prefix}_shape"] = np.asarray(x.shape, dtype=np.int64)
+
+
+def _load_csr(prefix: str, z: Any) -> sp.csr_matrix:
+    return sp.csr_matrix((z[f"{prefix}_data"], z[f"{prefix}_indices"], z[f"{prefix}_indptr"]), shape=tuple(int(s) for s in z[f"{prefix}_shape"]))
+
+
+def save_graph(graph: StaticGraph, folder: Path, key: str) -> None:
+    """Write ``graph`` to ``folder/key`` atomically (a temporary folder renamed into place)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / key
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=folder))
+    try:
+        arrays: dict[str, np.ndarray] = {"env": graph.env, "rep_score": graph.mean_within_env_similarity()}
+        _save_csr("x_full", graph.x_full, arrays)
+        _save_csr("x_abs", graph.x_abs, arrays)
+        np.savez(tmp / _ARRAYS, **arrays)
+        with (tmp / _DESCRIPTIONS).open("w", encoding="utf-8") as fh:
+            fh.writelines(d.model_dump_json() + "\n" for d in graph.descriptions)
+        meta = {
+            "key": key, "n": graph.n, "extractor_counts": graph.extractor_counts, "fallback_reasons": graph.fallback_reasons,
+            "build_seconds": graph.build_seconds, "view_shapes": {k: list(v) for k, v in graph.view_shapes.items()},
+        }
+        (tmp / _META).write_text(json.dumps(meta))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process stored the same entry first
+            if not (final / _META).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_graph(folder: Path, key: str, pool: TaskPool) -> StaticGraph | None:
+    """The cached graph ``folder/key`` for ``pool``, or None when absent or unreadable (then rebuilt)."""
+    entry = folder / key
+    if not (entry / _META).is_file():
+        return None
+    try:
+        meta = json.loads((entry / _META).read_text())
+        if meta.get("key") != key or meta.get("n") != len(pool):
+            return None
+        with np.load(entry / _ARRAYS, allow_pickle=False) as z:
+            x_full, x_abs = _load_csr("x_full", z), _load_csr("x_abs", z)
+            rep_score, env = np.array(z["rep_score"]), np.array(z["env"])
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("envsched: graph cache entry %s unreadable (%s); rebuilding it", entry, exc)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    if not np.array_equal(env, pool.env):
+        return None
+    graph = StaticGraph(
+        x_full=x_full, x_abs=x_abs, env=pool.env, env_members=_env_members(pool), descriptions=_DescriptionFile(entry / _DESCRIPTIONS, len(pool)),  # type: ignore[arg-type]
+        extractor_counts=dict(meta["extractor_counts"]), fallback_reasons=dict(meta["fallback_reasons"]),
+        build_seconds=float(meta["build_seconds"]), view_shapes={k: tuple(v) for k, v in meta["view_shapes"].items()}, cache="hit",
+    )
+    graph._rep_score = rep_score
+    return graph
+
+
+def load_or_build_graph(pool: TaskPool, cfg: EnvSchedConfig, *, extractor: Any = None) -> StaticGraph:
+    """``build_static_graph``, through the on-disk cache of ``cfg.graph_cache_dir`` when it is set.
+
+    The cache is used only when the graph is a function of (pool, config): with the config's own extractor
+    (or a plain ``DeterministicExtractor``), and for the LLM extractor only when no task fell back to the
+    deterministic one (a later run may get valid answers for them).
+    """
+    if cfg.graph_cache_dir is None:
+        return build_static_graph(pool, cfg, extractor=extractor)
+    if extractor is not None and type(extractor) is not DeterministicExtractor:
+        graph = build_static_graph(pool, cfg, extractor=extractor)
+        graph.cache = "skip"
+        return graph
+    if extractor is not None and cfg.operation_extractor != "deterministic":
+        cfg = cfg.replace(operation_extractor="deterministic")
+    t0 = time.perf_counter()
+    folder = Path(cfg.graph_cache_dir).expanduser()
+    key = graph_cache_key(pool, cfg)
+    graph = load_graph(folder, key, pool)
+    if graph is not None:
+        log.info("envsched: static graph loaded from cache %s in %.2fs", folder / key, time.perf_counter() - t0)
+        return graph
+    graph = build_static_graph(pool, cfg, extractor=extractor)
+    if graph.fallback_reasons:
+        graph.cache = "skip"
+        return graph
+    try:
+        save_graph(graph, folder, key)
+        graph.cache = "miss"
+    except OSError as exc:
+        log.warning("envsched: could not store the static graph in %s (%s)", folder, exc)
+        graph.cache = "skip"
     return graph
 
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -164,10 +165,16 @@ _RELATION_VERBS = frozenset({"assign", "transfer", "move", "reschedule", "replac
 
 def split_identifier(name: str) -> list[str]:
     """``getUserByName`` / ``get_user_by_name`` -> ['get', 'user', 'by', 'name']."""
+    return list(_split_identifier(name))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # tool names repeat across every task of an environment
+def _split_identifier(name: str) -> tuple[str, ...]:
     name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
-    return [p for p in re.split(r"[^A-Za-z0-9]+", name.lower()) if p]
+    return tuple(p for p in re.split(r"[^A-Za-z0-9]+", name.lower()) if p)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def tool_operation_type(tool_name: str) -> OpType:
     """Map a tool name to an App. E operation type by its verb (first word first, then any word)."""
     words = split_identifier(tool_name)
@@ -202,6 +209,7 @@ def literal_type(value: Any, key: str = "") -> LiteralType:
     return "<string>"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _is_id_key(key: str) -> bool:
     """``id``, ``user_id``, ``policy-ids``, ``userId`` are identifier fields; ``paid`` / ``valid`` are not."""
     return bool(re.search(r"(^|[_-])ids?$", key.lower()) or re.search(r"[a-z0-9]Ids?$", key))

@@ -20,9 +20,18 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError, EnvSchedConfig
-from .estimate import ObservationLog, Prediction, exposure_factor, group_statistics, predict_all
-from .filters import IdentifierFilter, ProgressFilter, ReplayFn
-from .graph import NeighborIndex, StaticGraph, build_static_graph
+from .estimate import (
+    EVIDENCE_TYPES,
+    ObservationLog,
+    Prediction,
+    evidence_types,
+    exposure_factor,
+    group_statistics,
+    predict_all,
+    prediction_diagnostics,
+)
+from .filters import IdentifierCheck, IdentifierFilter, ProgressFilter, ReplayFn
+from .graph import NeighborIndex, StaticGraph, load_or_build_graph
 from .pool import Task, TaskPool
 from .select import BatchBuilder, CapState, cold_start_batch
 
@@ -30,6 +39,27 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 PREFIX = "envsched/"
+
+
+class ObservationError(ValueError):
+    """``observe()`` refused its input; nothing was recorded.  ``task_id`` names the offending task (None when
+    the whole call is at fault) and ``step`` the training step."""
+
+    def __init__(self, message: str, *, step: int | None = None, task_id: str | None = None):
+        super().__init__(message)
+        self.step, self.task_id = step, task_id
+
+
+class UnknownTaskError(ObservationError, KeyError):
+    """A task id that is not in the pool (also a KeyError, as before the guards)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
+def _preview(ids: Sequence[str], k: int = 3) -> str:
+    head = ", ".join(repr(t) for t in list(ids)[:k])
+    return head + (f", ... ({len(ids)} tasks)" if len(ids) > k else "")
 
 
 class EnvScheduler:
@@ -73,6 +103,10 @@ class EnvScheduler:
         self.available = np.ones(n, dtype=bool)  # False: removed by the identifier filter
         self.selections: dict[int, np.ndarray] = {}
         self.selection_phases: dict[int, list[str]] = {}
+        self.observed_steps: set[int] = set()  # derived from the log (every observe() logs >= 1 group)
+        # per selected step not yet observed: q, v-hat and evidence code of each selected task at selection
+        # (the prediction diagnostics compare them with the variance realised when the step is observed)
+        self.selection_predictions: dict[int, dict[str, np.ndarray]] = {}
         self.rng = np.random.Generator(np.random.PCG64(self.cfg.seed))
         self.progress = ProgressFilter(self.cfg, self.env, self.pool.n_envs)
         self.identifier = IdentifierFilter(self.cfg, replay, identifier_detector)
@@ -86,7 +120,7 @@ class EnvScheduler:
     @property
     def graph(self) -> StaticGraph:
         if self._graph is None:
-            self._graph = build_static_graph(self.pool, self.cfg, extractor=self._extractor)
+            self._graph = load_or_build_graph(self.pool, self.cfg, extractor=self._extractor)
         return self._graph
 
     @property
@@ -147,6 +181,12 @@ class EnvScheduler:
         self.selections[step] = sel
         self.selection_phases[step] = phases
         np.add.at(self.sel_count, sel, 1)
+        if self.cfg.scheduler == "envsched":
+            pred = self.predict(step)
+            nb = self.neighbors
+            code = evidence_types(self.log, nb.idx, step, sel, len(self.pool))
+            self.selection_predictions[step] = {"q": pred.q[sel].copy(), "v": pred.v[sel].copy(), "evidence": code}
+            metrics.update({f"selected_{name}": float(np.sum(code == c)) for c, name in enumerate(EVIDENCE_TYPES)})
         metrics.update(self._selection_metrics(step, sel, phases))
         metrics["select_time_s"] = time.perf_counter() - t0
         self._metrics[step] = {**self._metrics.get(step, {}), **metrics}
@@ -211,32 +251,40 @@ class EnvScheduler:
         rewards: Mapping[str, Sequence[float]],
         trajectories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]] | None = None,
     ) -> dict[str, float]:
-        """Record the K rewards of each rolled-out task at ``step`` (Eq. 2); optionally the saved action
-        sequences (aligned with the rewards) for the identifier filter.  Returns the step's metrics."""
+        """Record the rewards of each rolled-out task of ``step`` (Eq. 2); optionally the saved action
+        sequences (aligned with the rewards) for the identifier filter.  Returns the step's metrics.
+
+        All or nothing: the whole call is validated before any state changes, and a refused call raises
+        ``ObservationError`` (``UnknownTaskError`` for an id outside the pool) naming the task, leaving the
+        scheduler exactly as it was; retrying with the corrected input gives the state a correct first call
+        gives.  Refused: a step never selected, a step already observed, a task outside that step's batch,
+        a group that is not a list of numbers (e.g. a scalar), an empty group, more than K =
+        ``rollouts_per_task`` rewards, non-finite rewards, rewards outside ``reward_range`` (beyond
+        ``reward_range_tolerance``; within it they are clipped), trajectories of a task without rewards.
+        Accepted: a subset of the batch, and fewer than K rewards per task (unscored rollouts are skipped),
+        counted in ``short_groups`` / ``missing_rewards``.
+        """
         t0 = time.perf_counter()
+        groups = self._validate_observation(step, rewards, trajectories)
         step = int(step)
-        if not rewards:
-            raise ValueError("observe() needs at least one task's rewards")
+        checks = self._identifier_checks(step, groups, trajectories) if trajectories and self.cfg.identifier_filter else []
+        # ---- commit (nothing below raises on caller input) ----
         nodes, ms, vs = [], [], []
-        for tid, group in rewards.items():
-            if tid not in self.pool.index:
-                raise KeyError(f"observe(): unknown task_id {tid!r}")
-            try:
-                m, v, d = group_statistics(np.asarray(list(group), dtype=np.float64), self.cfg.dispersion_floor)
-            except ValueError as exc:
-                raise ValueError(f"observe(): task {tid!r}: {exc}") from None
-            i = self.pool.index[tid]
+        for _tid, i, r in groups:
+            m, v, d = group_statistics(r, self.cfg.dispersion_floor)
             self.log.add(i, step, m, v, d)
             nodes.append(i), ms.append(m), vs.append(v)
+        self.observed_steps.add(step)
         nodes_a = np.asarray(nodes, dtype=np.int64)
         self.obs_count[nodes_a] += 1
         if self._neighbors is not None:
             self._neighbors.add_observed(nodes_a)
         self.progress.observe(step, nodes_a, np.asarray(ms), np.asarray(vs))
-        if trajectories and self.cfg.identifier_filter:
-            self._identifier_pass(rewards, trajectories)
+        self._apply_identifier_checks(checks)
         self._pred_cache = None
         va = np.asarray(vs)
+        K = self.cfg.rollouts_per_task
+        sizes = np.asarray([len(r) for _, _, r in groups])
         metrics = {
             "realized_var_mean": float(va.mean()),
             "realized_var_median": float(np.median(va)),
@@ -244,12 +292,16 @@ class EnvScheduler:
             "realized_reward_median": float(np.median(ms)),
             "zero_var_fraction": float(np.mean(va <= 1e-12)),
             "observed_groups": float(len(nodes)),
+            "unobserved_selected": float(len(self.selections[step]) - len(nodes)),
+            "short_groups": float(np.sum(sizes < K)),
+            "missing_rewards": float(np.sum(K - sizes)),
             "identifier_filtered": float(self.counters["identifier_filtered"]),
             "identifier_checked": float(self.counters["identifier_checked"]),
             "replay_mismatch": float(self.counters["replay_mismatch"]),
         }
+        metrics.update(self._prediction_metrics(step, nodes_a, va))
         if trajectories:
-            used = {(int(self.env[self.pool.index[t]]), a.get("name")) for t, trajs in trajectories.items() if t in self.pool.index for traj in trajs for a in traj if isinstance(a, Mapping)}
+            used = {(int(self.env[self.pool.index[t]]), a.get("name")) for t, trajs in trajectories.items() for traj in trajs for a in traj}
             metrics["tools_used_per_batch"] = float(len(used))
         metrics["observe_time_s"] = time.perf_counter() - t0
         merged = {**self._metrics.get(step, {}), **metrics}
@@ -257,13 +309,89 @@ class EnvScheduler:
         self._metrics[step] = merged
         return self.metrics(step)
 
-    def _identifier_pass(self, rewards: Mapping[str, Sequence[float]], trajectories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]) -> None:
-        cfg = self.cfg
+    def _validate_observation(
+        self,
+        step: Any,
+        rewards: Any,
+        trajectories: Any,
+    ) -> list[tuple[str, int, np.ndarray]]:
+        """Check a whole observe() call without changing state; returns (task id, node, rewards) per group.
+
+        Rewards within ``reward_range_tolerance`` outside ``reward_range`` come back clipped into it.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise ObservationError(f"observe(): step must be an integer, got {step!r}")
+        step = int(step)
+        where = f"observe(step={step})"
+        if not isinstance(rewards, Mapping):
+            raise ObservationError(f"{where}: rewards must be a mapping {{task_id: [r_1, ..., r_K]}}, got {type(rewards).__name__}", step=step)
+        if not rewards:
+            raise ObservationError(f"{where}: needs at least one task's rewards", step=step)
+        ids = [str(t) for t in rewards]
+        if step not in self.selections:
+            raise ObservationError(f"{where}: step {step} was never selected (call select({step}) first); rewards given for {_preview(ids)}", step=step, task_id=ids[0])
+        if step in self.observed_steps:
+            raise ObservationError(f"{where}: step {step} was already observed; each step is observed once (rewards given for {_preview(ids)})", step=step, task_id=ids[0])
+        batch = set(self.selections[step].tolist())
+        K = self.cfg.rollouts_per_task
+        lo, hi = self.cfg.reward_range
+        tol = self.cfg.reward_range_tolerance
+        out = []
+        for tid, group in rewards.items():
+            i = self.pool.index.get(tid) if isinstance(tid, str) else None
+            if i is None:
+                raise UnknownTaskError(f"{where}: unknown task_id {tid!r} (not in the pool)", step=step, task_id=tid)
+            if i not in batch:
+                raise ObservationError(f"{where}: task {tid!r} is not in step {step}'s batch", step=step, task_id=tid)
+            if isinstance(group, (str, bytes, Mapping)) or not isinstance(group, (Sequence, np.ndarray)):
+                kind = "a scalar" if isinstance(group, (int, float, np.number)) else f"a {type(group).__name__}"
+                raise ObservationError(f"{where}: task {tid!r}: rewards must be a list of 1..{K} numbers, got {kind} ({group!r})", step=step, task_id=tid)
+            try:
+                r = np.asarray(group, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise ObservationError(f"{where}: task {tid!r}: rewards must be numbers, got {list(group)!r}", step=step, task_id=tid) from None
+            if r.ndim != 1:
+                raise ObservationError(f"{where}: task {tid!r}: rewards must be a flat list of numbers, got shape {r.shape}", step=step, task_id=tid)
+            if r.size == 0:
+                raise ObservationError(f"{where}: task {tid!r}: empty reward group (leave a task without scored rollouts out)", step=step, task_id=tid)
+            if r.size > K:
+                raise ObservationError(f"{where}: task {tid!r}: {r.size} rewards, more than K = rollouts_per_task = {K}", step=step, task_id=tid)
+            if not np.all(np.isfinite(r)):
+                raise ObservationError(f"{where}: task {tid!r}: non-finite reward in {r.tolist()}", step=step, task_id=tid)
+            if r.min() < lo - tol or r.max() > hi + tol:
+                bad = r[(r < lo - tol) | (r > hi + tol)]
+                raise ObservationError(
+                    f"{where}: task {tid!r}: reward {float(bad[0])!r} outside reward_range [{lo}, {hi}] (tolerance {tol})", step=step, task_id=tid
+                )
+            out.append((tid, int(i), np.clip(r, lo, hi)))
+        if trajectories is not None:
+            self._validate_trajectories(where, step, rewards, trajectories)
+        return out
+
+    @staticmethod
+    def _validate_trajectories(where: str, step: int, rewards: Mapping[str, Any], trajectories: Any) -> None:
+        if not isinstance(trajectories, Mapping):
+            raise ObservationError(f"{where}: trajectories must be a mapping {{task_id: [actions, ...]}}, got {type(trajectories).__name__}", step=step)
         for tid, trajs in trajectories.items():
-            i = self.pool.index.get(tid)
-            if i is None or not self.available[i] or tid not in rewards:
+            if tid not in rewards:
+                raise ObservationError(f"{where}: trajectories given for task {tid!r}, which has no rewards in this call", step=step, task_id=tid)
+            if isinstance(trajs, (str, bytes, Mapping)) or not isinstance(trajs, Sequence):
+                raise ObservationError(f"{where}: task {tid!r}: trajectories must be a list of action sequences", step=step, task_id=tid)
+            for k, traj in enumerate(trajs):
+                if isinstance(traj, (str, bytes, Mapping)) or not isinstance(traj, Sequence) or not all(isinstance(a, Mapping) for a in traj):
+                    raise ObservationError(f"{where}: task {tid!r}: trajectory {k} must be a list of action objects", step=step, task_id=tid)
+
+    def _identifier_checks(self, step: int, groups: list[tuple[str, int, np.ndarray]], trajectories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]]) -> list[tuple[int, IdentifierCheck]]:
+        """App. C identifier filter, computed before the commit (no state changes): for each task with
+        trajectories, replay its highest-reward ones (at most ``identifier_max_checks_per_task`` that are
+        not clean) until one is filtered.  Returns (node, check) per examined non-clean trajectory."""
+        cfg = self.cfg
+        out: list[tuple[int, IdentifierCheck]] = []
+        for tid, i, r in groups:
+            trajs = trajectories.get(tid)
+            if not trajs or not self.available[i]:
                 continue
-            rs = list(rewards[tid])
+            rs = r.tolist()
             order = sorted(range(min(len(rs), len(trajs))), key=lambda k: -rs[k])
             checked = 0
             for k in order:
@@ -273,14 +401,31 @@ class EnvScheduler:
                 if res.outcome == "clean":
                     continue
                 checked += 1
-                self.counters["identifier_checked"] += 1
+                out.append((i, res))
                 if res.outcome == "filtered":
-                    self.available[i] = False
-                    self.counters["identifier_filtered"] += 1
-                    log.info("envsched: identifier filter removed %s (replay %.4f -> %.4f)", tid, res.replay_reward, res.reduced_reward)
                     break
-                if res.outcome in ("replay_mismatch", "replay_error"):
-                    self.counters[res.outcome] += 1
+        return out
+
+    def _apply_identifier_checks(self, checks: list[tuple[int, IdentifierCheck]]) -> None:
+        for i, res in checks:
+            self.counters["identifier_checked"] += 1
+            if res.outcome == "filtered":
+                self.available[i] = False
+                self.counters["identifier_filtered"] += 1
+                log.info("envsched: identifier filter removed %s (replay %.4f -> %.4f)", res.task_id, res.replay_reward, res.reduced_reward)
+            elif res.outcome in ("replay_mismatch", "replay_error"):
+                self.counters[res.outcome] += 1
+
+    def _prediction_metrics(self, step: int, nodes: np.ndarray, realised_v: np.ndarray) -> dict[str, float]:
+        """Prediction diagnostics of the observed groups of ``step`` (see ``estimate.prediction_diagnostics``):
+        Spearman correlation of the score q (Eq. 13) and of v-hat (Eq. 4) remembered at selection with the
+        realised variance v (Eq. 2), per evidence type.  The step's selection record is dropped afterwards."""
+        rec = self.selection_predictions.pop(step, None)
+        if rec is None:
+            return {}
+        pos = {int(n): k for k, n in enumerate(self.selections[step].tolist())}
+        at = np.asarray([pos[int(n)] for n in nodes], dtype=np.int64)
+        return prediction_diagnostics(rec["q"][at], realised_v, rec["evidence"][at], rec["v"][at])
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _selection_metrics(self, step: int, sel: np.ndarray, phases: list[str]) -> dict[str, float]:
@@ -333,6 +478,7 @@ class EnvScheduler:
             "counters": dict(self.counters),
             "metrics": {int(k): dict(v) for k, v in self._metrics.items()},
             "neighbors": self._neighbors.state_dict() if self._neighbors is not None else None,
+            "selection_predictions": {int(s): {k: a.copy() for k, a in rec.items()} for s, rec in self.selection_predictions.items()},
         }
         return state
 
@@ -357,6 +503,9 @@ class EnvScheduler:
         self.progress.load_state_dict(state["progress"])
         self.counters = dict(state["counters"])
         self._metrics = {int(k): dict(v) for k, v in state["metrics"].items()}
+        self.observed_steps = {int(s) for s in np.unique(self.log.arrays()["step"])}
+        saved_pred = state.get("selection_predictions") or {}  # absent in states saved before the diagnostics
+        self.selection_predictions = {int(s): {k: np.asarray(a).copy() for k, a in rec.items()} for s, rec in saved_pred.items()}
         self._pred_cache = None
         if state.get("neighbors") is not None:
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)

@@ -130,7 +130,8 @@ def test_select_observe_predict_and_metrics(records, graph):
     assert p.v.shape == p.m.shape == p.d.shape == p.q.shape == (len(pool),)
     assert 0 < p.q.min() and p.q.max() < 1 and np.all(p.v >= 0) and np.all(p.v <= 0.25)
     assert set(p.as_dict()[pool.task_ids[0]]) == {"v", "m", "d", "q"}
-    with pytest.raises(KeyError, match="unknown task_id"):
+    s.select(6)
+    with pytest.raises(KeyError, match="unknown task_id 'nope'"):
         s.observe(6, {"nope": [1.0]})
 
 

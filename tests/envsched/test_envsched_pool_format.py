@@ -1,0 +1,179 @@
+"""Pool format with environment records (issue 12, item 5) and the on-disk graph cache (item 6)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from envsched import EnvSchedConfig, EnvScheduler, PoolFormatError, TaskPool, write_pool_jsonl
+from envsched import graph as graph_mod
+from envsched.operations import DeterministicExtractor
+from envsched.synthetic import synthetic_records
+
+
+@pytest.fixture(scope="module")
+def records():
+    recs = synthetic_records(4, 5, seed=2)
+    recs[1] = {**recs[1], "tools": recs[1]["tools"][:2]}  # one task with its own (smaller) tool list
+    recs[2] = {**recs[2], "tools": []}  # one with none
+    for r in recs:
+        r["meta"] = {**r["meta"], "pool": "demo", "domain": r["env_id"][-1]}  # env-level items
+    return recs
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_old_per_task_format_still_loads(tmp_path, records):
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))  # the original format, written by hand
+    pool = TaskPool.from_jsonl(path)
+    assert len(pool) == len(records) and pool.n_envs == 4
+    assert pool[0].tools and pool[0].meta == records[0]["meta"] and pool[1].tools == pool[0].tools[:2] and pool[2].tools == ()
+    assert pool[0].tools is pool[3].tools  # equal tool lists share one tuple in memory
+    pool.to_jsonl(tmp_path / "old_again.jsonl", env_level=False)
+    assert _lines(tmp_path / "old_again.jsonl") == [TaskPool.from_records([r])[0].to_record() for r in records]
+
+
+def test_env_level_format_stores_tools_and_metadata_once_and_reads_back_the_same_tasks(tmp_path, records):
+    pool = TaskPool.from_records(records)
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    pool.to_jsonl(old, env_level=False)
+    pool.to_jsonl(new)
+    lines = _lines(new)
+    envs = [rec for rec in lines if rec.get("record_type") == "environment"]
+    tasks = [rec for rec in lines if "task_id" in rec]
+    assert [e["env_id"] for e in envs] == pool.env_names and len(tasks) == len(pool)
+    assert all(e["meta"] == {"pool": "demo", "domain": e["env_id"][-1]} and len(e["tools"]) > 2 for e in envs)
+    assert "tools" not in tasks[0] and tasks[1]["tools"] == records[1]["tools"] and tasks[2]["tools"] == []
+    assert all(set(t["meta"]) == {"archetype"} for t in tasks)  # per-task metadata stays on the task line
+    assert tasks[0]["instruction"] == records[0]["instruction"]  # task lines stay self-describing
+    assert new.stat().st_size < 0.6 * old.stat().st_size
+    again = TaskPool.from_jsonl(new)
+    assert again.tasks == pool.tasks == TaskPool.from_jsonl(old).tasks
+    assert again.fingerprint() == pool.fingerprint() and again.content_hash() == pool.content_hash()
+    assert again[0].tools is again[3].tools
+
+
+def test_environment_record_may_follow_its_tasks_and_task_fields_override_it(tmp_path):
+    env = {"record_type": "environment", "env_id": "bank", "tools": ["freeze_card", "get_user"], "meta": {"pool": "p", "tier": 1}}
+    t1 = {"task_id": "a", "env_id": "bank", "instruction": "freeze card 1"}
+    t2 = {"task_id": "b", "env_id": "bank", "instruction": "freeze card 2", "tools": ["get_user"], "meta": {"tier": 2}, "record_type": "task"}
+    t3 = {"task_id": "c", "env_id": "shop", "instruction": "buy"}
+    for order in ([env, t1, t2, t3], [t1, t2, t3, env]):
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in order))
+        for pool in (TaskPool.from_jsonl(path), TaskPool.from_records(order)):
+            a, b, c = pool.tasks
+            assert [t.name for t in a.tools] == ["freeze_card", "get_user"] and a.meta == {"pool": "p", "tier": 1}
+            assert [t.name for t in b.tools] == ["get_user"] and b.meta == {"pool": "p", "tier": 2}
+            assert c.tools == () and c.meta == {}
+    out = tmp_path / "out.jsonl"
+    assert write_pool_jsonl([env, t1, t2, t3], out) == 3
+    assert TaskPool.from_jsonl(out).tasks == TaskPool.from_records([env, t1, t2, t3]).tasks
+
+
+@pytest.mark.parametrize(
+    "lines, reason",
+    [
+        (['{"record_type": "environment", "env_id": "e"}', '{"record_type": "environment", "env_id": "e"}'], "duplicate environment record 'e' (first on line 1)"),
+        (['{"record_type": "environment", "env_id": "e", "tols": []}'], "unknown key(s) ['tols'] in an environment record"),
+        (['{"record_type": "environment", "env_id": ""}'], "'env_id' must be a non-empty string"),
+        (['{"record_type": "environment", "env_id": "e", "tools": [{"description": "x"}]}'], "environment 'e': tools[0] has no string 'name'"),
+        (['{"record_type": "env", "env_id": "e"}'], "'record_type' must be 'task' or 'environment'"),
+        (['{"record_type": "environment", "env_id": "e"}'], "no task records"),
+    ],
+)
+def test_environment_record_errors_name_line_and_reason(tmp_path, lines, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PoolFormatError) as exc:
+        TaskPool.from_jsonl(path)
+    assert reason in str(exc.value)
+    if "duplicate" in reason:
+        assert exc.value.line == 2
+
+
+def test_content_hash_sees_every_field():
+    recs = synthetic_records(2, 3, seed=0)
+    base = TaskPool.from_records(recs).content_hash()
+    assert TaskPool.from_records(recs).content_hash() == base
+    changed_tool = [dict(r) for r in recs]
+    changed_tool[4] = {**recs[4], "tools": [{**recs[4]["tools"][0], "description": "other"}, *recs[4]["tools"][1:]]}
+    changed_code = [dict(r) for r in recs]
+    changed_code[0] = {**recs[0], "verifier_code": recs[0]["verifier_code"] + "\n"}
+    for variant in (changed_tool, changed_code, recs[::-1]):
+        assert TaskPool.from_records(variant).content_hash() != base
+
+
+# ---- graph cache ----------------------------------------------------------------------------------------
+def _same_graph(a, b):
+    for x, y in ((a.x_full, b.x_full), (a.x_abs, b.x_abs)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x.indptr, y.indptr) and np.array_equal(x.indices, y.indices) and np.array_equal(x.data, y.data)
+    assert np.array_equal(a.mean_within_env_similarity(), b.mean_within_env_similarity())
+    assert [m.tolist() for m in a.env_members] == [m.tolist() for m in b.env_members]
+    assert a.extractor_counts == b.extractor_counts and a.view_shapes == b.view_shapes
+
+
+def test_graph_cache_restart_loads_instead_of_rebuilding(tmp_path, monkeypatch):
+    pool = TaskPool.from_records(synthetic_records(5, 6, seed=4))
+    cfg = EnvSchedConfig(batch_size=8, graph_cache_dir=str(tmp_path / "cache"))
+    plain = EnvScheduler(pool, cfg.replace(graph_cache_dir=None))
+    first = EnvScheduler(pool, cfg)
+    assert plain.graph.cache == "off" and first.graph.cache == "miss" and first.graph_report()["cache"] == "miss"
+    _same_graph(plain.graph, first.graph)
+
+    def no_build(*a, **k):
+        raise AssertionError("rebuilt although cached")
+
+    monkeypatch.setattr(graph_mod, "build_static_graph", no_build)
+    restarted = EnvScheduler(TaskPool.from_records(synthetic_records(5, 6, seed=4)), cfg)  # a new process: new pool object
+    assert restarted.graph.cache == "hit"
+    _same_graph(plain.graph, restarted.graph)
+    assert [d.model_dump() for d in restarted.graph.descriptions] == [d.model_dump() for d in plain.graph.descriptions]
+    for step in range(4):  # same batches as without the cache
+        ids = plain.select(step)
+        assert restarted.select(step) == ids
+        rewards = {t: [float((k + step) % 2), 1.0] for k, t in enumerate(ids)}
+        plain.observe(step, rewards), restarted.observe(step, rewards)
+
+
+def test_graph_cache_key_follows_pool_content_and_graph_config(tmp_path):
+    recs = synthetic_records(3, 4, seed=1)
+    pool = TaskPool.from_records(recs)
+    cfg = EnvSchedConfig(graph_cache_dir=str(tmp_path))
+    key = graph_mod.graph_cache_key(pool, cfg)
+    assert graph_mod.graph_cache_key(pool, cfg.replace(rho=0.25, batch_size=4, graph_cache_dir="/elsewhere")) == key  # not graph fields
+    assert graph_mod.graph_cache_key(pool, cfg.replace(view_weights=(0.3, 0.06, 0.16, 0.12, 0.16, 0.2))) != key
+    assert graph_mod.graph_cache_key(pool, cfg.replace(tfidf_float32=False)) != key
+    assert graph_mod.graph_cache_key(pool, cfg.replace(operation_extractor="llm")) != key
+    edited = [dict(r) for r in recs]
+    edited[5] = {**recs[5], "instruction": recs[5]["instruction"] + " now"}
+    assert graph_mod.graph_cache_key(TaskPool.from_records(edited), cfg) != key
+    g1 = graph_mod.load_or_build_graph(pool, cfg)
+    g2 = graph_mod.load_or_build_graph(pool, cfg.replace(view_weights=(0.3, 0.06, 0.16, 0.12, 0.16, 0.2)))
+    assert (g1.cache, g2.cache) == ("miss", "miss") and len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 2
+
+
+def test_unreadable_cache_entry_is_rebuilt_and_custom_extractors_skip_the_cache(tmp_path, caplog):
+    pool = TaskPool.from_records(synthetic_records(3, 4, seed=1))
+    cfg = EnvSchedConfig(graph_cache_dir=str(tmp_path))
+    g = graph_mod.load_or_build_graph(pool, cfg)
+    key = graph_mod.graph_cache_key(pool, cfg)
+    (tmp_path / key / "graph.npz").write_bytes(b"not a zip")
+    with caplog.at_level(logging.WARNING, logger="envsched.graph"):
+        again = graph_mod.load_or_build_graph(pool, cfg)
+    assert again.cache == "miss" and "unreadable" in caplog.text
+    _same_graph(g, again)
+    assert graph_mod.load_or_build_graph(pool, cfg).cache == "hit"
+
+    class Custom(DeterministicExtractor):
+        pass
+
+    assert graph_mod.load_or_build_graph(pool, cfg, extractor=Custom()).cache == "skip"
+    assert graph_mod.load_or_build_graph(pool, cfg, extractor=DeterministicExtractor()).cache == "hit"
