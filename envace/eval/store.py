@@ -102,7 +102,9 @@ class ResultStore:
                     stacklevel=2,
                 )
             bad_numbers = {lineno for lineno, _, _ in bad}
-            lines = self.results_path.read_text(encoding="utf-8", errors="replace").splitlines()
+            # the line numbers of _read (file iteration: "\n" ends a line); str.splitlines() would also split
+            # records at U+2028, U+0085 ... (JSON leaves them unescaped) and drop the wrong lines
+            lines = self.results_path.read_text(encoding="utf-8", errors="replace").split("\n")
             keep = [ln for i, ln in enumerate(lines, 1) if i not in bad_numbers and ln.strip()]
             with (self.dir / (self.RESULTS + ".corrupt")).open("a", encoding="utf-8") as fh:
                 fh.writelines(line + "\n" for _, line, _ in bad)

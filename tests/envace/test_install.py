@@ -1,9 +1,13 @@
 """What scripts/bootstrap.sh installs: the lock that fits the machine (requirements/cpu.lock without NVIDIA
-GPUs, requirements/gpu.lock with them), exactly; the GPU lock carries verl 0.9.1's own vLLM/torch/transformers
+GPUs, requirements/gpu.lock with them, ENVACE_PLATFORM=cpu|gpu|auto choosing), exactly; the tests check the
+install of *this* machine's platform (CPU torch and no vLLM, or CUDA torch and an importable pinned vLLM), pick
+that platform exactly as bootstrap.sh does (checked against the script with a stand-in nvidia-smi), and read the
+venv's bootstrap stamp to tell which lock it holds. The GPU lock carries verl 0.9.1's own vLLM/torch/transformers
 pins and resolves for Linux x86-64 CUDA (checked against PyPI, reading package metadata only)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import importlib.util
 import json
@@ -12,7 +16,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -30,20 +36,59 @@ def lock_pins(name: str) -> dict[str, str]:
     return {canonicalize_name(k): v for k, v in pins.items()}
 
 
-def machine_platform() -> str:
-    """The platform bootstrap.sh picks: ENVACE_PLATFORM, else gpu when nvidia-smi lists a GPU."""
-    forced = os.environ.get("ENVACE_PLATFORM", "auto")
+def machine_platform(environ: Mapping[str, str] | None = None) -> str:
+    """The platform scripts/bootstrap.sh picks (its ``auto``): ENVACE_PLATFORM=cpu|gpu, else gpu when
+    ``nvidia-smi -L`` (looked up on PATH) lists a GPU. Checked against bootstrap.sh itself below."""
+    env = os.environ if environ is None else environ
+    forced = env.get("ENVACE_PLATFORM", "auto")
     if forced in ("cpu", "gpu"):
         return forced
-    smi = shutil.which("nvidia-smi")
+    smi = shutil.which("nvidia-smi", path=env.get("PATH", ""))
     if smi:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
         if any(line.startswith("GPU ") for line in out.splitlines()):
             return "gpu"
     return "cpu"
 
 
 PLATFORM = machine_platform()
+
+
+def installed_platform(venv: Path = Path(sys.prefix)) -> str | None:
+    """The lock bootstrap.sh installed into ``venv``, read from its stamp (``.envace-installed``: the sha256 of
+    the platform line, the lock, pyproject.toml and requirements/*.txt); None without a stamp."""
+    stamp = venv / ".envace-installed"
+    if not stamp.is_file():
+        return None
+    have = stamp.read_text().strip()
+    for platform, extra in (("cpu", ""), ("gpu", ""), ("gpu", "flash-attn==2.8.3")):
+        files = [REPO / "requirements" / f"{platform}.lock", REPO / "pyproject.toml",
+                 *sorted((REPO / "requirements").glob("*.txt"))]
+        blob = f"{platform} {extra}\n".encode() + b"".join(f.read_bytes() for f in files if f.is_file())
+        if hashlib.sha256(blob).hexdigest() == have:
+            return platform
+    return "stale"
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use (nvidia-smi -L and CUDA_VISIBLE_DEVICES, MIG counted)."""
+    from envace.launch import count_gpus
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60, check=False).stdout
+    return count_gpus(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def lock_cuda_major(pins: Mapping[str, str]) -> str:
+    """The CUDA major version the lock's NVIDIA wheels are built for (``nvidia-nccl-cu13`` → 13)."""
+    majors = {m.group(1) for n in pins if (m := re.match(r"nvidia-.*-cu(\d+)$", n))}
+    assert len(majors) == 1, majors
+    return majors.pop()
 
 
 def test_installed_tree_is_exactly_the_lock_of_this_machine():
@@ -60,14 +105,29 @@ def test_installed_tree_is_exactly_the_lock_of_this_machine():
     assert not wrong, f"{PLATFORM}.lock vs installed (want, have): {wrong}"
 
 
+def test_this_environment_was_bootstrapped_for_this_machine():
+    """The stamp bootstrap.sh leaves names the lock it installed: the one this machine's platform picks
+    (a CPU install on a GPU node, or the reverse, fails here with the way out)."""
+    installed = installed_platform()
+    if installed is None:
+        pytest.skip(f"{sys.prefix} was not installed by scripts/bootstrap.sh (no .envace-installed stamp)")
+    assert installed != "stale", (
+        f"{sys.prefix} was bootstrapped from other lock files than the current ones: rerun scripts/bootstrap.sh")
+    assert installed == PLATFORM, (
+        f"{sys.prefix} holds requirements/{installed}.lock but this machine's platform is {PLATFORM} "
+        f"(ENVACE_PLATFORM={os.environ.get('ENVACE_PLATFORM', 'auto')}): rerun scripts/bootstrap.sh, or set "
+        f"ENVACE_PLATFORM={installed} to keep this install")
+
+
 @pytest.mark.skipif(PLATFORM != "cpu", reason="this machine installs requirements/gpu.lock")
 def test_cpu_machine_has_cpu_torch_no_vllm_no_cuda_wheels():
     import torch
 
-    assert torch.__version__.split("+")[0] == "2.13.0"
-    assert torch.version.cuda is None
+    pins = lock_pins("cpu.lock")
+    assert Version(torch.__version__).public == pins["torch"] and md.version("transformers") == pins["transformers"]
+    assert torch.version.cuda is None and not torch.cuda.is_available()
     assert importlib.util.find_spec("vllm") is None
-    names = {d.metadata["Name"].lower() for d in md.distributions()}
+    names = {canonicalize_name(d.metadata["Name"]) for d in md.distributions()}
     assert not sorted(n for n in names if re.match(CUDA_WHEELS, n))
 
 
@@ -75,8 +135,66 @@ def test_cpu_machine_has_cpu_torch_no_vllm_no_cuda_wheels():
 def test_gpu_machine_has_cuda_torch_and_the_pinned_vllm():
     import torch
 
-    assert torch.__version__.split("+")[0] == "2.11.0" and str(torch.version.cuda).startswith("13")
-    assert md.version("vllm") == "0.24.0" and md.version("transformers") == "5.9.0"
+    pins = lock_pins("gpu.lock")
+    assert Version(torch.__version__).public == pins["torch"] and md.version("transformers") == pins["transformers"]
+    assert torch.version.cuda is not None and torch.version.cuda.split(".")[0] == lock_cuda_major(pins)
+    assert md.version("vllm") == pins["vllm"]
+    names = {canonicalize_name(d.metadata["Name"]) for d in md.distributions()}
+    assert {n for n in pins if re.match(CUDA_WHEELS, n)} <= names  # the CUDA wheels torch and vLLM link
+    # vLLM imports (its compiled extension loads against this torch) in a fresh interpreter
+    probe = ("import importlib, importlib.util, vllm\n"
+             "if importlib.util.find_spec('vllm._C'): importlib.import_module('vllm._C')\n"
+             "print(vllm.__version__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert Version(out.stdout.strip().splitlines()[-1]).public == pins["vllm"], out.stdout[-1000:]
+    if visible_gpus():  # ENVACE_PLATFORM=gpu may be forced where no device is visible (e.g. a build node)
+        assert torch.cuda.is_available() and torch.cuda.device_count() >= 1
+
+
+FAKE_GPU = "GPU 0: NVIDIA H200 (UUID: GPU-5f0c1b1e-0000-0000-0000-000000000000)"
+
+
+@pytest.mark.parametrize(("listing", "status", "want"), [
+    (FAKE_GPU, 0, "gpu"),
+    (FAKE_GPU + "\n  MIG 1g.18gb Device 0: (UUID: MIG-0000)", 0, "gpu"),
+    ("No devices were found", 6, "cpu"),  # a driver without devices
+    (None, 0, "cpu"),  # no nvidia-smi at all
+])
+def test_this_test_and_bootstrap_pick_the_same_platform(tmp_path, listing, status, want):
+    """The platform choice that decides which install the tests above check is bootstrap.sh's own: both run
+    with a PATH whose nvidia-smi prints ``listing`` (or that has none), and with ENVACE_PLATFORM overriding it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "cat", "sha256sum", "cut", "grep", "tail", "mkdir"):
+        found = shutil.which(tool)
+        assert found, tool
+        (bin_dir / tool).symlink_to(found)
+    if listing is not None:
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\ncat <<'EOF'\n{listing}\nEOF\nexit {status}\n")
+        smi.chmod(0o755)
+    for forced in (None, "cpu", "gpu"):
+        env = {k: v for k, v in os.environ.items() if k != "ENVACE_PLATFORM"}
+        env.update(PATH=str(bin_dir), ENVACE_VENV=str(tmp_path / "venv"), ENVACE_PYTHON=str(tmp_path / "no-python"))
+        if forced:
+            env["ENVACE_PLATFORM"] = forced
+        expected = forced or want
+        assert machine_platform(env) == expected
+        bash = shutil.which("bash")
+        assert bash
+        out = subprocess.run([bash, "-c", f'source "{REPO}/scripts/bootstrap.sh"'], env=env, capture_output=True,
+                             text=True, timeout=60, check=False)
+        assert out.returncode != 0 and f"installing requirements/{expected}.lock" in out.stderr, out.stderr
+
+
+def test_bootstrap_would_pick_the_platform_these_tests_check():
+    """On this machine, with this environment: bootstrap.sh aims at requirements/{PLATFORM}.lock."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, ENVACE_VENV=str(Path(tmp) / "venv"), ENVACE_PYTHON=str(Path(tmp) / "no-python"))
+        out = subprocess.run(["bash", "-c", f'source "{REPO}/scripts/bootstrap.sh"'], env=env, capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert f"installing requirements/{PLATFORM}.lock" in out.stderr, out.stderr
 
 
 def test_cpu_lock_pins_cpu_torch_and_excludes_gpu_packages():

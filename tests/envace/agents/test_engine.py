@@ -132,6 +132,117 @@ def test_budget_and_model_errors_stop_without_retrying():
         run(Down([]))
 
 
+# -- every loop limit at its boundary: generate calls counted, no tool after a limit ---------------------------
+
+
+class EndTurnEpisode(CountingEpisode):
+    """CountingEpisode that also records the final text of every user turn it was handed."""
+
+    def __init__(self, turns: int = 2) -> None:
+        super().__init__(turns)
+        self.ended: list[str] = []
+
+    def end_turn(self, text: str):
+        self.ended.append(text)
+        return super().end_turn(text)
+
+
+def echo(i: int) -> str:
+    return render_tool_call({"name": "echo", "arguments": {"x": i}})
+
+
+class FlaggedPolicy(ScriptedPolicy):
+    """ScriptedPolicy whose ``n``-th ACT reply (1-based) is flagged: the budget is spent by it
+    (``budget_exhausted``) or was already spent before it (``generated=False``: nothing was produced)."""
+
+    def __init__(self, act: list[str], n: int, flag: str) -> None:
+        super().__init__(act)
+        self.n, self.flag = n, flag
+
+    async def respond(self, messages, tools, role):
+        r = await super().respond(messages, tools, role)
+        if len(self.calls) == self.n:
+            setattr(r, self.flag, self.flag == "budget_exhausted")
+        return r
+
+
+@pytest.mark.parametrize("spent_at", [1, 2, 3])
+def test_no_tool_runs_once_a_reply_spends_the_budget(spent_at):
+    """The reply that spends the response budget stays in the conversation, but none of its (well-formed)
+    calls runs and nothing is generated after it."""
+    act = ["\n".join([echo(2 * i), echo(2 * i + 1)]) for i in range(6)]
+    policy = FlaggedPolicy(act, spent_at, "budget_exhausted")
+    t, ep = run(policy, EndTurnEpisode(turns=1))
+    assert t.stop_reason == "token_budget"
+    assert len(policy.calls) == spent_at == len(t.steps)  # generate calls, counted
+    ran = 2 * (spent_at - 1)
+    assert [c.arguments["x"] for c in ep.executed] == list(range(ran)) and t.tool_calls == ran
+    assert len(t.steps[-1].reply.calls) == 2 and t.steps[-1].observations == []
+    assert t.messages[-1]["role"] == "assistant" and len(t.messages[-1]["tool_calls"]) == 2
+    assert [m["role"] for m in t.messages].count("tool") == ran and ep.ended == []
+
+
+@pytest.mark.parametrize("empty_at", [1, 2, 3])
+def test_a_policy_with_no_budget_left_adds_nothing(empty_at):
+    """``generated=False``: the policy produced nothing; the reply (even one carrying calls) is not part of
+    the conversation and none of its calls runs."""
+    policy = FlaggedPolicy([echo(i) for i in range(6)], empty_at, "generated")
+    t, ep = run(policy, EndTurnEpisode(turns=1))
+    assert t.stop_reason == "token_budget" and len(policy.calls) == empty_at
+    assert len(t.steps) == empty_at - 1 and [c.arguments["x"] for c in ep.executed] == list(range(empty_at - 1))
+    assert sum(m["role"] == "assistant" for m in t.messages) == empty_at - 1
+
+
+@pytest.mark.parametrize(("cap", "n"), [(1, 1), (1, 2), (2, 1), (2, 2), (2, 3), (3, 3), (3, 4), (3, 6)])
+def test_per_message_call_cap_boundary(cap, n):
+    """Exactly the first ``cap`` calls of a message run, in order; every further call is answered with an
+    error observation (one tool message per call either way)."""
+    from envace.agents.engine import skipped_call_observation
+
+    policy = ScriptedPolicy(["\n".join(echo(i) for i in range(n)), "done"])
+    t, ep = run(policy, EndTurnEpisode(turns=1), max_calls_per_message=cap)
+    assert t.stop_reason == "completed" and len(policy.calls) == 2
+    assert [c.arguments["x"] for c in ep.executed] == list(range(min(n, cap)))
+    assert t.tool_calls == min(n, cap) and t.skipped_calls == max(0, n - cap)
+    tool_msgs = [m for m in t.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_msgs] == [f"call_{i}" for i in range(n)]
+    assert [m["content"] == skipped_call_observation("echo", cap) for m in tool_msgs] == [i >= cap for i in range(n)]
+    assert [a["arguments"]["x"] for a in t.actions] == list(range(min(n, cap)))  # only what ran is replayable
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+@pytest.mark.parametrize("extra_turns", [0, 1, 5])
+def test_user_turn_cap_boundary(cap, extra_turns):
+    """``cap`` user turns run; an episode with exactly ``cap`` turns completes (it is not cut by the cap)."""
+    policy = ScriptedPolicy([f"reply {i}" for i in range(20)])
+    ep = EndTurnEpisode(turns=cap + extra_turns)
+    t, _ = run(policy, ep, max_user_turns=cap)
+    assert len(policy.calls) == cap and t.user_turns == cap and ep.ended == [f"reply {i}" for i in range(cap)]
+    assert t.stop_reason == ("completed" if extra_turns == 0 else "max_user_turns")
+    assert [m["role"] for m in t.messages].count("user") == cap
+    assert [a["name"] for a in t.actions].count("__end_turn__") == cap - 1
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_steps_per_turn_boundary(cap):
+    """A final reply in the last allowed step ends the turn normally; one more tool round instead hits the
+    limit: exactly ``cap`` generate calls per turn, and nothing runs after the limit."""
+    policy = ScriptedPolicy([echo(i) for i in range(cap - 1)] + ["final answer"])
+    t, ep = run(policy, EndTurnEpisode(turns=1), max_steps_per_turn=cap)
+    assert t.stop_reason == "completed" and len(policy.calls) == cap and ep.ended == ["final answer"]
+    assert len(ep.executed) == cap - 1
+
+    policy = ScriptedPolicy([echo(i) for i in range(3 * cap + 3)])
+    t, ep = run(policy, EndTurnEpisode(turns=3), max_steps_per_turn=cap)
+    assert t.stop_reason == "max_steps_per_turn" and len(policy.calls) == cap and ep.ended == []
+    assert [c.arguments["x"] for c in ep.executed] == list(range(cap))
+
+    policy = ScriptedPolicy([echo(i) for i in range(3 * cap + 3)])
+    t, ep = run(policy, EndTurnEpisode(turns=3), max_steps_per_turn=cap, on_step_limit="next_turn")
+    assert t.stop_reason == "completed" and len(policy.calls) == 3 * cap and ep.ended == ["", "", ""]
+    assert [c.arguments["x"] for c in ep.executed] == list(range(3 * cap))
+
+
 def test_environment_timeout_masks_and_ends_the_rollout():
     class Slow(CountingEpisode):
         def execute(self, call):

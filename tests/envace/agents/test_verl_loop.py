@@ -210,13 +210,67 @@ def test_limits_count_generate_calls(tokenizer):
 
 
 def test_response_budget_stops_the_episode_and_caps_each_generation(tokenizer):
-    loop, server = make_loop(tokenizer, gold_replies(), response_length=60)
+    """The budget (rollout.response_length) is the acting context's growth over all turns. Each generation
+    may use what is left of it; the one that uses the last token ends the rollout, and its truncated call
+    is neither run nor fed back. (The old form of this test checked only ``len(response) <= budget``, which
+    the final slice of the output guarantees whatever the loop does.)"""
+    budget = 60
+    loop, server = make_loop(tokenizer, gold_replies(), response_length=budget)
     outs = run(loop)
     assert outs[-1].extra_fields["stop_reason"] == "token_budget"
-    grown = len(server.calls[-1][1]) - len(server.calls[0][1]) + len(outs[-1].response_ids)
-    assert grown >= 60 and all(sp["max_tokens"] <= 60 for _, _, sp in server.calls)
-    budget_left = [60 - (len(p) - len(server.calls[0][1])) for _, p, _ in server.calls]
-    assert all(sp["max_tokens"] == b for (_, _, sp), b in zip(server.calls, budget_left))
+    first = len(server.calls[0][1])
+    budget_left = [budget - (len(p) - first) for _, p, _ in server.calls]
+    assert [sp["max_tokens"] for _, _, sp in server.calls] == budget_left and min(budget_left) > 0
+    assert len(server.calls) == len(outs) >= 2  # generate calls, counted: one output each
+    # the last generation was cut by the budget: it used exactly what was left, and the context grew by the budget
+    assert len(outs[-1].response_ids) == budget_left[-1]
+    assert len(server.calls[-1][1]) - first + len(outs[-1].response_ids) == budget
+    # every earlier generation was one complete call, which ran; the cut one did not run and got no feedback
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert info["tool_calls"] == len(server.calls) - 1 and info["malformed_calls"] == 0.0
+    assert len(json.loads(outs[-1].extra_fields["actions"])) == len(server.calls) - 1
+
+
+LS = render_tool_call({"name": "ls", "arguments": {}})
+
+
+def test_a_message_that_spends_the_budget_exactly_runs_none_of_its_calls(tokenizer):
+    """A complete, well-formed call in the message that uses the last token of the budget never runs: the
+    model could never read its result."""
+    n = len(tokenizer.encode(LS, add_special_tokens=False))
+    for budget in (n, n + 1):  # the call alone, or the call and <|im_end|>, fill the budget
+        loop, server = make_loop(tokenizer, [LS] * 5, response_length=budget)
+        outs = run(loop)
+        assert len(server.calls) == 1 and server.calls[0][2]["max_tokens"] == budget
+        assert len(outs[0].response_ids) == budget
+        assert tokenizer.decode(outs[0].response_ids, skip_special_tokens=True) == LS  # complete and parseable
+        info = outs[-1].extra_fields["reward_extra_info"]
+        assert outs[-1].extra_fields["stop_reason"] == "token_budget"
+        assert info["tool_calls"] == 0.0 and info["malformed_calls"] == 0.0
+        assert json.loads(outs[-1].extra_fields["actions"]) == []
+
+
+def test_a_budget_spent_by_a_tool_response_generates_nothing_more(tokenizer):
+    """The tool response (context, loss mask 0) also grows the acting context: once it reaches the budget no
+    further generation is requested (not even one with max_tokens <= 0); one token short of it, exactly one
+    more generation may use that last token."""
+    loop, server = make_loop(tokenizer, [LS, "Done."], max_user_turns=1)
+    run(loop)
+    grown = len(server.calls[1][1]) - len(server.calls[0][1])  # the call, <|im_end|> and the tool response
+    n = len(tokenizer.encode(LS, add_special_tokens=False))
+    assert grown > n + 2
+    for budget in (n + 2, grown - 1, grown):  # the response overshoots the budget ... fills it exactly
+        loop, server = make_loop(tokenizer, [LS] * 5, response_length=budget)
+        outs = run(loop)
+        assert len(server.calls) == 1, (budget, [sp["max_tokens"] for _, _, sp in server.calls])
+        info = outs[-1].extra_fields["reward_extra_info"]
+        assert outs[-1].extra_fields["stop_reason"] == "token_budget" and info["tool_calls"] == 1.0
+        assert [a["name"] for a in json.loads(outs[-1].extra_fields["actions"])] == ["ls"]  # within the budget: ran
+    loop, server = make_loop(tokenizer, [LS] * 5, response_length=grown + 1)
+    outs = run(loop)
+    assert [sp["max_tokens"] for _, _, sp in server.calls] == [grown + 1, 1]
+    assert outs[-1].extra_fields["stop_reason"] == "token_budget"
+    assert outs[-1].extra_fields["reward_extra_info"]["tool_calls"] == 1.0  # the second (1-token) message runs nothing
 
 
 def test_verifier_crash_masks_every_output_instead_of_scoring_it(tokenizer, monkeypatch):

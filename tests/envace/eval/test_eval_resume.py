@@ -3,9 +3,14 @@ table; infrastructure failures are retried; settings mismatches are refused."""
 
 from __future__ import annotations
 
-import _thread
+import contextlib
 import json
+import linecache
+import signal
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,56 @@ class CatalogPool(EnvironmentPool):
         return []
 
 
+def blocked_in_wait(thread: threading.Thread) -> bool:
+    """``thread`` is blocked inside ``concurrent.futures.wait`` (on the lock of its ``Condition.wait``)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None or frame.f_code.co_name != "wait" or not frame.f_code.co_filename.endswith("threading.py"):
+        return False
+    if linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() != "waiter.acquire()":
+        return False
+    outer = frame.f_back
+    while outer is not None and not (outer.f_code.co_name == "wait" and "concurrent" in outer.f_code.co_filename):
+        outer = outer.f_back
+    return outer is not None
+
+
+class CtrlC:
+    """A terminal's Ctrl-C for the main thread, pressed from a worker thread: SIGINT, once the main thread is
+    blocked waiting for running tasks (the driver's usual state), turned into exactly one KeyboardInterrupt.
+
+    ``_thread.interrupt_main()`` (the old form) only sets a flag that the main thread reads when it next runs
+    Python code, i.e. after some task has finished: the interrupt raced the tasks. A real SIGINT interrupts
+    the blocked wait; it is sent again until the handler has run, because one that lands just before the main
+    thread blocks is handled only when it wakes up; the handler raises once and ignores repeats (the driver's
+    "Ctrl-C again" is not what this test is about)."""
+
+    def __init__(self) -> None:
+        self.handled = threading.Event()
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if not self.handled.is_set():
+            self.handled.set()
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def press_while_the_driver_waits(self, timeout: float = 30.0) -> None:
+        main = threading.main_thread()
+        deadline = time.monotonic() + timeout
+        while not blocked_in_wait(main) and time.monotonic() < deadline:  # (another Python: pressed after timeout)
+            time.sleep(0.001)
+        deadline = time.monotonic() + timeout
+        while not self.handled.is_set() and time.monotonic() < deadline:
+            signal.pthread_kill(main.ident, signal.SIGINT)  # type: ignore[arg-type]
+            self.handled.wait(0.05)
+
+
 class FakeRunner:
     """Deterministic rewards; can interrupt or fail on chosen tasks; counts what it ran."""
 
@@ -57,12 +112,21 @@ class FakeRunner:
                  misconfigured: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         self.ran: list[str] = []
         self.interrupt_at, self.fail, self.misconfigured = interrupt_at, set(fail), set(misconfigured)
+        self.ctrl_c = CtrlC()
+        self.release = threading.Event()  # set by the test once the interrupted run has returned
+        self.interrupted_task_ended = threading.Event()
 
     def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord:
         if task_id == self.interrupt_at:  # Ctrl-C arrives while this task is in flight
-            _thread.interrupt_main()
-            time.sleep(0.5)
-            raise RuntimeError("killed with the process")
+            try:
+                self.ctrl_c.press_while_the_driver_waits()
+                # in flight until the driver has given up on it: it can neither finish nor fail before the driver
+                # handled the interrupt, however the threads are scheduled (no sleep racing the main thread)
+                if not self.release.wait(timeout=60):
+                    raise AssertionError("the interrupted run never returned")
+                raise RuntimeError("killed with the process")
+            finally:
+                self.interrupted_task_ended.set()
         if task_id in self.fail:
             raise InfrastructureError("connection refused")
         if task_id in self.misconfigured:
@@ -106,15 +170,20 @@ def test_selection_limit_is_per_category_and_deterministic() -> None:
         select_tasks(pool, BENCH, categories=["web_search"])
 
 
-def test_interrupted_run_resumes_to_the_same_table(tmp_path: Path) -> None:
+def test_interrupted_run_resumes_to_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     full, full_table = run(tmp_path / "full", FakeRunner())
     assert full.summary["complete"] and full.ran == 12
     # 4 of 12 tasks pass (i % 3 == 0); per category: base t00,t04,t08 → 1 of 3 ...
     assert full.summary["categories"]["base"]["passed"] == 1
 
     out = tmp_path / "interrupted"
-    with pytest.raises(KeyboardInterrupt):
-        run(out, FakeRunner(interrupt_at="t05"))
+    interrupted = FakeRunner(interrupt_at="t05")
+    with interrupted.ctrl_c.installed(), pytest.raises(KeyboardInterrupt):
+        run(out, interrupted)
+    assert interrupted.ran == ["t00", "t01", "t02", "t03", "t04"] and not interrupted.interrupted_task_ended.is_set()
+    assert "letting 1 running task(s) finish" in capsys.readouterr().err
+    interrupted.release.set()  # the interrupted task ends (with the process, in real life); nothing of it is saved
+    assert interrupted.interrupted_task_ended.wait(timeout=60)
     saved = ResultStore(out).completed()
     assert sorted(saved) == ["t00", "t01", "t02", "t03", "t04"]  # every finished task was persisted
     with (out / "results.jsonl").open("a") as fh:  # and the process died mid-write of another record

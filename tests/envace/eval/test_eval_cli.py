@@ -1,0 +1,134 @@
+"""The evaluation CLI (envace/eval/cli.py): argument parsing (one flag per loop limit, same defaults, values
+checked before anything runs) and a tiny end-to-end run through ``main`` against a real local
+OpenAI-compatible HTTP server (tests/envace/conftest.py) answering with BFCL's gold calls: results, summary,
+report and table files, a resume that sends no request, a refused resume with other settings, and the
+``table`` subcommand over the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from envace.agents.engine import LoopLimits
+from envace.envs.base import get_pool
+from envace.eval.cli import build_parser, limits_from_args, main
+from envace.toolcall import render_tool_call
+
+ENDPOINT = ["--base-url", "http://127.0.0.1:9/v1", "--model", "m"]
+
+
+def test_every_loop_limit_has_a_flag_with_the_loop_default():
+    args = build_parser().parse_args(["bfcl", *ENDPOINT])
+    assert limits_from_args(args) == LoopLimits()
+    # a value other than the default for every field, through its flag
+    changed: dict[str, Any] = {}
+    for f in dataclasses.fields(LoopLimits):
+        choices = LoopLimits.CHOICES.get(f.name)
+        if choices:
+            changed[f.name] = next(c for c in choices if c != f.default)
+        elif isinstance(f.default, float):
+            changed[f.name] = f.default * 2 + 0.5
+        else:
+            changed[f.name] = f.default + 3
+    argv = [a for name, v in changed.items() for a in ("--" + name.replace("_", "-"), str(v))]
+    for bench in ("bfcl", "tau2"):
+        args = build_parser().parse_args([bench, *ENDPOINT, *argv])
+        assert limits_from_args(args) == LoopLimits(**changed)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bfcl"], "give --base-url and --model"),
+        (["bfcl", "--base-url", "http://x/v1"], "give --base-url and --model"),
+        (["bfcl", *ENDPOINT, "--checkpoint", "/ckpt"], "not both"),
+        (["bfcl", *ENDPOINT, "--concurrency", "0"], "--concurrency must be >= 1"),
+        (["bfcl", *ENDPOINT, "--limit", "0"], "--limit must be >= 1"),
+        (["bfcl", *ENDPOINT, "--env-timeout", "0"], "--env-timeout must be > 0"),
+        (["bfcl", *ENDPOINT, "--max-user-turns", "0"], "limits.max_user_turns must be >= 1"),
+        (["bfcl", *ENDPOINT, "--max-calls-per-message", "0"], "limits.max_calls_per_message must be >= 1"),
+        (["bfcl", *ENDPOINT, "--tool-timeout-s", "-1"], "limits.tool_timeout_s must be >= 0"),
+        (["bfcl", *ENDPOINT, "--on-step-limit", "retry"], "invalid choice"),
+        (["tau2", *ENDPOINT, "--categories", "base"], "unrecognized arguments"),
+        (["table"], "required: runs"),
+    ],
+)
+def test_bad_arguments_exit_2_before_anything_runs(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no output directory, no request
+
+
+def test_unknown_category_is_a_clean_error(tmp_path, capsys):
+    assert main(["bfcl", *ENDPOINT, "--categories", "web_search", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown bfcl categories" in capsys.readouterr().err
+
+
+TASK = "multi_turn_base_0"  # the first base task: --categories base --limit 1
+
+
+def gold_texts() -> list[str]:
+    texts = []
+    for turn in get_pool("bfcl_multi_turn").gold_actions(TASK):
+        texts.extend(render_tool_call(c) for c in turn)
+        texts.append("Done.")
+    return texts
+
+
+def test_a_tiny_run_writes_every_output_and_resumes(fake_openai, replies, tmp_path, capsys):
+    server = fake_openai(replies.script(*[replies.chat(t) for t in gold_texts()]))
+    out = tmp_path / "run"
+    argv = ["bfcl", "--base-url", server.base_url, "--model", "gold", "--categories", "base", "--limit", "1",
+            "--no-progress", "--max-steps-per-turn", "8", "--label", "gold-policy", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert server.n_requests == len(gold_texts())  # one request per assistant message
+    assert all(b["model"] == "gold" and b["temperature"] == 0.6 and b["top_p"] == 0.95 for b in server.bodies)
+    assert all(b["tools"] for b in server.bodies)  # the task's tools go with every request
+
+    (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["task_id"] == TASK and rec["reward"] == 1.0 and rec["passed"] is True
+    assert rec["tool_calls"] == sum(len(t) for t in get_pool("bfcl_multi_turn").gold_actions(TASK))
+    assert rec["messages"][0]["role"] in ("system", "user")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["label"] == "gold-policy" and summary["benchmark"] == "bfcl"
+    assert summary["summary"]["complete"] and summary["summary"]["categories"]["base"]["score"] == 100.0
+    assert summary["identity"]["limits"] == dataclasses.asdict(LoopLimits(max_steps_per_turn=8))
+    report = json.loads((out / "report.json").read_text())
+    assert [r["task_id"] for r in report["records"]] == [TASK] and report["records"][0]["messages"] is None
+    table_md = (out / "table.md").read_text()
+    assert "gold-policy" in table_md and "100.0" in table_md
+    row = [ln for ln in printed.splitlines() if ln.startswith("gold-policy")]
+    assert row and "100.0" in row[0]
+
+    # rerun: the finished task is skipped, nothing is requested, the table is the same
+    assert main(argv) == 0
+    assert server.n_requests == len(gold_texts()) and capsys.readouterr().out == printed
+    # other settings into the same directory: refused, nothing requested
+    assert main([*argv, "--temperature", "0.0"]) == 2
+    assert "different settings (temperature: 0.6 -> 0.0)" in capsys.readouterr().err
+    assert server.n_requests == len(gold_texts())
+
+    # the table subcommand over the run directory
+    assert main(["table", str(out)]) == 0
+    assert [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gold-policy")] == row
+
+
+def test_no_transcripts_keeps_the_records_without_messages(fake_openai, replies, tmp_path):
+    server = fake_openai(replies.script(*[replies.chat(t) for t in gold_texts()]))
+    out = tmp_path / "run"
+    assert main(["bfcl", "--base-url", server.base_url, "--model", "gold", "--categories", "base", "--limit", "1",
+                 "--no-progress", "--no-transcripts", "--out", str(out)]) == 0
+    (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["messages"] is None and rec["reward"] == 1.0
+
+
+def test_table_of_a_directory_without_a_run_is_an_error(tmp_path: Path):
+    with pytest.raises(SystemExit, match="summary.json not found"):
+        main(["table", str(tmp_path)])
