@@ -98,7 +98,25 @@ class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return "multi-row position ids"
         return None
 
+    _rows: torch.Tensor | None = None  # [batch, response columns] mask the lm_head pre-hook gathers by
+    _hooked: Any = None  # the lm_head module the pre-hook is registered on
+
+    def _gather_rows(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """``lm_head`` pre-hook: only the real (non-padding) response positions reach the vocabulary projection."""
+        rows, self._rows = self._rows, None
+        if rows is None:
+            return None
+        return (args[0][rows], *args[1:])
+
+    def _project_rows(self, valid: torch.Tensor) -> None:
+        head = self.module.get_output_embeddings()
+        if self._hooked is not head:
+            head.register_forward_pre_hook(self._gather_rows)
+            self._hooked = head
+        self._rows = valid
+
     def prepare_model_inputs(self, micro_batch: TensorDict):
+        self._rows = None
         if not self._response_only(micro_batch):
             return super().prepare_model_inputs(micro_batch)
         input_ids, position_ids = micro_batch["input_ids"], micro_batch["position_ids"]
@@ -131,13 +149,17 @@ class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         }
         model_inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
                         "logits_to_keep": torch.arange(width_p - 1, width_p - 1 + width_r)}
+        # rows shorter than the longest response leave padding columns: those never reach the vocabulary either
+        self._project_rows(output_args["valid"])
         return model_inputs, output_args
 
     def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
         if not output_args.get(_KEPT):
             return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         valid = output_args["valid"]
-        logits = output.logits[valid]  # (Σ R_i, vocab), sequence by sequence
+        self._rows = None
+        # (Σ R_i, vocab), sequence by sequence: the lm_head pre-hook already gathered the valid positions
+        logits = output.logits if output.logits.dim() == 2 else output.logits[valid]
         temperature = output_args["temperature"]
         if not bool((temperature == 1.0).all()):
             logits = logits / temperature.unsqueeze(1).expand_as(valid)[valid].unsqueeze(-1)

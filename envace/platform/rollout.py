@@ -7,9 +7,10 @@ loops call through ``LLMServerClient``; inside every trainer worker a ``BaseRoll
 pushes new weights to its server after each actor update. vLLM, SGLang and TensorRT-LLM fill
 these roles on GPUs. This module fills them on CPU:
 
-* :class:`HFCPUServer` — Ray actor holding a transformers causal LM; incremental decoding with a
-  KV cache, temperature / top-k / top-p / repetition-penalty sampling with a per-request seeded
-  generator, log-probs of the sampled tokens under ``logits / temperature`` (what verl's actor
+* :class:`HFCPUServer` — Ray actor holding a transformers causal LM; a decode thread batches the
+  requests that are waiting (up to ``max_num_seqs``: the agent loops of a step arrive together) into
+  one left-padded decode with a shared KV cache, rows leaving as they finish; temperature / top-k /
+  top-p / repetition-penalty sampling per request with its own seeded generator; log-probs of the sampled tokens under ``logits / temperature`` (what verl's actor
   computes, so ``training/rollout_probs_diff_max`` measures a real agreement).
 * :class:`HFCPUReplica` — registered in ``RolloutReplicaRegistry`` as ``hfcpu``; places one
   server on the node of its replica's first worker.
@@ -23,10 +24,14 @@ Agent loops see exactly the interface they see on vLLM, so the same loop code ru
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
+import queue
 import threading
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -102,43 +107,103 @@ def sample_tokens(
     eos_ids: set[int],
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], list[float], str]:
-    """Autoregressive decoding with a KV cache. Returns (token_ids, log_probs, finish_reason)."""
+    """One request through :func:`sample_batch`. Returns (token_ids, log_probs, finish_reason)."""
+    return sample_batch(model, [prompt_ids], [spec], eos_ids, [generator])[0]
+
+
+def _pick(logits: torch.Tensor, spec: SamplingSpec, generator: torch.Generator | None) -> tuple[int, float]:
+    """Sample one token from one row of (penalised) logits; its log-prob under ``logits / temperature``."""
+    if spec.temperature == 0.0:
+        tok = int(torch.argmax(logits))
+        return tok, float(torch.log_softmax(logits, -1)[tok])
+    scaled = logits / spec.temperature
+    probs = torch.softmax(_filter_logits(scaled, spec.top_k, spec.top_p), -1)
+    tok = int(torch.multinomial(probs, 1, generator=generator))
+    return tok, float(torch.log_softmax(scaled, -1)[tok])
+
+
+def sample_batch(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    specs: list[SamplingSpec],
+    eos_ids: set[int],
+    generators: list[torch.Generator | None],
+) -> list[tuple[list[int], list[float], str]]:
+    """Decode several requests together with one KV cache; per request (token_ids, log_probs, finish_reason).
+
+    Prompts are left-padded (attention mask + explicit positions, so a row's tokens see exactly what they
+    would see alone); each row keeps its own sampling parameters, repetition-penalty history, seeded
+    generator, stop set and token budget. Finished rows leave the batch (and the cache) at once.
+    """
     device = next(model.parameters()).device
-    cur = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    past = None
-    out_ids: list[int] = []
-    out_lp: list[float] = []
-    seen = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-    seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
-    stop = set(spec.stop_token_ids) | (set() if spec.ignore_eos else eos_ids)
-    finish = "length"
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((n, width), dtype=torch.long, device=device)
+    mask = torch.zeros((n, width), dtype=torch.long, device=device)
+    seen = torch.zeros((n, model.config.vocab_size), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+        seen[i, torch.tensor(p, dtype=torch.long)] = True
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    stops = [set(s.stop_token_ids) | (set() if s.ignore_eos else eos_ids) for s in specs]
+    results: list[tuple[list[int], list[float], str]] = [([], [], "length") for _ in range(n)]
+    live = list(range(n))  # request index of each cache row
+    next_pos = mask.sum(-1)
     with torch.inference_mode():
-        for _ in range(spec.max_tokens):
-            # logits of the last position only: a prefill of thousands of tokens would otherwise
-            # materialise a [seq, vocab] matrix (151,936 columns for Qwen)
-            out = model(input_ids=cur, past_key_values=past, use_cache=True, logits_to_keep=1)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            if spec.repetition_penalty != 1.0:
-                pen = logits[seen]
-                logits[seen] = torch.where(pen > 0, pen / spec.repetition_penalty, pen * spec.repetition_penalty)
-            if spec.temperature == 0.0:
-                tok = int(torch.argmax(logits))
-                lp = float(torch.log_softmax(logits, -1)[tok])
-            else:
-                scaled = logits / spec.temperature
-                logp = torch.log_softmax(scaled, -1)
-                probs = torch.softmax(_filter_logits(scaled, spec.top_k, spec.top_p), -1)
-                tok = int(torch.multinomial(probs, 1, generator=generator))
-                lp = float(logp[tok])
-            out_ids.append(tok)
-            out_lp.append(lp)
-            seen[tok] = True
-            if tok in stop:
-                finish = "stop"
+        # logits of the last position only: a prefill of thousands of tokens would otherwise
+        # materialise a [rows, seq, vocab] tensor (151,936 columns for Qwen)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        while True:
+            logits = out.logits[:, -1].float()
+            keep: list[int] = []
+            chosen: list[int] = []
+            for row, r in enumerate(live):
+                spec, row_logits = specs[r], logits[row]
+                if spec.repetition_penalty != 1.0:
+                    pen = row_logits[seen[r]]
+                    row_logits[seen[r]] = torch.where(pen > 0, pen / spec.repetition_penalty,
+                                                      pen * spec.repetition_penalty)
+                tok, lp = _pick(row_logits, spec, generators[r])
+                toks, lps, _ = results[r]
+                toks.append(tok)
+                lps.append(lp)
+                seen[r, tok] = True
+                if tok in stops[r]:
+                    results[r] = (toks, lps, "stop")
+                elif len(toks) < spec.max_tokens:
+                    keep.append(row)
+                    chosen.append(tok)
+            if not keep:
                 break
-            cur = torch.tensor([[tok]], dtype=torch.long, device=device)
-    return out_ids, out_lp, finish
+            if len(keep) < len(live):
+                index = torch.tensor(keep, dtype=torch.long, device=device)
+                past.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[index]
+                live = [live[row] for row in keep]
+            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
+            out = model(
+                input_ids=torch.tensor(chosen, dtype=torch.long, device=device)[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = out.past_key_values
+            next_pos = next_pos + 1
+    return results
+
+
+_BATCH_WAIT_S = 0.005  # how long the decode thread waits for company once a lone request arrives
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: list[int]
+    spec: SamplingSpec
+    generator: torch.Generator
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
 
 class HFCPUServer:
@@ -156,7 +221,7 @@ class HFCPUServer:
         attn = (self.model_config.override_config or {}).get("attn_implementation", "eager")
         torch.set_num_threads(max(1, int(os.environ.get("ENVACE_ROLLOUT_THREADS", "1"))))
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, torch_dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
+            path, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
         )
         self.model.eval()
         eos: set[int] = set()
@@ -170,8 +235,15 @@ class HFCPUServer:
             eos.add(self.model.config.eos_token_id)
         self.eos_ids = eos
         self.global_steps: int | None = None
-        self._lock = threading.Lock()  # one decode at a time: 2-core machines gain nothing from more
+        self._lock = threading.Lock()  # held by the decode thread per batch, and by weight loads
+        self._seed_lock = threading.Lock()
         self._requests = 0
+        # concurrent requests (the agent loops of a step arrive together) are decoded as one batch
+        self._queue: queue.Queue[_Request] = queue.Queue()
+        self._max_batch = max(1, int(getattr(self.config, "max_num_seqs", 0) or 64))
+        self._worker: threading.Thread | None = None
+        self.batches = 0  # decode batches run
+        self.batched_requests = 0  # requests they served
         self.seed = int(self.config.seed or 0)
         logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, eos)
 
@@ -180,9 +252,7 @@ class HFCPUServer:
         cfg = self.config
         return min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
 
-    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str):
-        from verl.workers.rollout.replica import TokenOutput
-
+    def _request(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> _Request:
         max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         room = int(max_model_len) - len(prompt_ids)
         if room < 1:
@@ -191,16 +261,60 @@ class HFCPUServer:
             )
         spec = SamplingSpec(sampling_params, self._max_tokens_default(len(prompt_ids)))
         spec.max_tokens = max(1, min(spec.max_tokens, room))
-        with self._lock:
+        with self._seed_lock:  # seeds follow arrival order, whatever batch a request lands in
             self._requests += 1
             seed = spec.seed if spec.seed is not None else hash((self.seed, self.replica_rank, self._requests))
-            gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-            ids, lps, finish = sample_tokens(self.model, list(prompt_ids), spec, self.eos_ids, gen)
+        return _Request(list(prompt_ids), spec, torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF))
+
+    def _serve(self) -> None:
+        """The decode thread: takes every queued request (up to ``max_num_seqs``) and decodes them as one batch."""
+        while True:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + _BATCH_WAIT_S
+            while len(batch) < self._max_batch:
+                wait = deadline - time.monotonic()
+                try:
+                    batch.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                with self._lock:
+                    results = sample_batch(
+                        self.model, [r.prompt for r in batch], [r.spec for r in batch], self.eos_ids,
+                        [r.generator for r in batch],
+                    )
+                    steps = self.global_steps
+            except Exception as exc:  # the requests fail, the server lives on
+                for r in batch:
+                    r.future.set_exception(exc)
+                continue
+            self.batches += 1
+            self.batched_requests += len(batch)
+            for r, (ids, lps, finish) in zip(batch, results):
+                r.future.set_result((ids, lps if r.spec.logprobs else None, finish, steps))
+
+    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str = ""):
+        """Blocking generate (tests, and callers outside an event loop)."""
+        return self._token_output(*self._submit(prompt_ids, sampling_params).result())
+
+    def _submit(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> concurrent.futures.Future:
+        req = self._request(prompt_ids, sampling_params)
+        with self._seed_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="hfcpu-decode", daemon=True)
+                self._worker.start()
+        self._queue.put(req)
+        return req.future
+
+    @staticmethod
+    def _token_output(ids: list[int], log_probs: list[float] | None, finish: str, global_steps: int | None):
+        from verl.workers.rollout.replica import TokenOutput
+
         return TokenOutput(
             token_ids=ids,
-            log_probs=lps if spec.logprobs else None,
+            log_probs=log_probs,
             stop_reason="completed",
-            extra_fields={"global_steps": self.global_steps, "finish_reason": finish},
+            extra_fields={"global_steps": global_steps, "finish_reason": finish},
         )
 
     async def generate(
@@ -217,7 +331,8 @@ class HFCPUServer:
     ):
         if image_data or video_data or audio_data:
             raise NotImplementedError("hfcpu rollout serves text-only models")
-        return await asyncio.to_thread(self._generate_sync, list(prompt_ids), dict(sampling_params), request_id)
+        future = self._submit(list(prompt_ids), dict(sampling_params))
+        return self._token_output(*await asyncio.wrap_future(future))
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: int | None = None) -> int:

@@ -48,10 +48,11 @@ def test_response_positions():
     assert keep.tolist() == [2, 3, 6, 7, 8, 9]
 
 
-def _engine(cls, entropy_checkpointing=False):
+def _engine(cls, model, entropy_checkpointing=False):
     from verl.utils import torch_functional as verl_F
 
     eng = object.__new__(cls)
+    eng.module = model
     eng.pad_to_length = False
     eng.pad_to_length_bucket = 0
     eng.use_ulysses_sp = False
@@ -100,10 +101,14 @@ def test_same_log_probs_entropy_and_gradients_as_verl(model, temperature):
     results = {}
     for cls in (FSDPEngineWithLMHead, CPUFSDPEngineWithLMHead):
         mb = _micro_batch(prompts, responses, temperature)
-        eng = _engine(cls)
+        eng = _engine(cls, model)
         model.zero_grad()
         inputs, args = eng.prepare_model_inputs(mb)
-        out = eng.prepare_model_outputs(model(**inputs, use_cache=False), args, mb, None)
+        raw = model(**inputs, use_cache=False)
+        # envace's engine projects the Σ R_i real response positions only (no padding columns)
+        if cls is CPUFSDPEngineWithLMHead:
+            assert raw.logits.shape == (sum(r for _, r in lens), 997)
+        out = eng.prepare_model_outputs(raw, args, mb, None)
         lp = no_padding_2_padding(out["log_probs"], mb)
         ent = no_padding_2_padding(out["entropy"], mb)
         (lp.sum() + 0.1 * ent.sum()).backward()
@@ -123,7 +128,7 @@ def test_right_aligned_prompts_give_each_sequence_its_own_log_probs(model):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 997, (n,), generator=g).tolist() for n in (11, 3, 7)]
     responses = [torch.randint(1, 997, (n,), generator=g).tolist() for n in (2, 6, 4)]
-    eng = _engine(CPUFSDPEngineWithLMHead)
+    eng = _engine(CPUFSDPEngineWithLMHead, model)
     mb = _micro_batch(prompts, responses, 1.0)
     with torch.no_grad():
         inputs, args = eng.prepare_model_inputs(mb)
@@ -139,7 +144,7 @@ def test_falls_back_to_verl_outside_the_padded_path(model):
     for flags in ({"use_remove_padding": True}, {"calculate_sum_pi_squared": True}, {"use_fused_kernels": True}):
         mb = _micro_batch([[1, 2, 3]], [[4, 5]], 1.0)
         tu.assign_non_tensor(mb, **flags)
-        assert not _engine(CPUFSDPEngineWithLMHead)._response_only(mb), flags
+        assert not _engine(CPUFSDPEngineWithLMHead, model)._response_only(mb), flags
 
 
 def test_text_only_multi_modal_field_keeps_the_response_only_path():
@@ -148,4 +153,4 @@ def test_text_only_multi_modal_field_keeps_the_response_only_path():
 
     mb = _micro_batch([[1, 2, 3], [4, 5]], [[6], [7, 8]], 1.0)
     mb["multi_modal_inputs"] = NonTensorStack({}, {})
-    assert _engine(CPUFSDPEngineWithLMHead)._fallback_reason(mb) is None
+    assert _engine(CPUFSDPEngineWithLMHead, None)._fallback_reason(mb) is None

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from envace.models import ensure_tiny_model
-from envace.platform.rollout import SamplingSpec, _filter_logits, sample_tokens
+from envace.platform.rollout import SamplingSpec, _filter_logits, sample_batch, sample_tokens
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +73,35 @@ def test_bad_sampling_params_are_rejected():
         SamplingSpec({"top_p": 0}, 10)
     with pytest.raises(ValueError, match="temperature"):
         SamplingSpec({"temperature": -1}, 10)
+
+
+PROMPTS = [PROMPT, [151644, 872, 198, 9707, 0, 151645, 198, 151644, 77091, 198], [872, 198]]
+
+
+def test_a_batch_decodes_each_request_as_it_would_alone(model):
+    """Left padding, per-row positions and rows leaving the cache change nothing a request sees."""
+    specs = [
+        SamplingSpec({"temperature": 0, "max_tokens": 12}, 99),
+        SamplingSpec({"temperature": 0.8, "max_tokens": 5, "repetition_penalty": 1.3}, 99),  # leaves early
+        SamplingSpec({"temperature": 1.0, "top_p": 0.9, "max_tokens": 9}, 99),
+    ]
+    alone = [sample_tokens(model, p, s, set(), torch.Generator().manual_seed(i)) for i, (p, s) in
+             enumerate(zip(PROMPTS, specs))]
+    together = sample_batch(model, PROMPTS, specs, set(), [torch.Generator().manual_seed(i) for i in range(3)])
+    assert [len(t[0]) for t in together] == [12, 5, 9]
+    for (a_ids, a_lp, a_fin), (b_ids, b_lp, b_fin) in zip(alone, together):
+        assert a_ids == b_ids and a_fin == b_fin
+        assert torch.allclose(torch.tensor(a_lp), torch.tensor(b_lp), atol=1e-4)
+    # and each row's log-probs are the full forward's of its own tokens
+    for p, s, (ids, lps, _) in zip(PROMPTS, specs, together):
+        ref = full_forward_logprobs(model, p, ids, s.temperature)
+        assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_a_row_that_stops_leaves_the_others_running(model):
+    greedy = SamplingSpec({"temperature": 0, "max_tokens": 10}, 99)
+    first = sample_tokens(model, PROMPTS[0], greedy, set())[0]
+    stop_at = first[2]
+    out = sample_batch(model, PROMPTS[:2], [greedy, greedy], {stop_at}, [None, None])
+    assert out[0][0] == first[: first.index(stop_at) + 1] and out[0][2] == "stop"
+    assert out[1][0] == sample_tokens(model, PROMPTS[1], greedy, {stop_at})[0]
