@@ -1,0 +1,41 @@
+"""Trace2Env: environment worldbooks reconstructed from recorded traces, and a simulator that runs them.
+
+Seed paper: ``../shared/seeds/002_3678f87863e1a507.txt`` ("From Traces to Agentic Worlds"). §3 defines
+trace-based environment reconstruction; §4.1 the worldbook (schemas, grounded evidence, induced
+abstractions, provenance) and its construction; §4.2 the workspace ``(K_E, ŝ_t, M_t)``; §4.3 the
+proposal → validation-gate → commit step. Modules:
+
+* :mod:`trace2env.models` — typed artifacts;  :mod:`trace2env.ingest` — formats, ids, splits, alignment;
+* :mod:`trace2env.induce` — deterministic construction stages and the replay review;
+* :mod:`trace2env.providers` — the model Protocol and the scripted provider keyed by stage;
+* :mod:`trace2env.build` — the pipeline;  :mod:`trace2env.package` — the immutable package on disk;
+* :mod:`trace2env.engine` — effects, conditions, templates, rule selection, invariants;
+* :mod:`trace2env.runtime` — gate, forkable sessions, ``WorldbookEnv`` (``reset``/``step``).
+
+A standalone library: it never imports ``envace`` or ``verl`` (tests/test_dependency_direction.py).
+"""
+
+from .build import build_worldbook
+from .ingest import align, load_traces, make_split_manifest, parse_trace
+from .package import Worldbook, WorldbookIntegrityError, check_worldbook, compile_worldbook, load_worldbook
+from .providers import Provider, ScriptedProvider
+from .runtime import Session, TransitionProposal, WorldbookEnv, validation_gate
+
+__all__ = [
+    "Provider",
+    "ScriptedProvider",
+    "Session",
+    "TransitionProposal",
+    "Worldbook",
+    "WorldbookEnv",
+    "WorldbookIntegrityError",
+    "align",
+    "build_worldbook",
+    "check_worldbook",
+    "compile_worldbook",
+    "load_traces",
+    "load_worldbook",
+    "make_split_manifest",
+    "parse_trace",
+    "validation_gate",
+]
