@@ -284,7 +284,7 @@ class HFCPUServer:
                         [r.generator for r in batch],
                     )
                     steps = self.global_steps
-            except Exception as exc:  # the requests fail, the server lives on
+            except Exception as exc:  # noqa: BLE001 - re-raised in every caller of the batch; the server lives on
                 for r in batch:
                     r.future.set_exception(exc)
                 continue
