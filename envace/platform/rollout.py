@@ -241,10 +241,10 @@ class HFCPUServer:
         # concurrent requests (the agent loops of a step arrive together) are decoded as one batch
         self._queue: queue.Queue[_Request] = queue.Queue()
         self._max_batch = max(1, int(getattr(self.config, "max_num_seqs", 0) or 64))
-        self._worker: threading.Thread | None = None
         self.batches = 0  # decode batches run
         self.batched_requests = 0  # requests they served
         self.seed = int(self.config.seed or 0)
+        threading.Thread(target=self._serve, name="hfcpu-decode", daemon=True).start()
         logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, eos)
 
     # -- generation --------------------------------------------------------------------------
@@ -252,7 +252,8 @@ class HFCPUServer:
         cfg = self.config
         return min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
 
-    def _request(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> _Request:
+    def _submit(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> concurrent.futures.Future:
+        """Validate a request, seed its generator and queue it for the decode thread."""
         max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         room = int(max_model_len) - len(prompt_ids)
         if room < 1:
@@ -264,7 +265,9 @@ class HFCPUServer:
         with self._seed_lock:  # seeds follow arrival order, whatever batch a request lands in
             self._requests += 1
             seed = spec.seed if spec.seed is not None else hash((self.seed, self.replica_rank, self._requests))
-        return _Request(list(prompt_ids), spec, torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF))
+        req = _Request(list(prompt_ids), spec, torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF))
+        self._queue.put(req)
+        return req.future
 
     def _serve(self) -> None:
         """The decode thread: takes every queued request (up to ``max_num_seqs``) and decodes them as one batch."""
@@ -292,19 +295,6 @@ class HFCPUServer:
             self.batched_requests += len(batch)
             for r, (ids, lps, finish) in zip(batch, results):
                 r.future.set_result((ids, lps if r.spec.logprobs else None, finish, steps))
-
-    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str = ""):
-        """Blocking generate (tests, and callers outside an event loop)."""
-        return self._token_output(*self._submit(prompt_ids, sampling_params).result())
-
-    def _submit(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> concurrent.futures.Future:
-        req = self._request(prompt_ids, sampling_params)
-        with self._seed_lock:
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._serve, name="hfcpu-decode", daemon=True)
-                self._worker.start()
-        self._queue.put(req)
-        return req.future
 
     @staticmethod
     def _token_output(ids: list[int], log_probs: list[float] | None, finish: str, global_steps: int | None):

@@ -1,14 +1,21 @@
-"""A real, scriptable OpenAI-compatible HTTP server (stdlib ``http.server`` in a thread, 127.0.0.1)."""
+"""Shared fixtures of the envace tests.
+
+* A real, scriptable OpenAI-compatible HTTP server (stdlib ``http.server`` in a thread, 127.0.0.1).
+* ``train_sh``: a run of ``scripts/train.sh`` for the end-to-end trainer tests.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,3 +174,25 @@ class _Replies:
 @pytest.fixture
 def replies() -> type[_Replies]:
     return _Replies
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train_sh(run_dir: Path, *overrides: str, timeout: int = 1800) -> str:
+    """``scripts/train.sh trainer.default_local_dir=RUN_DIR OVERRIDES…`` on its own Ray cluster; asserts exit 0 and
+    returns stdout + stderr (verl's console metrics lines included)."""
+    env = dict(os.environ, RAY_DEDUP_LOGS="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "train.sh"), f"trainer.default_local_dir={run_dir}", *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    return out
+
+
+@pytest.fixture
+def train_sh() -> Callable[..., str]:
+    return _train_sh

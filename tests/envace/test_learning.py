@@ -18,15 +18,10 @@ closing note of the session that added this test).
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from envace.metrics import load_metrics
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 STEPS = 12  # optimizer steps of the learning run (the reward rose 0.16 -> 0.42 over 12 steps when this was written)
@@ -50,37 +45,28 @@ COMMON = [
 ]
 
 
-def train(run_dir: Path, *overrides: str, timeout: int = 2400) -> None:
-    env = dict(os.environ, RAY_DEDUP_LOGS="0")
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [str(REPO / "scripts" / "train.sh"), f"trainer.default_local_dir={run_dir}", *COMMON, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
-
-
-def reward_windows(run_dir: Path, steps: int) -> tuple[float, float, dict[int, float]]:
-    series = load_metrics(run_dir)["critic/score/mean"]
+def reward_windows(metrics: dict[str, dict[int, float]], steps: int) -> tuple[float, float, dict[int, float]]:
+    series = metrics["critic/score/mean"]
     assert sorted(series) == list(range(1, steps + 1)), sorted(series)
     first = sum(series[s] for s in range(1, WINDOW + 1)) / WINDOW
     last = sum(series[s] for s in range(steps - WINDOW + 1, steps + 1)) / WINDOW
     return first, last, series
 
 
-def test_grpo_raises_the_training_reward(tmp_path):
+def test_grpo_raises_the_training_reward(tmp_path, train_sh):
     run = tmp_path / "grpo"
-    train(run, f"trainer.total_training_steps={STEPS}")
-    first, last, series = reward_windows(run, STEPS)
+    train_sh(run, *COMMON, f"trainer.total_training_steps={STEPS}", timeout=2400)
+    metrics = load_metrics(run)
+    first, last, series = reward_windows(metrics, STEPS)
     assert last >= first + MARGIN, (first, last, series)
     # the updates are real: non-zero gradients on steps with reward variance
-    grad = load_metrics(run)["actor/grad_norm"]
+    grad = metrics["actor/grad_norm"]
     assert max(grad.values()) > 0, grad
 
 
-def test_control_with_zero_learning_rate_does_not(tmp_path):
+def test_control_with_zero_learning_rate_does_not(tmp_path, train_sh):
     steps = 2 * WINDOW  # the policy never changes, so two windows measure the reward's own drift
     run = tmp_path / "control"
-    train(run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=0.0")
-    first, last, series = reward_windows(run, steps)
+    train_sh(run, *COMMON, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=0.0", timeout=2400)
+    first, last, series = reward_windows(load_metrics(run), steps)
     assert last < first + MARGIN, (first, last, series)

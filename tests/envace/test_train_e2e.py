@@ -11,16 +11,13 @@ scheduler state) and runs step 2: its batch must equal the batch A chose at step
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 FAST = [
@@ -39,18 +36,6 @@ FAST = [
 ]
 
 
-def train(run_dir: Path, *overrides: str, timeout: int = 1800) -> str:
-    env = dict(os.environ, RAY_DEDUP_LOGS="0")
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [str(REPO / "scripts" / "train.sh"), f"trainer.default_local_dir={run_dir}", *FAST, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-8000:]
-    return out
-
-
 def step_metrics(out: str, step: int) -> dict[str, float]:
     line = next(ln for ln in out.splitlines() if re.search(rf"\bstep:{step} - ", ln))
     return {k: float(v) for k, v in re.findall(r"([\w/@.-]+):(-?[\d.]+(?:e-?\d+)?)(?= - |$)", line)}
@@ -61,9 +46,9 @@ def selections(run_dir: Path) -> dict[int, list[str]]:
     return {rec["step"]: rec["task_ids"] for rec in map(json.loads, lines)}
 
 
-def test_envace_envsched_train_checkpoint_resume(tmp_path):
+def test_envace_envsched_train_checkpoint_resume(tmp_path, train_sh):
     a = tmp_path / "a"
-    out_a = train(a)
+    out_a = train_sh(a, *FAST)
     roles_seen: set[str] = set()
     for step in (1, 2):
         m = step_metrics(out_a, step)
@@ -98,7 +83,7 @@ def test_envace_envsched_train_checkpoint_resume(tmp_path):
     b.mkdir()
     shutil.copytree(a / "global_step_1", b / "global_step_1")
     (b / "latest_checkpointed_iteration.txt").write_text("1")
-    out_b = train(b)
+    out_b = train_sh(b, *FAST)
     assert "Resuming from" in out_b and "global_step_1" in out_b
     assert not re.search(r"\bstep:1 - ", out_b)
     step_metrics(out_b, 2)
