@@ -193,6 +193,6 @@ def _train_sh(run_dir: Path, *overrides: str, timeout: int = 1800) -> str:
     return out
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def train_sh() -> Callable[..., str]:
     return _train_sh
