@@ -1,6 +1,6 @@
 """Benchmark evaluation: BFCL multi-turn and τ²-bench against OpenAI-compatible endpoints.
 
-Entry point: ``python -m envace.eval {bfcl,tau2,table} ...`` (see :mod:`envace.eval.cli`), wrapped by
+Entry point: ``python -m envace.eval {bfcl,tau2,table,tts-table,sweep} ...`` (see :mod:`envace.eval.cli`), wrapped by
 ``scripts/eval_bfcl.sh`` and ``scripts/eval_tau2.sh``. Building blocks:
 
 * :mod:`envace.eval.client`: chat client with robust tool-call parsing (:class:`ChatClient`);
@@ -8,6 +8,8 @@ Entry point: ``python -m envace.eval {bfcl,tau2,table} ...`` (see :mod:`envace.e
 * :mod:`envace.eval.driver`: task selection and the resumable, concurrent driver (:func:`evaluate`);
 * :mod:`envace.eval.store`: the append-only result files;
 * :mod:`envace.eval.report`: summaries and the paper-layout table;
+* :mod:`envace.eval.tts`: test-time rehearsal (``--tts parallel|sequential --rehearsals N``, runner ``tts``);
+* :mod:`envace.eval.sweep`: the Table-3 layout of TTS runs (``tts-table``) and the rehearsal-budget ``sweep``;
 * :mod:`envace.eval.server`: serving a checkpoint with vLLM or ``transformers serve``.
 """
 

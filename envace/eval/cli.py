@@ -7,6 +7,8 @@ Examples::
     python -m envace.eval tau2 --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --out runs/q8b-tau2
     # a checkpoint: starts `vllm serve` (GPU) or `transformers serve` (CPU), evaluates, stops it
     python -m envace.eval bfcl --checkpoint ckpt/step_470 --server vllm --concurrency 32
+    # test-time rehearsal (EnvACE §4.3): 2 private rehearsals, self-evaluation, memory, one committed execution
+    python -m envace.eval bfcl --base-url http://127.0.0.1:8000/v1 --model ckpt --tts parallel --rehearsals 2
     # one table from several runs (rows grouped by --label / model)
     python -m envace.eval table runs/q8b-tau2 runs/q8b-bfcl
 
@@ -32,7 +34,7 @@ from typing import Any
 from envace.agents.engine import LoopLimits
 from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
 
-__all__ = ["add_limit_arguments", "build_parser", "limits_from_args", "main"]
+__all__ = ["add_limit_arguments", "add_tts_arguments", "build_parser", "limits_from_args", "main", "tts_from_args"]
 
 
 def add_limit_arguments(group: Any) -> None:
@@ -45,6 +47,30 @@ def add_limit_arguments(group: Any) -> None:
             group.add_argument(flag, choices=choices, default=f.default, help=f"default: {f.default}")
         else:
             group.add_argument(flag, type=hints[f.name], default=f.default, help=f"default: {f.default}")
+
+
+def add_tts_arguments(group: Any) -> None:
+    """One flag per :class:`~envace.eval.tts.TTSConfig` field (``mode`` → ``--tts``), same defaults."""
+    from envace.eval.tts import MODES, TTSConfig
+
+    hints = typing.get_type_hints(TTSConfig)
+    for flag, f in TTSConfig.flag_fields():
+        dest = "tts_" + f.name
+        base = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        if f.name == "mode":
+            group.add_argument(flag, dest=dest, choices=MODES, default=f.default,
+                               help="none: plain evaluation; parallel / sequential rehearsal before acting")
+        elif base is bool:
+            group.add_argument(flag, dest=dest, action="store_true", help=f"default: {f.default}")
+        else:
+            group.add_argument(flag, dest=dest, type=base, default=f.default, help=f"default: {f.default}")
+
+
+def tts_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~envace.eval.tts.TTSConfig` of parsed arguments (raises ValueError for bad values)."""
+    from envace.eval.tts import TTSConfig
+
+    return TTSConfig(**{f.name: getattr(args, "tts_" + f.name) for _, f in TTSConfig.flag_fields()})
 
 
 def limits_from_args(args: argparse.Namespace) -> LoopLimits:
@@ -104,6 +130,10 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
         "--runner", default="agent_loop", help="per-task strategy registered with envace.eval.runner.register_runner"
     )
     loop.add_argument("--runner-arg", action="append", default=[], metavar="KEY=VALUE", help="option for --runner")
+    add_tts_arguments(p.add_argument_group(
+        "test-time rehearsal (EnvACE §4.3: N private rehearsals, self-evaluation, memory, one committed execution; "
+        "envace.eval.tts.TTSConfig)"
+    ))
 
     sel = p.add_argument_group("task selection")
     sel.add_argument("--split", choices=("train", "test"), default=None, help="only this split (default: all tasks)")
@@ -154,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     table = sub.add_parser("table", help="print one table from the summary.json of several runs")
     table.add_argument("runs", nargs="+", help="output directories of previous runs")
     table.add_argument("--markdown", action="store_true")
+
+    tts_table = sub.add_parser("tts-table", help="the paper's Table 3 layout (Non-TTS / Par. / Seq. rows) from runs")
+    tts_table.add_argument("runs", nargs="+", help="output directories of previous runs (τ² and BFCL)")
+    tts_table.add_argument("--markdown", action="store_true")
+
+    sweep = sub.add_parser("sweep", help="rehearsal-budget sweep: one run per (mode, N), a table and a plot; "
+                           "usage: sweep BENCH --out DIR [--modes ...] [--budgets ...] -- EVAL_ARGS")
+    sweep.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    sweep.add_argument("--out", required=True, help="sweep directory (runs go to OUT/<mode>-n<N>)")
+    sweep.add_argument("--modes", nargs="+", choices=("parallel", "sequential"), default=["parallel", "sequential"])
+    sweep.add_argument("--budgets", nargs="+", type=int, default=[1, 2, 3, 4, 5], metavar="N")
+    sweep.add_argument("--baseline", action="store_true", help="also run Non-TTS (OUT/non-tts)")
+    sweep.set_defaults(eval_args=[])  # everything after "--": the evaluation arguments (endpoint, limits, ...)
     return parser
 
 
@@ -218,6 +261,15 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(str(exc))
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
+    try:
+        tts = tts_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if tts.mode != "none":  # --tts X --rehearsals N ... is --runner tts with the config as its options
+        if args.runner != "agent_loop" or args.runner_arg:
+            parser.error("--tts parallel/sequential is a runner of its own; drop --runner / --runner-arg")
+        args.runner = "tts"
+        args.runner_arg = [f"{k}={v}" for k, v in tts.to_options().items()]
     if args.env_timeout <= 0:
         parser.error("--env-timeout must be > 0")
     if args.checkpoint:
@@ -233,7 +285,8 @@ def _identity(args: argparse.Namespace, bench: Benchmark, model: str) -> dict[st
         "model": args.checkpoint or model,
         "split": args.split,
         "runner": args.runner,
-        "runner_options": _runner_options(args.runner_arg),
+        "runner_options": {k: ("<redacted>" if "api_key" in k and v != "null" else v)  # no secrets in run.json
+                           for k, v in _runner_options(args.runner_arg).items()},
         "temperature": args.temperature,
         "top_p": args.top_p,
         "max_tokens": args.max_tokens,
@@ -259,6 +312,7 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from envace.eval.driver import evaluate, select_tasks
     from envace.eval.runner import RunContext, build_runner
     from envace.eval.store import ResultStore
+    from envace.eval.tts import cost_summary, format_cost_table
 
     bench = BENCHMARKS[args.command]
     _validate(args, parser)
@@ -339,9 +393,9 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             options=_runner_options(args.runner_arg),
             env_timeout_s=args.env_timeout,
         )
-        if todo:  # a wrong --model / --base-url fails here, before any task runs
-            from envace.eval.client import check_model_served
+        from envace.eval.client import check_model_served
 
+        if todo:  # a wrong --model / --base-url fails here, before any task runs
             launched = base_url if args.checkpoint else None  # serves exactly what we launched it with
             for name, client in (("agent", ctx.client), *start_kwargs.items()):
                 if client is not None and client.config.base_url != launched:
@@ -349,12 +403,18 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                           f"(model {client.config.model!r})", file=sys.stderr)
                     check_model_served(client.config)
         runner = build_runner(args.runner, ctx)
+        rehearsal_client = getattr(runner, "rehearsal_client", None)  # --tts with another rehearsal endpoint
+        if todo and rehearsal_client is not None and rehearsal_client is not ctx.client:
+            print(f"[envace.eval] checking the rehearsal endpoint {rehearsal_client.config.base_url} "
+                  f"(model {rehearsal_client.config.model!r})", file=sys.stderr)
+            check_model_served(rehearsal_client.config)
         outcome = evaluate(
             pool, bench, selected, runner, store, concurrency=args.concurrency, progress=not args.no_progress
         )
 
     summary = outcome.summary
     table = format_table([(label, {bench.name: summary})])
+    tts_cost = cost_summary(outcome.records) if args.runner == "tts" else None
     store.write_json(
         "summary.json",
         {
@@ -362,8 +422,11 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             "benchmark": bench.name,
             "identity": _identity(args, bench, args.model or ""),
             "summary": summary,
+            **({"tts_cost": tts_cost} if tts_cost is not None else {}),
         },
     )
+    if tts_cost is not None:
+        store.write_text("cost.md", format_cost_table(tts_cost, markdown=True) + "\n")
     store.write_json(
         "report.json",
         {"label": label, "summary": summary, "records": [{**r.to_json(), "messages": None} for r in outcome.records]},
@@ -371,6 +434,9 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     store.write_text("table.md", format_table([(label, {bench.name: summary})], markdown=True) + "\n")
     print(table)
     print(describe(summary))
+    if tts_cost is not None:
+        print("test-time rehearsal cost per role:")
+        print(format_cost_table(tts_cost))
     print(
         f"[envace.eval] ran {outcome.ran}, skipped {outcome.skipped} (already done), "
         f"{outcome.errors} infrastructure error(s); results in {out_dir}",
@@ -393,9 +459,25 @@ def run_table(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    eval_args: list[str] = []
+    if argv[:1] == ["sweep"] and "--" in argv:  # sweep ... -- EVAL_ARGS: the evaluation's own arguments
+        cut = argv.index("--")
+        argv, eval_args = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
     if args.command == "table":
         return run_table(args)
+    if args.command == "tts-table":
+        from envace.eval.sweep import tts_table
+
+        print(tts_table(args.runs, markdown=args.markdown))
+        return 0
+    if args.command == "sweep":
+        from envace.eval.sweep import run_sweep
+
+        result = run_sweep(args.benchmark, Path(args.out), args.modes, args.budgets, eval_args,
+                           baseline=args.baseline)
+        return 1 if result["incomplete_runs"] else 0
     from envace.eval.driver import EvalAborted
     from envace.eval.server import ServerLaunchError, terminate_on_sigterm
     from envace.eval.store import RunConfigMismatch

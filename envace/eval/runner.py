@@ -163,7 +163,18 @@ class AgentLoopRunner:
         started = time.monotonic()
         spec: TaskSpec = pool.task(task_id)
         episode = pool.start(task_id, **self.start_kwargs)
-        policy = ChatPolicy(self.client)
+        return self.run_episode(spec, episode, ChatPolicy(self.client), started=started)
+
+    def run_episode(
+        self, spec: TaskSpec, episode: Any, policy: ChatPolicy, *, started: float | None = None
+    ) -> TaskRecord:
+        """One rollout of a started ``episode`` against the real environment, then its official verdict.
+
+        ``policy`` acts (its token counts go into the record); ``started`` (``time.monotonic()``) is when the
+        task began, for ``elapsed_s``. Other runners (test-time rehearsal) reuse it for their committed run.
+        """
+        started = time.monotonic() if started is None else started
+        task_id = spec.task_id
         transcript = asyncio.run(TurnEngine(self.limits).run(episode, policy, RealSource(self.env_timeout_s)))
         rec = TaskRecord(task_id=task_id, category=spec.category, split=spec.split, reward=0.0, passed=False)
         rec.stop_reason, rec.error = transcript.stop_reason, transcript.error

@@ -121,3 +121,74 @@ def test_missing_vllm_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None
     proc = script("eval_bfcl.sh", "--checkpoint", str(tiny_model), "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 2
     assert "vLLM, which is not installed" in proc.stderr and "--server transformers" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_eval_bfcl_script_with_test_time_rehearsal(server: LaunchedServer, tmp_path: Path, mode: str) -> None:
+    """``--tts MODE --rehearsals 2`` on two BFCL tasks: rehearsals, (masked) evaluations and summary, one
+    committed execution scored by the official checker, the per-role cost table; a rerun resumes."""
+    out = tmp_path / f"tts-{mode}"
+    argv = ["--base-url", server.base_url, "--model", server.model, "--categories", "base", "--limit", "2",
+            "--concurrency", "2", "--tts", mode, "--rehearsals", "2", "--out", str(out), *SHORT]
+    proc = script("eval_bfcl.sh", *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)  # the table and the per-role cost table (pytest -s shows them)
+    recs = records(out)
+    assert sorted(r["task_id"] for r in recs) == ["multi_turn_base_0", "multi_turn_base_1"]
+    for r in recs:
+        assert r["reason"] and 0.0 <= r["reward"] <= 1.0  # the official checker scored the committed execution
+        tts = r["extra"]["tts"]
+        assert tts["mode"] == mode and [a["index"] for a in tts["attempts"]] == [1, 2]
+        assert all(a["assistant_messages"] >= 1 for a in tts["attempts"])
+        # a random tiny model writes no valid JSON: every evaluation / summary failure is masked and reported
+        for a in tts["attempts"]:
+            assert (a["feedback"] is None) == bool(a["evaluation_error"])
+        assert (tts["memory"] is None) == bool(tts["memory_error"])
+        assert {"act", "rehearse", "evaluate", "summarize", "commit"} >= set(tts["cost"]) >= {"act", "evaluate",
+                                                                                             "summarize", "commit"}
+    cost = json.loads((out / "summary.json").read_text())["tts_cost"]
+    assert cost["tasks"] == 2 and cost["attempts"] == 4 and cost["roles"]["evaluate"]["calls"] >= 4
+    assert cost["roles"]["commit"]["completion_tokens"] > 0
+    assert "test-time rehearsal cost per role" in proc.stdout and "summarize" in proc.stdout
+    again = script("eval_bfcl.sh", *argv)
+    assert again.returncode == 0 and "ran 0, skipped 2" in again.stderr
+
+
+def test_tts_with_the_served_model_as_rehearsal_model(server: LaunchedServer, fake_openai, replies,
+                                                      tmp_path: Path) -> None:
+    """The rehearsal model is another endpoint (the paper's "Base" rows): the real server writes the imagined
+    tool responses while a scripted policy acts with BFCL's gold calls and writes valid feedback and memory, so
+    the memory reaches the committed execution, which the official checker scores 1.0."""
+    from envace.envs.base import get_pool
+    from envace.toolcall import render_tool_call
+
+    gold = get_pool("bfcl_multi_turn").gold_actions("multi_turn_base_0")
+    memory = {"facts": ["F"], "pitfalls": ["P"], "plan": ["follow the user's steps"]}
+
+    def policy(body: dict, n: int) -> object:
+        msgs = body["messages"]
+        first = msgs[0]["content"] or ""
+        if body.get("tools"):
+            if msgs[-1]["role"] != "user":
+                return replies.chat("Done.")
+            return replies.chat("\n".join(render_tool_call(c) for c in gold[sum(m["role"] == "user" for m in msgs) - 1]))
+        if "You are reviewing one private rehearsal" in first:
+            return replies.chat(json.dumps({"assessment": "ok", "success": True, "revision": "none"}))
+        return replies.chat(json.dumps(memory))
+
+    fake = fake_openai(policy)
+    out = tmp_path / "tts-base"
+    argv = ["--base-url", fake.base_url, "--model", "policy", "--categories", "base", "--limit", "1",
+            "--tts", "parallel", "--rehearsals", "2", "--rehearsal-base-url", server.base_url,
+            "--rehearsal-model", server.model, "--max-steps-per-turn", "8", "--out", str(out),
+            "--max-tokens", "32", "--seed", "0", "--no-progress"]
+    proc = script("eval_bfcl.sh", *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = records(out)
+    tts = rec["extra"]["tts"]
+    assert tts["rehearsal_model"] == server.model and tts["memory"] == memory
+    assert tts["cost"]["rehearse"]["calls"] >= 2 and tts["cost"]["rehearse"]["completion_tokens"] > 0
+    assert all(a["malformed_rehearsals"] + a["tool_calls"] >= 1 for a in tts["attempts"])
+    assert not any((b["messages"][0]["content"] or "").startswith("You are the environment")
+                   for b in fake.bodies)  # the policy endpoint wrote no tool response
+    assert rec["reward"] == 1.0, rec["reason"]

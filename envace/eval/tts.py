@@ -1,0 +1,712 @@
+"""Test-time rehearsal (EnvACE §4.3, §5.5, Appendix B "Algorithm 1", Appendix D prompts).
+
+Before it touches the real environment the policy makes N *private rehearsals* of the task, each an
+imagined trajectory in which the tool responses are written by a rehearsal model (the policy itself in its
+REHEARSE role, or another endpoint: the paper's "Base" rows), then *evaluates* each attempt (an assessment
+plus a revision suggestion), *summarises* attempts and evaluations into a compact rehearsal memory
+``m_x``, and finally makes one *committed execution* in the real environment conditioned on ``m_x``.
+Only that execution is scored, by the benchmark's official verifier.
+
+``parallel``  the N attempts start independently from the same context (and run concurrently); their
+              feedback is kept for the summary but not shown to the other attempts.
+``sequential`` attempt n sees attempts 1..n-1 with their assessments and revision suggestions
+              (``history`` template appended to the system prompt).
+
+Everything multi-turn runs on the one turn engine (:class:`envace.agents.engine.TurnEngine`): a rehearsal
+is an engine rollout of a :class:`RehearsalEpisode` (a private fork of the started task whose ``execute``
+and ``verify`` refuse to run) with :func:`envace.agents.sources.RehearseSource` answering the calls; the
+committed execution is :meth:`envace.eval.runner.AgentLoopRunner.run_episode` on the real episode,
+wrapped so that its system prompt carries the memory (:class:`ConditionedEpisode`).
+
+The user side of a rehearsal is the fork's: BFCL's scripted next questions; in τ² the benchmark's
+simulated user keeps talking on the fork (as in τ²'s orchestrator with the agent's tool calls routed to the
+rehearsal model), and user-side tool calls (telecom) run on the fork's private copy of the environment.
+The real episode is started (τ²: greeted and answered once, which is the shared "initial task context"),
+forked, and otherwise left alone until the committed execution.
+
+Self-evaluation and summary are strict structured outputs: pydantic models (:class:`RehearsalFeedback`,
+:class:`RehearsalMemory`) validated by :meth:`envace.rewards.llm.LLMPool.complete_json` with bounded repair
+rounds. A reply that never validates is *masked and reported*: the attempt goes into the summary marked
+"not assessed", a failed summary leaves the committed execution without memory; both are counted in the
+record (``extra["tts"]``) and in the run's summary, never silently scored. Endpoint failures follow envace's
+one error taxonomy (:mod:`envace.rewards.llm`): infrastructure errors retry the task on the next run,
+configuration errors abort.
+
+Prompts are versioned template files in ``envace/eval/tts_prompts/<name>_<version>.txt``
+(:class:`string.Template`, ``$name`` placeholders). Never edit a released version: add ``_v2``.
+
+Cost accounting: every request is metered per role (``act`` and ``rehearse`` inside rehearsals,
+``evaluate``, ``summarize``, ``commit`` for the committed execution): calls, prompt/completion tokens and
+summed request seconds (``wall_s``; concurrent requests overlap, so roles can sum past the elapsed time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import threading
+import time
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from pydantic import BaseModel, Field, StrictBool, field_validator
+
+from envace.agents.engine import LoopLimits, Reply, Role, Transcript, TurnEngine
+from envace.agents.sources import RehearseSource, render_history
+from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict
+from envace.eval.client import _CONTEXT_TOO_LONG, ChatClient
+from envace.eval.runner import AgentLoopRunner, ChatPolicy, RunContext, TaskRecord, register_runner, to_api_messages
+from envace.rewards.llm import ConfigurationError, JudgeFormatError, LLMEndpointConfig, LLMPool
+
+__all__ = [
+    "MODES",
+    "ROLES",
+    "ConditionedEpisode",
+    "CostMeter",
+    "RehearsalEpisode",
+    "RehearsalFeedback",
+    "RehearsalMemory",
+    "RehearsalRunner",
+    "RehearsalTouchedEnvironment",
+    "TTSConfig",
+    "cost_summary",
+    "format_cost_table",
+    "load_prompt",
+]
+
+MODES = ("none", "parallel", "sequential")
+#: metered roles, in table order
+ROLES = ("act", "rehearse", "evaluate", "summarize", "commit")
+PROMPT_DIR = Path(__file__).with_name("tts_prompts")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+def _flag(name: str) -> dict[str, Any]:
+    return {"flag": name}
+
+
+@dataclass
+class TTSConfig:
+    """Test-time rehearsal settings (``--tts ... --rehearsals N`` and the flags named in each field's metadata).
+
+    Sampling defaults are the paper's Table 3 settings: acting and rehearsal at temperature 1.0 / top-p 1.0,
+    evaluation and summary at 0.01. ``act_*`` applies to the acting role in the rehearsals *and* in the
+    committed execution (in TTS mode it replaces ``--temperature`` / ``--top-p``).
+    """
+
+    # none (plain evaluation) | parallel | sequential
+    mode: str = field(default="none", metadata=_flag("--tts"))
+    # rehearsal attempts N per task before the committed execution (the paper's Table 3: 2; Figure 6: 1..5)
+    rehearsals: int = field(default=2, metadata=_flag("--rehearsals"))
+    # OpenAI-compatible base URL of the rehearsal model M that writes tool responses (None: the policy's endpoint)
+    rehearsal_base_url: str | None = field(default=None, metadata=_flag("--rehearsal-base-url"))
+    # model name of M at that endpoint (None: the policy's model)
+    rehearsal_model: str | None = field(default=None, metadata=_flag("--rehearsal-model"))
+    # API key of M's endpoint (None: the policy's key)
+    rehearsal_api_key: str | None = field(default=None, metadata=_flag("--rehearsal-api-key"))
+    # acting role (rehearsal attempts and committed execution): sampling temperature
+    act_temperature: float = field(default=1.0, metadata=_flag("--act-temperature"))
+    # acting role: nucleus top-p
+    act_top_p: float = field(default=1.0, metadata=_flag("--act-top-p"))
+    # rehearsal role (imagined tool responses): sampling temperature
+    rehearse_temperature: float = field(default=1.0, metadata=_flag("--rehearse-temperature"))
+    # rehearsal role: nucleus top-p
+    rehearse_top_p: float = field(default=1.0, metadata=_flag("--rehearse-top-p"))
+    # self-evaluation of each attempt: sampling temperature
+    evaluate_temperature: float = field(default=0.01, metadata=_flag("--evaluate-temperature"))
+    # self-evaluation: nucleus top-p
+    evaluate_top_p: float = field(default=1.0, metadata=_flag("--evaluate-top-p"))
+    # summary into the rehearsal memory: sampling temperature
+    summarize_temperature: float = field(default=0.01, metadata=_flag("--summarize-temperature"))
+    # summary: nucleus top-p
+    summarize_top_p: float = field(default=1.0, metadata=_flag("--summarize-top-p"))
+    # completion-token limit of one evaluation / summary reply (None: the run's --max-tokens)
+    judge_max_tokens: int | None = field(default=None, metadata=_flag("--tts-judge-max-tokens"))
+    # follow-up requests after an evaluation / summary reply that does not validate (then: masked, reported)
+    repair_rounds: int = field(default=1, metadata=_flag("--tts-repair-rounds"))
+    # also send response_format=json_schema for evaluation / summary (vLLM guided decoding; not every server has it)
+    json_schema: bool = field(default=False, metadata=_flag("--tts-json-schema"))
+    # version of the prompt template files (envace/eval/tts_prompts/<name>_<version>.txt)
+    prompt_version: str = field(default="v1", metadata=_flag("--tts-prompt-version"))
+    # characters of one rendered trajectory in the evaluation / summary / history prompts (oldest part cut first)
+    max_trajectory_chars: int = field(default=6000, metadata=_flag("--tts-max-trajectory-chars"))
+    # characters of the task context (system prompt) shown to evaluation and summary (the end is cut)
+    max_context_chars: int = field(default=4000, metadata=_flag("--tts-max-context-chars"))
+    # at most this many items per memory list (facts, pitfalls, plan); longer lists are repaired
+    max_memory_items: int = field(default=8, metadata=_flag("--tts-max-memory-items"))
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"tts mode must be one of {MODES}, got {self.mode!r}")
+        if int(self.rehearsals) < 1:
+            raise ValueError(f"--rehearsals must be >= 1, got {self.rehearsals!r}")
+        for name in ("act", "rehearse", "evaluate", "summarize"):
+            t, p = getattr(self, f"{name}_temperature"), getattr(self, f"{name}_top_p")
+            if not 0.0 <= t <= 2.0:
+                raise ValueError(f"{name}_temperature must be in [0, 2], got {t}")
+            if not 0.0 < p <= 1.0:
+                raise ValueError(f"{name}_top_p must be in (0, 1], got {p}")
+        if self.judge_max_tokens is not None and self.judge_max_tokens < 1:
+            raise ValueError(f"judge_max_tokens must be >= 1, got {self.judge_max_tokens}")
+        if self.repair_rounds < 0:
+            raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
+        for name in ("max_trajectory_chars", "max_context_chars", "max_memory_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in PROMPT_NAMES:
+            load_prompt(name, self.prompt_version)  # an unknown version fails here, before any task runs
+
+    # -- the --runner-arg form (strings), used by the runner registry and the run identity --------------
+    def to_options(self) -> dict[str, str]:
+        return {f.name: json.dumps(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> TTSConfig:
+        """Typed config from ``KEY=VALUE`` strings (JSON values, or bare strings); unknown keys fail loudly."""
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown test-time rehearsal option(s) {unknown}; known: {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        for key, raw in options.items():
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                value = raw
+            kwargs[key] = _coerce(key, value, hints[key])
+        return cls(**kwargs)
+
+    @classmethod
+    def flag_fields(cls) -> list[tuple[str, dataclasses.Field[Any]]]:
+        return [(f.metadata["flag"], f) for f in dataclasses.fields(cls)]
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{key} must not be null")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts and structured outputs
+# --------------------------------------------------------------------------------------------
+
+#: template files: evaluate (one attempt → feedback), summarize (all → memory), attempt (one attempt with its
+#: feedback, inside summarize and history), history (sequential mode's earlier attempts), memory (the memory
+#: text the committed execution reads)
+PROMPT_NAMES = ("evaluate", "summarize", "attempt", "history", "memory")
+
+
+def load_prompt(name: str, version: str = "v1") -> Template:
+    path = PROMPT_DIR / f"{name}_{version}.txt"
+    if not path.is_file():
+        known = sorted(p.stem for p in PROMPT_DIR.glob(f"{name}_*.txt"))
+        raise ValueError(f"no test-time rehearsal prompt {name!r} version {version!r} ({path}); known: {known}")
+    return Template(path.read_text(encoding="utf-8"))
+
+
+class RehearsalFeedback(BaseModel):
+    """The self-evaluation of one rehearsal attempt (assessment + revision suggestion, §4.3)."""
+
+    assessment: str = Field(min_length=1, max_length=4000)  # what the attempt did right and wrong
+    success: StrictBool  # would it likely succeed if the tools behaved as rehearsed
+    revision: str = Field(min_length=1, max_length=4000)  # what to do differently next time
+
+    @field_validator("assessment", "revision")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be blank")
+        return v.strip()
+
+
+class RehearsalMemory(BaseModel):
+    """The rehearsal memory ``m_x``: a compact summary of all attempts and their feedback (§4.3)."""
+
+    facts: list[str] = Field(max_length=32)  # what the rehearsals suggest about tools and environment
+    pitfalls: list[str] = Field(max_length=32)  # mistakes to avoid
+    plan: list[str] = Field(min_length=1, max_length=32)  # recommended steps for the real attempt
+
+    @field_validator("facts", "pitfalls", "plan")
+    @classmethod
+    def _items(cls, v: list[str]) -> list[str]:
+        out = [s.strip() for s in v]
+        if any(not s for s in out):
+            raise ValueError("items must not be blank")
+        if any(len(s) > 1000 for s in out):
+            raise ValueError("items must be at most 1000 characters")
+        return out
+
+
+def _bullets(items: Sequence[str]) -> str:
+    return "\n".join(f"- {s}" for s in items) if items else "- (none)"
+
+
+def render_memory(memory: RehearsalMemory, total: int, version: str = "v1") -> str:
+    return load_prompt("memory", version).substitute(
+        total=total, facts=_bullets(memory.facts), pitfalls=_bullets(memory.pitfalls), plan=_bullets(memory.plan)
+    ).strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Episodes: the private rehearsal fork and the memory-conditioned real episode
+# --------------------------------------------------------------------------------------------
+
+
+class RehearsalTouchedEnvironment(RuntimeError):
+    """A rehearsal tried to execute a tool call or run the verifier: a bug, never the model's fault."""
+
+
+def _with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """``messages`` with ``note`` appended to the system prompt (a system message is added if there is none)."""
+    if not note:
+        return messages
+    out = copy.deepcopy(messages)
+    if out and out[0].get("role") == "system":
+        base = out[0].get("content") or ""
+        out[0]["content"] = f"{base}\n\n{note}" if base else note
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+class RehearsalEpisode(Episode):
+    """The user side of a private rehearsal: a fork of the started task that never executes a call.
+
+    ``initial_messages`` / ``tools`` / ``end_turn`` / ``done`` come from the fork (``note``, e.g. the
+    sequential history, is appended to the system prompt); ``execute`` and ``verify`` raise
+    :class:`RehearsalTouchedEnvironment` (tool calls are answered by the rehearsal source).
+    """
+
+    executable = False
+
+    def __init__(self, fork: Episode, note: str = "") -> None:
+        self._fork = fork
+        self.spec = fork.spec
+        self.note = note
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return _with_system_note(list(self._fork.initial_messages()), self.note)
+
+    def tools(self) -> list[dict[str, Any]]:
+        return self._fork.tools()
+
+    def execute(self, call: ToolCall) -> str:
+        raise RehearsalTouchedEnvironment(f"a rehearsal must not execute {call.name!r} in an environment")
+
+    def end_turn(self, assistant_text: str) -> str | None:
+        return self._fork.end_turn(assistant_text)
+
+    def verify(self) -> Verdict:
+        raise RehearsalTouchedEnvironment("a rehearsal is never scored")
+
+    def fork(self) -> Episode:
+        return RehearsalEpisode(self._fork.fork(), self.note)
+
+    @property
+    def done(self) -> bool:
+        return self._fork.done
+
+
+class ConditionedEpisode(Episode):
+    """The real episode with the rehearsal memory appended to its system prompt; everything else delegates."""
+
+    def __init__(self, inner: Episode, note: str) -> None:
+        self.inner = inner
+        self.spec = inner.spec
+        self.note = note
+        self.executable = inner.executable
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return _with_system_note(list(self.inner.initial_messages()), self.note)
+
+    def tools(self) -> list[dict[str, Any]]:
+        return self.inner.tools()
+
+    def execute(self, call: ToolCall) -> str:
+        return self.inner.execute(call)
+
+    def end_turn(self, assistant_text: str) -> str | None:
+        return self.inner.end_turn(assistant_text)
+
+    def verify(self) -> Verdict:
+        return self.inner.verify()
+
+    def fork(self) -> Episode:
+        return ConditionedEpisode(self.inner.fork(), self.note)
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+
+# --------------------------------------------------------------------------------------------
+# Cost accounting
+# --------------------------------------------------------------------------------------------
+
+
+class CostMeter:
+    """Per-role counters of one task: calls, prompt/completion tokens, summed request seconds (thread-safe)."""
+
+    FIELDS = ("calls", "prompt_tokens", "completion_tokens", "wall_s")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.roles: dict[str, dict[str, float]] = {}
+
+    def add(self, role: str, *, prompt_tokens: int = 0, completion_tokens: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            row = self.roles.setdefault(role, dict.fromkeys(self.FIELDS, 0))
+            row["calls"] += 1
+            row["prompt_tokens"] += int(prompt_tokens or 0)
+            row["completion_tokens"] += int(completion_tokens or 0)
+            row["wall_s"] = round(row["wall_s"] + seconds, 4)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {r: dict(self.roles[r]) for r in (*ROLES, *sorted(set(self.roles) - set(ROLES))) if r in self.roles}
+
+
+class MeteredPolicy(ChatPolicy):
+    """:class:`ChatPolicy` that meters every request under ``names[role]`` (e.g. ACT → "act" or "commit")."""
+
+    def __init__(self, client: ChatClient, meter: CostMeter, names: Mapping[Role, str],
+                 sampling: dict[Role, dict[str, Any]] | None = None) -> None:
+        super().__init__(client, sampling)
+        self.meter = meter
+        self.names = dict(names)
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, role: Role) -> Reply:
+        start = time.monotonic()
+        reply = await super().respond(messages, tools, role)
+        self.meter.add(self.names[role], prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens,
+                       seconds=time.monotonic() - start)
+        return reply
+
+
+class _MeteredPool(LLMPool):
+    """:class:`LLMPool` whose completions (repair rounds included) are metered under the role in ``sampling``."""
+
+    def __init__(self, config: LLMEndpointConfig, meter: CostMeter) -> None:
+        super().__init__(config)
+        self.meter = meter
+
+    async def complete(self, messages: Sequence[Mapping[str, Any]], **sampling: Any) -> Any:
+        role = sampling.pop("_role", "judge")
+        start = time.monotonic()
+        completion = await super().complete(messages, **sampling)
+        usage = completion.usage or {}
+        self.meter.add(role, prompt_tokens=usage.get("prompt_tokens", 0),
+                       completion_tokens=usage.get("completion_tokens", 0), seconds=time.monotonic() - start)
+        return completion
+
+
+def cost_summary(records: Sequence[TaskRecord]) -> dict[str, Any]:
+    """Per-role totals over the records of a TTS run (``extra["tts"]["cost"]``), plus rehearsal outcome counts."""
+    roles: dict[str, dict[str, float]] = {}
+    counts = {"tasks": 0, "attempts": 0, "unassessed_attempts": 0, "memory_failures": 0, "rehearsal_s": 0.0,
+              "commit_s": 0.0}
+    for rec in records:
+        tts = (rec.extra or {}).get("tts")
+        if not tts:
+            continue
+        counts["tasks"] += 1
+        counts["attempts"] += len(tts.get("attempts", []))
+        counts["unassessed_attempts"] += sum(1 for a in tts.get("attempts", []) if a.get("evaluation_error"))
+        counts["memory_failures"] += 1 if tts.get("memory_error") else 0
+        counts["rehearsal_s"] = round(counts["rehearsal_s"] + float(tts.get("rehearsal_s", 0.0)), 3)
+        counts["commit_s"] = round(counts["commit_s"] + float(tts.get("commit_s", 0.0)), 3)
+        for role, row in tts.get("cost", {}).items():
+            acc = roles.setdefault(role, dict.fromkeys(CostMeter.FIELDS, 0))
+            for k in CostMeter.FIELDS:
+                acc[k] = round(acc[k] + row.get(k, 0), 4)
+    ordered = {r: roles[r] for r in (*ROLES, *sorted(set(roles) - set(ROLES))) if r in roles}
+    total = {k: round(sum(r[k] for r in ordered.values()), 4) for k in CostMeter.FIELDS}
+    return {"roles": ordered, "total": total, **counts}
+
+
+def format_cost_table(cost: Mapping[str, Any], *, markdown: bool = False) -> str:
+    """The per-role cost table: calls, prompt / completion tokens, request seconds, per task and in total."""
+    n = max(1, int(cost.get("tasks", 0)))
+    header = ["role", "calls", "prompt tok", "completion tok", "request s", "calls/task", "tok/task"]
+    rows = []
+    for role, r in [*cost["roles"].items(), ("total", cost["total"])]:
+        tok = r["prompt_tokens"] + r["completion_tokens"]
+        rows.append([role, f"{int(r['calls'])}", f"{int(r['prompt_tokens'])}", f"{int(r['completion_tokens'])}",
+                     f"{r['wall_s']:.1f}", f"{r['calls'] / n:.1f}", f"{tok / n:.0f}"])
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths, strict=True)))
+                 for x in [header, *rows]]
+    lines.append(
+        f"{cost.get('tasks', 0)} task(s), {cost.get('attempts', 0)} rehearsal(s) "
+        f"({cost.get('unassessed_attempts', 0)} not assessed), {cost.get('memory_failures', 0)} memory failure(s); "
+        f"elapsed: rehearsal {cost.get('rehearsal_s', 0.0):.1f}s, committed execution {cost.get('commit_s', 0.0):.1f}s"
+    )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The runner
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Attempt:
+    """One private rehearsal and its self-evaluation."""
+
+    index: int  # 1-based
+    transcript: Transcript
+    opening: int = 0  # messages of the transcript before the attempt's own (the shared context, history included)
+    feedback: RehearsalFeedback | None = None
+    evaluation_error: str | None = None  # why the feedback is missing (masked, reported)
+
+    def to_json(self, keep_transcript: bool) -> dict[str, Any]:
+        t = self.transcript
+        out: dict[str, Any] = {
+            "index": self.index,
+            "stop_reason": t.stop_reason,
+            "user_turns": t.user_turns,
+            "assistant_messages": len(t.steps),
+            "tool_calls": t.tool_calls,
+            "malformed_calls": t.malformed_calls,
+            "malformed_rehearsals": t.malformed_rehearsals,
+            "feedback": self.feedback.model_dump() if self.feedback else None,
+            "evaluation_error": self.evaluation_error,
+        }
+        if keep_transcript:
+            out["messages"] = json.loads(json.dumps(to_api_messages(t.messages), default=str))
+        return out
+
+
+def _context_text(messages: Sequence[Mapping[str, Any]], limit: int) -> str:
+    system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
+    opening = render_history(messages, 0)
+    parts = []
+    if system:
+        parts.append("System prompt:\n" + (system if len(system) <= limit else system[:limit] + "\n...(cut)..."))
+    parts.append("Opening of the conversation:\n" + (opening or "(none)"))
+    return "\n\n".join(parts)
+
+
+def _tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    lines = []
+    for t in tools:
+        fn = t.get("function", t)
+        lines.append(f"- {fn.get('name')}: {str(fn.get('description') or '').strip()[:300]}")
+    return "\n".join(lines) or "(no tools)"
+
+
+class RehearsalRunner:
+    """A task runner (``runner(pool, task_id) -> TaskRecord``) doing rehearse → evaluate → summarise → commit."""
+
+    def __init__(
+        self,
+        client: ChatClient,
+        config: TTSConfig,
+        limits: LoopLimits | None = None,
+        *,
+        rehearsal_client: ChatClient | None = None,
+        start_kwargs: dict[str, Any] | None = None,
+        keep_transcript: bool = True,
+        env_timeout_s: float | None = 60.0,
+    ) -> None:
+        if config.mode == "none":
+            raise ValueError("RehearsalRunner needs tts mode 'parallel' or 'sequential'")
+        self.client = client
+        self.rehearsal_client = rehearsal_client or client
+        self.config = config
+        self.limits = limits or LoopLimits()
+        self.start_kwargs = dict(start_kwargs or {})
+        self.keep_transcript = keep_transcript
+        self.committer = AgentLoopRunner(client, self.limits, start_kwargs=self.start_kwargs,
+                                         keep_transcript=keep_transcript, env_timeout_s=env_timeout_s)
+        self._prompts = {name: load_prompt(name, config.prompt_version) for name in PROMPT_NAMES}
+        ep = client.config
+        self.judge_config = LLMEndpointConfig(
+            base_urls=[ep.base_url], model=ep.model, api_key=ep.api_key or "EMPTY", timeout_s=ep.timeout,
+            max_retries=ep.max_retries, temperature=config.evaluate_temperature, top_p=config.evaluate_top_p,
+            max_tokens=config.judge_max_tokens or ep.max_tokens, use_json_schema=config.json_schema,
+            extra_body=dict(ep.extra_body), concurrency=max(4, config.rehearsals),
+        )
+
+    # -- sampling per role --------------------------------------------------------------------------------
+    def _seed(self, attempt: int) -> dict[str, Any]:
+        base = self.client.config.seed
+        return {} if base is None else {"seed": int(base) + attempt}  # distinct attempts under a fixed seed
+
+    def _act_sampling(self, attempt: int) -> dict[str, Any]:
+        return {"temperature": self.config.act_temperature, "top_p": self.config.act_top_p, **self._seed(attempt)}
+
+    def _rehearse_sampling(self, attempt: int) -> dict[str, Any]:
+        return {"temperature": self.config.rehearse_temperature, "top_p": self.config.rehearse_top_p,
+                **self._seed(attempt)}
+
+    # -- one task -----------------------------------------------------------------------------------------
+    def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord:
+        started = time.monotonic()
+        spec: TaskSpec = pool.task(task_id)
+        episode = pool.start(task_id, **self.start_kwargs)
+        meter = CostMeter()
+        attempts, memory, memory_error = asyncio.run(self.rehearse(episode, meter))
+        rehearsal_s = time.monotonic() - started
+        note = render_memory(memory, len(attempts), self.config.prompt_version) if memory is not None else ""
+        commit_start = time.monotonic()
+        policy = MeteredPolicy(self.client, meter, {Role.ACT: "commit", Role.REHEARSE: "rehearse"},
+                               {Role.ACT: self._act_sampling(0)})
+        rec = self.committer.run_episode(spec, ConditionedEpisode(episode, note), policy, started=started)
+        rec.extra["tts"] = {
+            "mode": self.config.mode,
+            "rehearsals": self.config.rehearsals,
+            "rehearsal_model": self.rehearsal_client.config.model,
+            "attempts": [a.to_json(self.keep_transcript) for a in attempts],
+            "memory": memory.model_dump() if memory is not None else None,
+            "memory_text": note,
+            "memory_error": memory_error,
+            "cost": meter.as_dict(),
+            "rehearsal_s": round(rehearsal_s, 3),
+            "commit_s": round(time.monotonic() - commit_start, 3),
+        }
+        return rec
+
+    async def rehearse(
+        self, episode: Episode, meter: CostMeter
+    ) -> tuple[list[Attempt], RehearsalMemory | None, str | None]:
+        """The N private rehearsals with their evaluations, and the summary (memory, or why there is none)."""
+        cfg = self.config
+        n = cfg.rehearsals
+        forks = [await asyncio.to_thread(episode.fork) for _ in range(n)]  # taken before anything runs
+        context = list(await asyncio.to_thread(episode.initial_messages))
+        tools = list(await asyncio.to_thread(episode.tools))
+        async with _MeteredPool(self.judge_config, meter) as judge:
+            if cfg.mode == "parallel":
+                attempts = list(await asyncio.gather(
+                    *(self._attempt(i + 1, forks[i], [], context, tools, judge, meter) for i in range(n))
+                ))
+            else:
+                attempts = []
+                for i in range(n):
+                    attempts.append(await self._attempt(i + 1, forks[i], list(attempts), context, tools, judge, meter))
+            memory, memory_error = await self._summarize(attempts, context, tools, judge)
+        return attempts, memory, memory_error
+
+    async def _attempt(self, index: int, fork: Episode, previous: list[Attempt], context: list[dict[str, Any]],
+                       tools: list[dict[str, Any]], judge: LLMPool, meter: CostMeter) -> Attempt:
+        note = ""
+        if previous:
+            note = self._prompts["history"].substitute(attempts=self._render_attempts(previous)).strip()
+        actor = MeteredPolicy(self.client, meter, {Role.ACT: "act", Role.REHEARSE: "rehearse"},
+                              {Role.ACT: self._act_sampling(index)})
+        writer = MeteredPolicy(self.rehearsal_client, meter, {Role.ACT: "act", Role.REHEARSE: "rehearse"},
+                               {Role.REHEARSE: self._rehearse_sampling(index)})
+        source = RehearseSource(writer, on_malformed=self.limits.on_malformed_rehearsal)
+        transcript = await TurnEngine(self.limits).run(RehearsalEpisode(fork, note), actor, source)
+        attempt = Attempt(index=index, transcript=transcript, opening=len(_with_system_note(context, note)))
+        prompt = self._prompts["evaluate"].substitute(
+            context=_context_text(context, self.config.max_context_chars), tools=_tools_text(tools), index=index,
+            total=self.config.rehearsals, stop_reason=transcript.stop_reason,
+            trajectory=self._trajectory(transcript, attempt.opening),
+        )
+        attempt.feedback, attempt.evaluation_error = await self._structured(
+            judge, prompt, RehearsalFeedback, "evaluate", self.config.evaluate_temperature, self.config.evaluate_top_p
+        )
+        return attempt
+
+    async def _summarize(self, attempts: list[Attempt], context: list[dict[str, Any]], tools: list[dict[str, Any]],
+                         judge: LLMPool) -> tuple[RehearsalMemory | None, str | None]:
+        prompt = self._prompts["summarize"].substitute(
+            context=_context_text(context, self.config.max_context_chars), tools=_tools_text(tools),
+            total=len(attempts), attempts=self._render_attempts(attempts), max_items=self.config.max_memory_items,
+        )
+        memory, error = await self._structured(judge, prompt, RehearsalMemory, "summarize",
+                                               self.config.summarize_temperature, self.config.summarize_top_p)
+        if memory is not None:
+            k = self.config.max_memory_items
+            memory = RehearsalMemory(facts=memory.facts[:k], pitfalls=memory.pitfalls[:k], plan=memory.plan[:k])
+        return memory, error
+
+    async def _structured(self, judge: LLMPool, prompt: str, schema: type[BaseModel], role: str,
+                          temperature: float, top_p: float) -> tuple[Any, str | None]:
+        """A validated reply, or (None, why): format failures after the repair rounds and context overflows are
+        masked and reported; infrastructure and configuration errors propagate (retry / abort)."""
+        try:
+            value = await judge.complete_json(
+                [{"role": "user", "content": prompt}], schema, repair_rounds=self.config.repair_rounds,
+                temperature=temperature, top_p=top_p, _role=role, **self._seed(0),
+            )
+        except JudgeFormatError as exc:
+            return None, f"JudgeFormatError: {exc}"
+        except ConfigurationError as exc:
+            if exc.status_code in (400, 413, 422) and _CONTEXT_TOO_LONG.search(str(exc)):
+                return None, f"context too long: {exc}"
+            raise
+        return value, None
+
+    def _trajectory(self, transcript: Transcript, skip: int) -> str:
+        """The attempt after its opening messages, role-prefixed and cut from the oldest end."""
+        text = render_history(transcript.messages[skip:], self.config.max_trajectory_chars)
+        return text or "(the attempt produced no messages)"
+
+    def _render_attempts(self, attempts: Sequence[Attempt]) -> str:
+        blocks = []
+        for a in attempts:
+            fb = a.feedback
+            blocks.append(self._prompts["attempt"].substitute(
+                index=a.index, stop_reason=a.transcript.stop_reason,
+                trajectory=self._trajectory(a.transcript, a.opening),
+                assessment=fb.assessment if fb else f"(not assessed: the review failed: {_short(a.evaluation_error)})",
+                success=("yes" if fb.success else "no") if fb else "unknown",
+                revision=fb.revision if fb else "(none)",
+            ).strip())
+        return "\n\n".join(blocks)
+
+
+def _short(text: str | None, limit: int = 200) -> str:
+    text = (text or "").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@register_runner("tts")
+def _tts_runner(ctx: RunContext) -> RehearsalRunner:
+    cfg = TTSConfig.from_options(ctx.options)
+    if cfg.mode == "none":
+        raise ValueError("runner 'tts' needs mode=parallel or mode=sequential")
+    rehearsal_client = ctx.client
+    if cfg.rehearsal_base_url or cfg.rehearsal_model or cfg.rehearsal_api_key:
+        ep = ctx.client.config
+        rehearsal_client = ChatClient(ep.with_overrides(base_url=cfg.rehearsal_base_url, model=cfg.rehearsal_model,
+                                                        api_key=cfg.rehearsal_api_key))
+    return RehearsalRunner(ctx.client, cfg, ctx.limits, rehearsal_client=rehearsal_client,
+                           start_kwargs=ctx.start_kwargs, keep_transcript=ctx.keep_transcript,
+                           env_timeout_s=ctx.env_timeout_s)

@@ -1,0 +1,344 @@
+"""Test-time rehearsal (envace/eval/tts.py) with scripted replies from a real local OpenAI-compatible HTTP
+server (tests/envace/conftest.py) and the real BFCL pool and official checker.
+
+The scripted model tells its roles apart by the request: the acting role gets the task's tools, the
+rehearsal role gets the rehearsal prompt (sources.py), evaluation and summary get their template's text.
+It acts with BFCL's gold calls, so the committed execution scores 1.0 through the official checker.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+from typing import Any
+
+import pytest
+
+from envace.envs.base import EnvironmentPool, Episode, ToolCall, Verdict, get_pool
+from envace.eval.cli import build_parser, main, tts_from_args
+from envace.eval.client import ChatClient, EndpointConfig
+from envace.eval.runner import LoopLimits
+from envace.eval.tts import (
+    RehearsalEpisode,
+    RehearsalRunner,
+    RehearsalTouchedEnvironment,
+    TTSConfig,
+    cost_summary,
+    format_cost_table,
+    load_prompt,
+)
+from envace.toolcall import render_tool_call
+
+TASK = "multi_turn_base_0"
+# no forked pre-run of each real tool call under the tool bounds (sandbox.py): that costs time, not coverage here
+FAST = LoopLimits(max_steps_per_turn=8, tool_timeout_s=0, tool_memory_mb=0)
+FAST_ARGS = ["--max-steps-per-turn", "8", "--tool-timeout-s", "0", "--tool-memory-mb", "0", "--no-progress"]
+MEMORY = {"facts": ["FACT-cd-works"], "pitfalls": ["PITFALL-no-guessing"], "plan": ["PLAN-step-one"]}
+
+
+class Model:
+    """The scripted model: decides the role from the request and logs (kind, attempt tag) in order."""
+
+    def __init__(self, replies: Any, gold: list[list[ToolCall]], *, evaluate: str | None = None,
+                 summarize: str | None = None, act_delay: float = 0.0) -> None:
+        self.replies = replies
+        self.gold = gold
+        self.evaluate = evaluate  # raw text to answer evaluations with (None: valid feedback)
+        self.summarize = summarize  # raw text to answer the summary with (None: MEMORY)
+        self.act_delay = act_delay
+        self.events: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def log(self, kind: str, tag: str = "") -> None:
+        with self.lock:
+            self.events.append((kind, tag))
+
+    def __call__(self, body: dict[str, Any], n: int) -> Any:
+        msgs = body["messages"]
+        first = msgs[0]["content"] if msgs else ""
+        last = msgs[-1]["content"] or ""
+        if body.get("tools"):
+            system = first if msgs[0]["role"] == "system" else ""
+            kind = "commit" if "# Rehearsal memory" in system else "act"
+            self.log(kind, "history" if "# Earlier private rehearsals" in system else "")
+            turn = sum(m["role"] == "user" for m in msgs) - 1
+            if msgs[-1]["role"] == "user":
+                text = "\n".join(render_tool_call(c) for c in self.gold[turn])
+            else:
+                text = "Done."
+            reply = self.replies.chat(text)
+            if kind == "act" and self.act_delay:
+                reply.delay = self.act_delay
+            return reply
+        if msgs[-1]["role"] == "user" and last.startswith("Your previous reply could not be used"):  # a repair
+            self.log("repair")
+            return self.replies.chat("still not json")
+        if first.startswith("You are the environment behind a set of tools"):
+            self.log("rehearse")
+            return self.replies.chat('<execution_result>\n{"ok": true}\n</execution_result>')
+        if "You are reviewing one private rehearsal" in first:
+            index = re.search(r"# Rehearsal (\d+) of", first).group(1)
+            self.log("evaluate", index)
+            if self.evaluate is not None:
+                return self.replies.chat(self.evaluate)
+            return self.replies.chat(json.dumps({"assessment": f"ASSESS-{index}", "success": index == "2",
+                                                 "revision": f"REVISE-{index}"}))
+        if "You privately rehearsed a tool-use task" in first:
+            self.log("summarize")
+            return self.replies.chat(self.summarize if self.summarize is not None else json.dumps(MEMORY))
+        raise AssertionError(f"unexpected request: {first[:200]!r}")
+
+
+class SpyEpisode(Episode):
+    """The real episode, recording every call the runner makes on it (forks are plain copies)."""
+
+    def __init__(self, inner: Episode, model: Model) -> None:
+        self.inner, self.model, self.spec = inner, model, inner.spec
+        self.initial_state = copy.deepcopy(inner.state())
+        self.state_at_first_call: dict[str, Any] | None = None
+
+    def _touch(self, what: str) -> None:
+        if self.state_at_first_call is None:
+            self.state_at_first_call = copy.deepcopy(self.inner.state())
+        self.model.log("env", what)
+
+    def tools(self) -> list[dict[str, Any]]:
+        return self.inner.tools()
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return self.inner.initial_messages()
+
+    def execute(self, call: ToolCall) -> str:
+        self._touch("execute")
+        return self.inner.execute(call)
+
+    def end_turn(self, assistant_text: str) -> str | None:
+        self._touch("end_turn")
+        return self.inner.end_turn(assistant_text)
+
+    def verify(self) -> Verdict:
+        self._touch("verify")
+        return self.inner.verify()
+
+    def fork(self) -> Episode:
+        return self.inner.fork()
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+
+class SpyPool(EnvironmentPool):
+    name = "spy"
+
+    def __init__(self, model: Model) -> None:
+        self.inner = get_pool("bfcl_multi_turn", categories=("multi_turn_base",))
+        self.model = model
+        self.episodes: list[SpyEpisode] = []
+
+    def task_ids(self, split: str | None = None) -> list[str]:
+        return self.inner.task_ids(split)
+
+    def task(self, task_id: str) -> Any:
+        return self.inner.task(task_id)
+
+    def start(self, task_id: str, **kwargs: Any) -> Episode:
+        ep = SpyEpisode(self.inner.start(task_id, **kwargs), self.model)
+        self.episodes.append(ep)
+        return ep
+
+    def gold_actions(self, task_id: str) -> list[list[ToolCall]]:
+        return self.inner.gold_actions(task_id)
+
+
+def run(fake_openai: Any, replies: Any, mode: str, n: int = 2, seed: int | None = None, **model_kw: Any):
+    gold = get_pool("bfcl_multi_turn", categories=("multi_turn_base",)).gold_actions(TASK)
+    model = Model(replies, gold, **model_kw)
+    server = fake_openai(model)
+    client = ChatClient(EndpointConfig(base_url=server.base_url, model="m", seed=seed, max_retries=0))
+    runner = RehearsalRunner(client, TTSConfig(mode=mode, rehearsals=n), FAST)
+    pool = SpyPool(model)
+    rec = runner(pool, TASK)
+    return rec, model, server, pool.episodes[0]
+
+
+def requests_of(server: Any, kind: str) -> list[dict[str, Any]]:
+    def kind_of(b: dict[str, Any]) -> str:
+        first = b["messages"][0]["content"]
+        if b.get("tools"):
+            return "commit" if "# Rehearsal memory" in first else "act"
+        if "You are reviewing one private rehearsal" in first:
+            return "evaluate"
+        if "You privately rehearsed a tool-use task" in first:
+            return "summarize"
+        return "rehearse"
+
+    return [b for b in server.bodies if kind_of(b) == kind]
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_rehearsals_never_touch_the_real_environment(fake_openai, replies, mode):
+    rec, model, _, real = run(fake_openai, replies, mode)
+    kinds = [k for k, _ in model.events]
+    first_env = kinds.index("env")
+    # every rehearsal, evaluation and the summary happened before the real episode saw any call ...
+    assert {"act", "rehearse", "evaluate", "summarize"} <= set(kinds[:first_env])
+    assert not {"act", "rehearse", "evaluate", "summarize"} & set(kinds[first_env:])
+    # ... and the committed execution's first request came before it; its first real call was a tool call
+    assert kinds[first_env - 1] == "commit" and model.events[first_env] == ("env", "execute")
+    # the real state was the initial one when the committed execution started
+    assert real.state_at_first_call == real.initial_state
+    assert real.inner.state() != real.initial_state  # (the gold calls did change it afterwards)
+    # only the committed execution is scored, by the official checker
+    assert rec.reward == 1.0 and rec.passed, rec.reason
+    assert rec.tool_calls == sum(map(len, get_pool("bfcl_multi_turn").gold_actions(TASK)))
+
+
+def test_parallel_attempts_do_not_see_each_other(fake_openai, replies):
+    rec, _, server, _ = run(fake_openai, replies, "parallel", n=3, act_delay=0.15)
+    acts = requests_of(server, "act")
+    assert acts and all("# Earlier private rehearsals" not in b["messages"][0]["content"] for b in acts)
+    assert all("ASSESS-" not in json.dumps(b) for b in acts)
+    assert server.max_in_flight >= 2  # the attempts of the task ran concurrently
+    assert [a["index"] for a in rec.extra["tts"]["attempts"]] == [1, 2, 3]
+    # the feedback is kept for the summary: all three assessments and revisions reach it
+    (summ,) = requests_of(server, "summarize")
+    text = summ["messages"][0]["content"]
+    for i in (1, 2, 3):
+        assert f"ASSESS-{i}" in text and f"REVISE-{i}" in text
+
+
+def test_sequential_attempts_see_earlier_attempts_and_their_feedback(fake_openai, replies):
+    rec, model, server, _ = run(fake_openai, replies, "sequential", n=3)
+    # attempt k's acting requests carry exactly the assessments and revisions of attempts < k
+    tags = [t for k, t in model.events if k == "act"]
+    assert tags[0] == "" and "history" in tags
+    seen_by_attempt: dict[int, set[str]] = {}
+    for b in requests_of(server, "act"):
+        system = b["messages"][0]["content"]
+        earlier = set(re.findall(r"ASSESS-(\d)", system))
+        assert earlier == set(re.findall(r"REVISE-(\d)", system))
+        seen_by_attempt.setdefault(len(earlier), earlier)
+    assert seen_by_attempt == {0: set(), 1: {"1"}, 2: {"1", "2"}}
+    # the earlier imagined trajectory itself is in the history (its imagined tool response too)
+    last = requests_of(server, "act")[-1]["messages"][0]["content"]
+    assert "## Rehearsal 1" in last and '"ok": true' in last
+    # evaluations follow the attempts in order (attempt 2 is evaluated before attempt 3 acts)
+    evals = [t for k, t in model.events if k == "evaluate"]
+    assert evals == ["1", "2", "3"]
+    assert rec.extra["tts"]["attempts"][1]["feedback"] == {"assessment": "ASSESS-2", "success": True,
+                                                           "revision": "REVISE-2"}
+
+
+def test_memory_reaches_the_committed_execution_and_costs_are_per_role(fake_openai, replies):
+    rec, _, server, _ = run(fake_openai, replies, "parallel", n=2, seed=7)
+    tts = rec.extra["tts"]
+    assert tts["memory"] == MEMORY and tts["memory_error"] is None
+    commits = requests_of(server, "commit")
+    assert commits and all(b["messages"][0]["content"].endswith(tts["memory_text"]) for b in commits)
+    for item in ("FACT-cd-works", "PITFALL-no-guessing", "PLAN-step-one"):
+        assert item in tts["memory_text"]
+    # per-role sampling: act / rehearse at 1.0 / 1.0, evaluation and summary at 0.01; distinct seeds per attempt
+    for b in requests_of(server, "act") + commits:
+        assert (b["temperature"], b["top_p"]) == (1.0, 1.0)
+    for b in requests_of(server, "evaluate") + requests_of(server, "summarize"):
+        assert b["temperature"] == 0.01
+    assert {b["seed"] for b in requests_of(server, "act")} == {8, 9} and {b["seed"] for b in commits} == {7}
+    cost = tts["cost"]
+    assert list(cost) == ["act", "rehearse", "evaluate", "summarize", "commit"]
+    assert cost["evaluate"]["calls"] == 2 and cost["summarize"]["calls"] == 1
+    assert cost["commit"]["calls"] == len(commits) and cost["act"]["calls"] == len(requests_of(server, "act"))
+    assert sum(r["calls"] for r in cost.values()) == server.n_requests
+    assert cost["commit"]["prompt_tokens"] == 10 * len(commits) == rec.prompt_tokens
+    table = format_cost_table(cost_summary([rec]))
+    assert "rehearse" in table and "1 task(s), 2 rehearsal(s) (0 not assessed), 0 memory failure(s)" in table
+
+
+def test_failed_evaluation_and_summary_are_masked_and_reported(fake_openai, replies):
+    rec, model, server, _ = run(fake_openai, replies, "sequential", n=2, evaluate="no json here",
+                                summarize='{"facts": [], "pitfalls": [], "plan": []}')
+    tts = rec.extra["tts"]
+    # each evaluation: first try + one repair round, then masked with the reason
+    assert [k for k, _ in model.events].count("repair") == 2 + 1
+    for a in tts["attempts"]:
+        assert a["feedback"] is None and "JudgeFormatError" in a["evaluation_error"]
+    # the summary is told that the attempts were not assessed; an empty plan fails validation → no memory
+    summ, repair = requests_of(server, "summarize")  # the first try and its repair round
+    assert repair["messages"][-1]["content"].startswith("Your previous reply could not be used: plan: List should")
+    assert summ["messages"][0]["content"].count("(not assessed: the review failed") == 2
+    assert tts["memory"] is None and "RehearsalMemory" in tts["memory_error"] and tts["memory_text"] == ""
+    # the committed execution still runs without memory and is scored by the official checker
+    assert all("# Rehearsal memory" not in json.dumps(b) for b in server.bodies if b.get("tools"))
+    assert rec.reward == 1.0
+    cost = cost_summary([rec])
+    assert (cost["unassessed_attempts"], cost["memory_failures"]) == (2, 1)
+
+
+def test_rehearsal_episode_refuses_environment_access():
+    pool = get_pool("bfcl_multi_turn", categories=("multi_turn_base",))
+    ep = RehearsalEpisode(pool.start(TASK).fork(), note="NOTE")
+    assert ep.initial_messages()[0] == {"role": "system", "content": "NOTE"} or ep.initial_messages()[0][
+        "content"].endswith("NOTE")
+    with pytest.raises(RehearsalTouchedEnvironment):
+        ep.execute(ToolCall("ls", {}))
+    with pytest.raises(RehearsalTouchedEnvironment):
+        ep.verify()
+
+
+def test_config_is_typed_and_fails_loudly():
+    assert TTSConfig.from_options(TTSConfig(mode="sequential", rehearsals=3).to_options()) == TTSConfig(
+        mode="sequential", rehearsals=3)
+    for bad, msg in [({"mode": "beam"}, "tts mode"), ({"rehearsals": "0"}, ">= 1"),
+                     ({"rehearsals": "2.5"}, "integer"), ({"act_top_p": "0"}, "act_top_p"),
+                     ({"prompt_version": "v9"}, "version 'v9'"), ({"n": "2"}, "unknown")]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            TTSConfig.from_options(bad)
+    for name in ("evaluate", "summarize", "attempt", "history", "memory"):
+        assert load_prompt(name).template.strip()
+    args = build_parser().parse_args(["bfcl", "--base-url", "u", "--model", "m", "--tts", "parallel",
+                                      "--rehearsals", "4", "--evaluate-temperature", "0.2"])
+    assert tts_from_args(args) == TTSConfig(mode="parallel", rehearsals=4, evaluate_temperature=0.2)
+
+
+def test_cli_tts_run_resumes_and_reports_cost(fake_openai, replies, tmp_path, capsys):
+    gold = get_pool("bfcl_multi_turn", categories=("multi_turn_base",)).gold_actions(TASK)
+    server = fake_openai(Model(replies, gold))
+    out = tmp_path / "run"
+    argv = ["bfcl", "--base-url", server.base_url, "--model", "m", "--categories", "base", "--limit", "1",
+            *FAST_ARGS, "--out", str(out), "--tts", "sequential",
+            "--rehearsals", "2", "--rehearsal-api-key", "secret"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "test-time rehearsal cost per role" in printed and "summarize" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["summary"]["categories"]["base"]["score"] == 100.0
+    assert summary["identity"]["runner"] == "tts" and summary["identity"]["runner_options"]["mode"] == '"sequential"'
+    assert "secret" not in (out / "run.json").read_text()
+    assert summary["tts_cost"]["tasks"] == 1 and summary["tts_cost"]["roles"]["evaluate"]["calls"] == 2
+    assert (out / "cost.md").read_text().startswith("| role |")
+    n = server.n_requests
+    assert main(argv) == 0 and server.n_requests == n  # resumed: nothing rerun
+    with pytest.raises(SystemExit):
+        main([*argv, "--runner", "x"])
+
+
+def test_budget_sweep_writes_runs_table_and_plot(fake_openai, replies, tmp_path, capsys):
+    gold = get_pool("bfcl_multi_turn", categories=("multi_turn_base",)).gold_actions(TASK)
+    server = fake_openai(Model(replies, gold))
+    out = tmp_path / "sweep"
+    argv = ["sweep", "bfcl", "--out", str(out), "--modes", "parallel", "--budgets", "1", "2", "--baseline", "--",
+            "--base-url", server.base_url, "--model", "m", "--categories", "base", "--limit", "1", *FAST_ARGS]
+    assert main(argv) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert [(p["mode"], p["rehearsals"], p["average"]) for p in result["points"]] == [
+        ("none", 0, 100.0), ("parallel", 1, 100.0), ("parallel", 2, 100.0)]
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert result["points"][2]["cost"]["calls"] > result["points"][1]["cost"]["calls"]  # N=2 costs more than N=1
+    md = (out / "sweep.md").read_text()
+    assert "| Non-TTS |" in md and "| Par. (rehearsal: policy, N=1) |" in md and "Multi-Turn" in md
+    capsys.readouterr()
+    assert main(["tts-table", str(out / "non-tts"), str(out / "parallel-n2")]) == 0
+    rows = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[3:]]
+    assert rows == ["Non-TTS", "Par."]
