@@ -70,8 +70,12 @@ class AgentConfig:
     rehearsal: RehearsalPrompt = field(default_factory=RehearsalPrompt)
     # seconds one environment call or verification may take before the rollout is masked (unscored)
     env_timeout_s: float = 60.0
-    # external simulator endpoint (observation_source=simulator): envace.rewards.llm.LLMEndpointConfig keys
+    # external simulator endpoint (observation_source=simulator): envace.rewards.llm.LLMEndpointConfig keys;
+    # with a worldbook it drives the Trace2Env world-model agent for steps no rule or evidence covers
     simulator: dict[str, Any] = field(default_factory=dict)
+    # Trace2Env worldbook (observation_source=simulator): one package, or a directory of packages matched by
+    # environment id (scripts/build_worldbook.sh); null: the external LLM alone writes tool responses
+    worldbook: str | None = None
     # keyword arguments passed to the environment pool constructor, per pool name
     pool_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -85,6 +89,14 @@ class AgentConfig:
             raise ValueError(f"envace.agent.rehearse_max_tokens must be >= 1, got {self.rehearse_max_tokens}")
         if self.env_timeout_s <= 0:
             raise ValueError(f"envace.agent.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if self.worldbook is not None:
+            from pathlib import Path
+
+            if not Path(self.worldbook).exists():
+                raise ValueError(f"envace.agent.worldbook {self.worldbook!r} does not exist "
+                                 "(build one with scripts/build_worldbook.sh)")
+            if "simulator" not in (self.observation_source, self.val_observation_source):
+                raise ValueError("envace.agent.worldbook is set but no observation source is 'simulator'")
 
 
 SOURCES = ("real", "rehearse", "simulator")

@@ -10,7 +10,9 @@ proposal → validation-gate → commit step. Modules:
 * :mod:`trace2env.providers` — the model Protocol and the scripted provider keyed by stage;
 * :mod:`trace2env.build` — the pipeline;  :mod:`trace2env.package` — the immutable package on disk;
 * :mod:`trace2env.engine` — effects, conditions, templates, rule selection, invariants;
-* :mod:`trace2env.runtime` — gate, forkable sessions, ``WorldbookEnv`` (``reset``/``step``).
+* :mod:`trace2env.runtime` — gate, forkable sessions, ``WorldbookEnv`` (``reset``/``step``);
+* :mod:`trace2env.applicability` — the applicability gate;  :mod:`trace2env.agent` — the world-model agent;
+* :mod:`trace2env.llm` — the OpenAI-compatible provider;  :mod:`trace2env.evaluate` — held-out agreement.
 
 A standalone library: it never imports ``envace`` or ``verl`` (tests/test_dependency_direction.py).
 """

@@ -29,8 +29,10 @@ import os
 import shutil
 import sqlite3
 import tempfile
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,32 @@ class Worldbook:
     contracts: tuple[RenderContract, ...]
     demonstrations: tuple[Demonstration, ...]
     transitions: tuple[Transition, ...]
+    #: ``evidence/sources.json``: one record per trace (``source_id``, ``episode_id``, ``metadata``)
+    sources: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+
+    @cached_property
+    def _by_trace(self) -> dict[str, list[Transition]]:
+        out: dict[str, list[Transition]] = defaultdict(list)
+        for t in self.transitions:
+            out[t.trace_id].append(t)
+        for ts in out.values():
+            ts.sort(key=lambda t: t.index)
+        return dict(out)
+
+    @cached_property
+    def _contexts(self) -> dict[str, str | None]:
+        return {s["source_id"]: (s.get("metadata") or {}).get("initial_state_id") for s in self.sources}
+
+    def history_of(self, t: Transition) -> list[Transition]:
+        """The transitions of ``t``'s trace before it, in order."""
+        return [x for x in self._by_trace.get(t.trace_id, ()) if x.index < t.index]
+
+    def context_of(self, t: Transition) -> str | None:
+        """The ``initial_state_id`` recorded with ``t``'s trace (None: unknown)."""
+        return self._contexts.get(t.trace_id)
+
+    def transition(self, transition_id: str) -> Transition | None:
+        return next((t for t in self.transitions if t.id == transition_id), None)
 
     def exact_evidence(self, name: str, arguments: Mapping[str, Any]) -> list[Transition]:
         """Recorded transitions with the same action and (normalised) arguments."""
@@ -250,6 +278,7 @@ def load_worldbook(path: str | Path) -> Worldbook:
         contracts=_read_list(root, "renderer/contracts.json", RenderContract),
         demonstrations=_read_jsonl(root, "demonstrations/transitions.jsonl", Demonstration),
         transitions=_read_jsonl(root, "evidence/transitions.jsonl", Transition),
+        sources=tuple(json.loads((root / "evidence/sources.json").read_text(encoding="utf-8"))),
     )
 
 

@@ -6,8 +6,14 @@ stage name, a JSON payload and a pydantic response model; the answer is validate
 
 * :class:`ScriptedProvider` — answers keyed by stage (a fixed answer, or a queue consumed in order), so
   every stage is testable without a model; an unscripted stage raises :class:`ProviderError`.
-* an OpenAI-compatible provider (``openai`` client, JSON-schema structured output, bounded repair rounds)
-  is the next step of issue 9 and plugs in behind the same Protocol.
+* :class:`trace2env.llm.OpenAIProvider` — any OpenAI-compatible endpoint (``openai`` client, JSON-schema
+  structured output validated locally by pydantic, bounded repair rounds, token and cost accounting).
+
+Errors follow the project's one taxonomy (the same three kinds as ``envace.rewards.llm``, which this
+standalone library cannot import): :class:`InfrastructureError` (endpoint down, time-out, 429/5xx; retried,
+then raised), :class:`ConfigurationError` (4xx, unknown model; raised at once) and
+:class:`ModelOutputError` (the model answered but nothing validated after the repair rounds). All are
+:class:`ProviderError` s, as is a scripted provider's missing answer.
 
 The response models of the stages the deterministic pipeline already consumes live here too.
 """
@@ -24,7 +30,10 @@ from .models import ActionSpec, Frozen, Invariant, RenderContract, StateField, T
 __all__ = [
     "STAGES",
     "STAGE_MODELS",
+    "ConfigurationError",
     "ContractProposal",
+    "InfrastructureError",
+    "ModelOutputError",
     "Provider",
     "ProviderError",
     "RuleProposal",
@@ -42,6 +51,23 @@ T = TypeVar("T", bound=BaseModel)
 
 class ProviderError(RuntimeError):
     """A stage the provider cannot answer (unscripted, exhausted, or invalid after repairs)."""
+
+
+class InfrastructureError(ProviderError):
+    """The endpoint failed (connection, time-out, HTTP 408/409/425/429/5xx, malformed body) on every attempt."""
+
+
+class ConfigurationError(ProviderError):
+    """The request can never succeed as configured (HTTP 400/401/403/404/422: bad key, unknown model)."""
+
+
+class ModelOutputError(ProviderError):
+    """The endpoint answered, but no reply validated against the stage's model after the repair rounds."""
+
+    def __init__(self, message: str, *, text: str | None = None, rounds: int = 1) -> None:
+        super().__init__(message)
+        self.text = text
+        self.rounds = rounds
 
 
 @runtime_checkable

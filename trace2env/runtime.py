@@ -15,8 +15,14 @@ What this module adds over the public reference (see ``../shared/design/trace2en
 * :class:`WorldbookEnv` gives ``reset(task, seed)`` / ``step(action) -> (observation, done, info)``;
   reward comes only from a pluggable :class:`Verifier` (never from the world model's own claim).
 
-Routing per step: the rule fast path (a single applicable executable rule, no model) → otherwise the
-optional :class:`Proposer` (the world-model agent of issue 9 plugs in here) → otherwise an error observation.
+Routing per step (:meth:`Session.step`):
+
+1. ``rule`` — the fast path: a single applicable executable rule, no model;
+2. ``evidence`` — a recorded transition the applicability gate labels ``supporting``
+   (:mod:`trace2env.applicability`: same action, same initial state, same history on its operands) and
+   whose supporting records all agree: its observation is replayed verbatim, no model, no effects;
+3. ``proposer`` — the optional :class:`Proposer` (the world-model agent, :mod:`trace2env.agent`);
+4. otherwise an error observation (``no_applicable_rule``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from .applicability import applicability, names_in, operands
 from .engine import (
     MISSING,
     EngineError,
@@ -41,8 +48,8 @@ from .engine import (
     select_rule,
     validate_effects,
 )
-from .induce import initial_state_for
-from .models import ActionCall, Condition, Effect, Frozen
+from .induce import initial_state_for, outcome_of
+from .models import ActionCall, Condition, Effect, Frozen, Transition
 from .package import Worldbook
 
 __all__ = [
@@ -129,6 +136,11 @@ class Workspace:
     state: Mapping[str, Any]
     memory: Memory
     step: int
+    #: the session's ``initial_state_id`` (for the applicability gate; None: unknown)
+    context: str | None = None
+
+    def history(self) -> list[ActionCall]:
+        return [t.action for t in reversed(list(self.memory.newest_first())) if t.action is not None]
 
 
 # ----------------------------------------------------------------------------------------------- the gate
@@ -214,7 +226,7 @@ class Proposer(Protocol):
 class StepResult:
     observation: str
     accepted: bool
-    route: Literal["rule", "proposer", "error"]
+    route: Literal["rule", "evidence", "proposer", "error"]
     rule_id: str | None = None
     errors: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -260,6 +272,10 @@ class Session:
     proposer: Proposer | None = None
     seed: int | None = None
     min_rule_confidence: float = 0.9
+    #: identity of the episode's initial state (compared with traces' ``initial_state_id``; None: unknown)
+    context: str | None = None
+    #: replay recorded observations the applicability gate labels supporting (the ``evidence`` route)
+    use_evidence: bool = True
 
     @classmethod
     def start(cls, worldbook: Worldbook, initial_state: Mapping[str, Any] | None = None, **kw: Any) -> Session:
@@ -267,11 +283,34 @@ class Session:
 
     @property
     def workspace(self) -> Workspace:
-        return Workspace(self.worldbook, self.state, self.memory, self.step_count)
+        return Workspace(self.worldbook, self.state, self.memory, self.step_count, self.context)
 
     def fork(self) -> Session:
         return Session(self.worldbook, self.state, self.memory, self.step_count, self.revision, self.proposer,
-                       self.seed, self.min_rule_confidence)
+                       self.seed, self.min_rule_confidence, self.context, self.use_evidence)
+
+    def history(self) -> list[ActionCall]:
+        """The actions of this episode so far, oldest first (every parsed action, accepted or not)."""
+        return [t.action for t in reversed(list(self.memory.newest_first())) if t.action is not None]
+
+    def supporting_evidence(self, call: ActionCall) -> list[Transition]:
+        """Recorded transitions the applicability gate labels ``supporting`` for ``call`` now."""
+        wb = self.worldbook
+        exact = [t for t in wb.exact_evidence(call.name, call.arguments)
+                 if t.observation is not None and t.alignment != "ambiguous"]
+        if not exact:
+            return []
+        history = self.history()
+        names = frozenset().union(*(operands(a.arguments) for a in history), *(
+            names_in(t.observation) for t in self.memory.newest_first())) if history else frozenset()
+        out = []
+        for t in exact:
+            lab = applicability(t.action, t.observation, call, item_history=[x.action for x in wb.history_of(t)],
+                                history=history, item_context=wb.context_of(t), context=self.context,
+                                episode_names=names)
+            if lab.label == "supporting":
+                out.append(t)
+        return out
 
     def get(self, path: str) -> Any:
         """A deep copy of the value at ``path`` (``None`` when unknown)."""
@@ -290,7 +329,7 @@ class Session:
         return result
 
     def _error(self, action: ActionCall | None, message: str, kind: str, errors: Sequence[str] = (),
-               route: Literal["rule", "proposer", "error"] = "error") -> StepResult:
+               route: Literal["rule", "evidence", "proposer", "error"] = "error") -> StepResult:
         return self._finish(action, StepResult(error_observation(message, kind), False, route,
                                                errors=tuple(errors) or (message,), outcome="failure"))
 
@@ -307,10 +346,16 @@ class Session:
         sel = select_rule(self.worldbook.rules, call.name, call.arguments, self.state,
                           min_confidence=self.min_rule_confidence)
         proposal: TransitionProposal | None = None
-        route: Literal["rule", "proposer", "error"] = "rule"
+        route: Literal["rule", "evidence", "proposer", "error"] = "rule"
+        support = ([] if sel.rule is not None and sel.rule.observation_template is not None or not self.use_evidence
+                   else self.supporting_evidence(call))
         if sel.rule is not None and sel.rule.observation_template is not None:
             r = sel.rule
             proposal = TransitionProposal(effects=r.effects, outcome=r.outcome, rule_ids=(r.id,), source="rule")
+        elif support and len({t.observation for t in support}) == 1:
+            route = "evidence"
+            proposal = TransitionProposal(observation=support[0].observation, outcome=outcome_of(support[0]),  # type: ignore[arg-type]
+                                          source="evidence")
         elif self.proposer is not None:
             route = "proposer"
             proposal = self.proposer.propose(self.workspace, call, seed=self.seed)
@@ -332,7 +377,8 @@ class Session:
         else:
             obs = proposal.observation if proposal.observation is not None else json.dumps(
                 normalise(decision.state_after), ensure_ascii=False)
-        return self._finish(call, StepResult(obs, True, route, proposal.rule_ids[0] if proposal.rule_ids else None,
+        rule_id = proposal.rule_ids[0] if proposal.rule_ids else (support[0].id if route == "evidence" else None)
+        return self._finish(call, StepResult(obs, True, route, rule_id,
                                              warnings=decision.warnings, outcome=proposal.outcome), decision.state_after)
 
 
@@ -367,13 +413,14 @@ class StatePredicateVerifier:
 class WorldbookEnv:
     """Gym-style simulator over a worldbook: ``reset(task, seed)`` and ``step(action)``.
 
-    ``task`` may carry ``initial_state`` (a partial state), ``instruction`` (returned as the first
-    observation), ``max_steps`` and ``conditions`` (a goal as :class:`Condition` dicts, checked by a
+    ``task`` may carry ``initial_state`` (a partial state), ``initial_state_id`` (the identity the
+    applicability gate compares with the traces'), ``instruction`` (returned as the first observation), ``max_steps`` and ``conditions`` (a goal as :class:`Condition` dicts, checked by a
     :class:`StatePredicateVerifier` unless a verifier is passed)."""
 
     def __init__(self, worldbook: Worldbook, *, proposer: Proposer | None = None, verifier: Verifier | None = None,
-                 max_steps: int = 50, min_rule_confidence: float = 0.9):
+                 max_steps: int = 50, min_rule_confidence: float = 0.9, use_evidence: bool = True):
         self.worldbook = worldbook
+        self.use_evidence = use_evidence
         self.proposer = proposer
         self.verifier = verifier
         self.max_steps = max_steps
@@ -385,7 +432,8 @@ class WorldbookEnv:
     def reset(self, task: Mapping[str, Any] | None = None, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         task = dict(task or {})
         self.session = Session.start(self.worldbook, task.get("initial_state"), proposer=self.proposer, seed=seed,
-                                     min_rule_confidence=self.min_rule_confidence)
+                                     min_rule_confidence=self.min_rule_confidence,
+                                     context=task.get("initial_state_id"), use_evidence=self.use_evidence)
         self._max_steps = int(task.get("max_steps", self.max_steps))
         conds = tuple(Condition.model_validate(c) for c in task.get("conditions", ()))
         self._verifier = self.verifier or (StatePredicateVerifier(conds) if conds else None)
@@ -396,7 +444,7 @@ class WorldbookEnv:
         if self.session is None:
             raise RuntimeError("reset() first")
         env = WorldbookEnv(self.worldbook, proposer=self.proposer, verifier=self.verifier, max_steps=self.max_steps,
-                           min_rule_confidence=self.min_rule_confidence)
+                           min_rule_confidence=self.min_rule_confidence, use_evidence=self.use_evidence)
         env.session, env._verifier, env._max_steps = self.session.fork(), self._verifier, self._max_steps
         return env
 

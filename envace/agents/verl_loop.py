@@ -9,7 +9,9 @@ loop                   source       what answers the agent's tool calls
 =====================  ===========  =============================================================
 ``envace_env``         ``real``     the task's environment (standard GRPO baseline)
 ``envace_act_rehearse`` ``rehearse`` the policy itself, REHEARSE role (EnvACE world rehearsal)
-``envace_simulator``   ``simulator`` an external OpenAI-compatible LLM (the paper's Simulator baseline)
+``envace_simulator``   ``simulator`` an external OpenAI-compatible LLM (the paper's Simulator baseline), or
+                                   with ``envace.agent.worldbook`` the Trace2Env simulator
+                                   (:mod:`envace.agents.worldbook`)
 =====================  ===========  =============================================================
 
 Only ``server_manager.generate`` touches the model, so the loops run unchanged on vLLM (GPU) and on
@@ -265,6 +267,11 @@ class EnvaceAgentLoop(AgentLoopBase):
         on_bad = cfg.limits.on_malformed_rehearsal
         if self.observation_source == "rehearse":
             return RehearseSource(policy, cfg.rehearsal, on_bad, shadow=real, examples=examples)
+        if cfg.worldbook:  # the Trace2Env simulator (envace/agents/worldbook.py)
+            from envace.agents.worldbook import WorldbookSource, world_model_from_endpoint
+
+            return WorldbookSource.for_episode(cfg.worldbook, episode, shadow=real,
+                                               proposer=world_model_from_endpoint(cfg.simulator))
         pool = _llm_pool("simulator", cfg.simulator)
         return SimulatorSource(pool.complete_text, cfg.rehearsal, on_bad, shadow=real, examples=examples)
 

@@ -1,0 +1,158 @@
+"""The Trace2Env simulator as an observation source (``observation_source=simulator`` with a ``worldbook``).
+
+With ``envace.agent.observation_source=simulator envace.agent.worldbook=PATH`` the agent's tool calls are
+answered by a Trace2Env session (:mod:`trace2env.runtime`) over an immutable worldbook built from recorded
+traces, instead of by an external LLM writing free text: the deterministic rule fast path first, then a
+recorded observation that the applicability gate labels ``supporting`` (same action, same initial state,
+same history on its operands), then — when ``envace.agent.simulator`` names an endpoint — the world-model
+agent (:class:`trace2env.agent.WorldModelAgent` over :class:`trace2env.llm.OpenAIProvider`). Every step
+passes the validation gate; state is kept per rollout in memory.
+
+``PATH`` is one worldbook package (used for every task) or a directory of packages, matched to a task by
+``manifest.environment_id == TaskSpec.env_id`` (``scripts/build_worldbook.sh`` builds one per environment).
+The session starts from the worldbook's declared defaults with the task's ``initial_state_id``
+(:func:`envace.envs.traces.initial_state_id`) as its context.
+
+Reward never comes from the simulator: like the LLM simulator, every call is also executed in the task's
+real environment, unseen by the agent (the shadow), and the pool's official verifier scores that replay;
+each simulated observation is compared with the real one (:func:`envace.agents.sources.fidelity`,
+``Observation.meta["fidelity"]``). Observation kinds: an accepted step is ``result`` / ``tool_error`` (by
+its text); an invalid or unknown action is ``tool_error`` (the model's mistake); a step the simulator cannot
+answer (no rule, no supporting evidence, the world model gave up) is ``simulator_gap`` — the agent reads
+the error, the count is in ``meta``, and the shadow still executed the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+from envace.agents.engine import CallContext, Observation
+from envace.agents.sources import RealSource, _looks_like_error, fidelity
+from envace.envs.base import ToolCall
+from envace.envs.traces import initial_state_id
+from trace2env import Session, Worldbook, load_worldbook
+from trace2env.agent import WorldModelAgent
+from trace2env.runtime import Proposer
+
+__all__ = ["WorldbookLibrary", "WorldbookSource", "provider_from_endpoint", "world_model_from_endpoint"]
+
+#: error observation types of trace2env that are the agent's own mistake
+_AGENT_ERRORS = ("invalid_action", "unknown_action")
+
+
+class WorldbookLibrary:
+    """Loaded, verified worldbooks under one path, by environment id (loaded once per process)."""
+
+    _cache: ClassVar[dict[str, WorldbookLibrary]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, path: str | Path) -> None:
+        root = Path(path)
+        if not root.exists():
+            raise FileNotFoundError(f"worldbook path {root} does not exist (build one with scripts/build_worldbook.sh)")
+        self.path = root
+        if (root / "manifest.json").is_file():
+            wb = load_worldbook(root)
+            self.single: Worldbook | None = wb
+            self.by_env = {wb.manifest.environment_id: wb}
+        else:
+            self.single = None
+            self.by_env = {}
+            for sub in sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()):
+                wb = load_worldbook(sub)
+                if wb.manifest.environment_id in self.by_env:
+                    raise ValueError(f"{root}: two worldbooks for environment {wb.manifest.environment_id!r}")
+                self.by_env[wb.manifest.environment_id] = wb
+            if not self.by_env:
+                raise ValueError(f"{root} holds no worldbook package (no */manifest.json)")
+
+    @classmethod
+    def shared(cls, path: str | Path) -> WorldbookLibrary:
+        key = str(Path(path).resolve())
+        with cls._lock:
+            if key not in cls._cache:
+                cls._cache[key] = cls(path)
+            return cls._cache[key]
+
+    def for_env(self, env_id: str) -> Worldbook:
+        if self.single is not None:
+            return self.single
+        try:
+            return self.by_env[env_id]
+        except KeyError:
+            raise KeyError(f"no worldbook for environment {env_id!r} under {self.path} "
+                           f"(have {len(self.by_env)}: {sorted(self.by_env)[:5]}...)") from None
+
+
+def provider_from_endpoint(endpoint: dict[str, Any]):
+    """A :class:`trace2env.llm.OpenAIProvider` from ``envace.agent.simulator`` (LLMEndpointConfig keys)."""
+    from trace2env.llm import OpenAIProvider, OpenAIProviderConfig
+
+    urls = endpoint.get("base_urls")
+    url = urls[0] if isinstance(urls, list) and urls else urls
+    keys = {"api_key", "api_key_env", "timeout_s", "max_retries", "backoff_base_s", "backoff_max_s", "temperature",
+            "extra_body"}
+    kw = {k: v for k, v in endpoint.items() if k in keys and v is not None}
+    if endpoint.get("max_tokens"):
+        kw["max_tokens"] = int(endpoint["max_tokens"])
+        kw["max_tokens_cap"] = max(int(endpoint["max_tokens"]), 16384)
+    if not endpoint.get("use_json_schema", True):
+        kw["response_format"] = "json_object"
+    return OpenAIProvider(OpenAIProviderConfig(base_url=str(url or ""), model=str(endpoint.get("model") or ""), **kw))
+
+
+_AGENTS: dict[str, WorldModelAgent] = {}
+
+
+def world_model_from_endpoint(endpoint: dict[str, Any]) -> WorldModelAgent | None:
+    """One world-model agent per endpoint and process (None without an endpoint: rules and evidence only)."""
+    if not endpoint:
+        return None
+    key = json.dumps(endpoint, sort_keys=True, default=str)
+    if key not in _AGENTS:
+        _AGENTS[key] = WorldModelAgent(provider_from_endpoint(endpoint))
+    return _AGENTS[key]
+
+
+class WorldbookSource:
+    """One rollout's Trace2Env session as the engine's observation source (see the module docstring)."""
+
+    name = "simulator"
+
+    def __init__(self, worldbook: Worldbook, *, context: str | None = None, proposer: Proposer | None = None,
+                 shadow: RealSource | None = None, min_rule_confidence: float = 0.9) -> None:
+        self.session = Session.start(worldbook, proposer=proposer, context=context,
+                                     min_rule_confidence=min_rule_confidence)
+        self.shadow = shadow
+        self.routes: dict[str, int] = {}
+
+    @classmethod
+    def for_episode(cls, path: str | Path, episode: Any, *, proposer: Proposer | None = None,
+                    shadow: RealSource | None = None) -> WorldbookSource:
+        spec = episode.spec
+        wb = WorldbookLibrary.shared(path).for_env(spec.env_id)
+        return cls(wb, context=initial_state_id(spec), proposer=proposer, shadow=shadow)
+
+    async def observe(self, call: ToolCall, ctx: CallContext) -> Observation:
+        res = await asyncio.to_thread(self.session.step, {"name": call.name, "arguments": call.arguments})
+        self.routes[res.route] = self.routes.get(res.route, 0) + 1
+        meta: dict[str, Any] = {"route": res.route, "rule_id": res.rule_id}
+        if res.accepted:
+            kind = "tool_error" if _looks_like_error(res.observation) else "result"
+        else:
+            err_type = json.loads(res.observation).get("type", "")
+            kind = "tool_error" if err_type in _AGENT_ERRORS else "simulator_gap"
+            meta["simulator_error"] = err_type
+        obs = Observation(text=res.observation, kind=kind, meta=meta)
+        if self.shadow is not None:
+            real = await self.shadow.execute(call, ctx)
+            obs.real_text, obs.executed = real.text, real.executed
+            obs.meta["fidelity"] = fidelity(res.observation, real.text)
+            if real.masked:
+                obs.masked, obs.terminate = True, True
+                obs.meta["reason"] = real.meta.get("reason", "environment time-out")
+        return obs

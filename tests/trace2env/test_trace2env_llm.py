@@ -1,0 +1,141 @@
+"""OpenAIProvider against a real HTTP server speaking the OpenAI protocol: structured output, local
+validation with repair rounds, truncation, the error taxonomy, accounting, the cache, and a build."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+from t2e_fakeopenai import chat, http_error
+from t2e_kvenv import record, script
+
+from trace2env import build_worldbook, load_worldbook, make_split_manifest, parse_trace
+from trace2env.llm import OpenAIProvider, OpenAIProviderConfig, extract_json_object
+from trace2env.providers import ConfigurationError, InfrastructureError, ModelOutputError, RuleProposal, SchemaProposal
+
+
+def provider(url: str, **kw) -> OpenAIProvider:
+    kw.setdefault("backoff_base_s", 0.0)
+    return OpenAIProvider(OpenAIProviderConfig(base_url=url, model="m", **kw))
+
+
+GOOD = {"rules": [{"id": "r", "action_type": "count", "observation_template": "{}"}]}
+
+
+def test_structured_request_validation_and_accounting(fake_openai):
+    srv = fake_openai(lambda body, n: chat(json.dumps(GOOD), prompt_tokens=1000, completion_tokens=200))
+    p = provider(srv.base_url, usd_per_m_prompt=2.0, usd_per_m_completion=10.0)
+    out = p.complete("induce_rules", {"transitions": [1, 2]}, RuleProposal)
+    assert isinstance(out, RuleProposal) and out.rules[0].id == "r"
+    body = srv.bodies[0]
+    assert body["model"] == "m" and body["temperature"] == 0.0 and body["max_tokens"] == 2048
+    assert body["response_format"]["type"] == "json_schema"
+    assert body["response_format"]["json_schema"]["name"] == "RuleProposal"
+    assert "transition rules" in body["messages"][0]["content"]  # the stage's instruction
+    assert json.loads(body["messages"][1]["content"]) == {"transitions": [1, 2]}
+    u = p.usage["induce_rules"]
+    assert (u.calls, u.requests, u.repairs, u.prompt_tokens, u.completion_tokens) == (1, 1, 0, 1000, 200)
+    assert u.usd == pytest.approx(1000 * 2e-6 + 200 * 10e-6)
+    assert p.usage_table()[-1]["stage"] == "total"
+
+
+def test_invalid_reply_is_repaired_then_gives_up(fake_openai):
+    replies = ["not json at all", '```json\n{"rules": [{"bogus": 1}]}\n```', "<think>hm</think> " + json.dumps(GOOD)]
+    srv = fake_openai(lambda body, n: chat(replies[min(n, 2)]))
+    p = provider(srv.base_url, repair_rounds=2)
+    assert p.complete("induce_rules", {}, RuleProposal).rules[0].id == "r"
+    assert len(srv.bodies) == 3 and p.usage["induce_rules"].repairs == 2
+    last = srv.bodies[2]["messages"]
+    assert last[-2] == {"role": "assistant", "content": replies[1]}
+    assert "rules.0" in last[-1]["content"] and "could not be used" in last[-1]["content"]
+
+    srv2 = fake_openai(lambda body, n: chat("still not json"))
+    p2 = provider(srv2.base_url, repair_rounds=1)
+    with pytest.raises(ModelOutputError, match="after 2 request") as e:
+        p2.complete("induce_rules", {}, RuleProposal)
+    assert e.value.rounds == 2 and len(srv2.bodies) == 2 and p2.usage["induce_rules"].failures == 1
+
+
+def test_truncated_reply_doubles_the_budget(fake_openai):
+    srv = fake_openai(lambda body, n: chat('{"rules": [', "length") if n == 0 else chat(json.dumps(GOOD)))
+    p = provider(srv.base_url, max_tokens=100, max_tokens_cap=150)
+    p.complete("induce_rules", {}, RuleProposal)
+    assert [b["max_tokens"] for b in srv.bodies] == [100, 150]
+    assert "cut off at 100 tokens" in srv.bodies[1]["messages"][-1]["content"]
+
+
+def test_error_taxonomy(fake_openai, dead_url):
+    srv = fake_openai(lambda body, n: http_error(503) if n < 2 else chat(json.dumps(GOOD)))
+    p = provider(srv.base_url, max_retries=2)
+    p.complete("induce_rules", {}, RuleProposal)
+    assert len(srv.bodies) == 3 and p.usage["induce_rules"].retries == 2  # infrastructure: retried
+
+    srv404 = fake_openai(lambda body, n: http_error(404, "model not found"))
+    p = provider(srv404.base_url, max_retries=3)
+    with pytest.raises(ConfigurationError, match="HTTP 404"):
+        p.complete("induce_rules", {}, RuleProposal)
+    assert len(srv404.bodies) == 1  # configuration: never retried
+
+    p = provider(dead_url, max_retries=1, timeout_s=2.0)
+    with pytest.raises(InfrastructureError, match="2 attempt"):
+        p.complete("induce_rules", {}, RuleProposal)
+
+    srv_down = fake_openai(lambda body, n: http_error(429))
+    with pytest.raises(InfrastructureError, match="HTTP 429"):
+        provider(srv_down.base_url, max_retries=1).complete("induce_rules", {}, RuleProposal)
+    assert len(srv_down.bodies) == 2
+
+
+def test_cache_resumes_without_paying_twice(fake_openai, tmp_path):
+    srv = fake_openai(lambda body, n: chat(json.dumps(GOOD)))
+    a = provider(srv.base_url, cache_dir=str(tmp_path / "cache"), response_format="json_object")
+    a.complete("induce_rules", {"x": 1}, RuleProposal)
+    assert srv.bodies[0]["response_format"] == {"type": "json_object"}
+    b = provider(srv.base_url, cache_dir=str(tmp_path / "cache"), response_format="json_object")
+    assert b.complete("induce_rules", {"x": 1}, RuleProposal).rules[0].id == "r"
+    assert len(srv.bodies) == 1 and b.usage["induce_rules"].cache_hits == 1
+    b.complete("induce_rules", {"x": 2}, RuleProposal)  # another payload: another key
+    assert len(srv.bodies) == 2
+
+
+def test_build_with_the_openai_provider_over_http(fake_openai, tmp_path):
+    """The construction stages through a real HTTP round trip: a server answering the KV environment's
+    schema and rules; the replay review still promotes the true rules and falsifies the wrong one."""
+    answers = script()
+
+    def responder(body, n):
+        name = body["response_format"]["json_schema"]["name"]
+        return chat(json.dumps(answers["induce_schema" if name == SchemaProposal.__name__ else "induce_rules"]))
+
+    srv = fake_openai(responder)
+    traces = [parse_trace(record(s, n=30)) for s in range(10)]
+    p = provider(srv.base_url)
+    wb = load_worldbook(build_worldbook(traces, tmp_path / "wb", provider=p, split=make_split_manifest(traces, train=0.7)))
+    ids = {r.id for r in wb.rules}
+    assert {"put_new", "get_found", "count"} <= ids and "get_wrong" not in ids
+    assert sorted(p.usage) == ["induce_rules", "induce_schema"]
+    assert wb.manifest.metadata["model_stages"] == ["induce_schema", "induce_rules"]
+
+
+texts = st.text(alphabet=st.characters(blacklist_characters="`"), max_size=8)  # a backtick could close a fence
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | texts,
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+                           max_leaves=10)
+
+
+@given(obj=st.dictionaries(texts, json_values, max_size=4),
+       wrap=st.sampled_from(["%s", "```json\n%s\n```", "<think>a { b</think>%s", "Here it is: %s -- done"]))
+def test_extract_json_object_finds_the_object(obj, wrap):
+    assert extract_json_object(wrap.replace("%s", json.dumps(obj), 1)) == obj
+
+
+@given(text=st.text(max_size=40).filter(lambda t: "{" not in t))
+def test_extract_json_object_refuses_text_without_an_object(text):
+    with pytest.raises(ValueError):
+        extract_json_object(text)

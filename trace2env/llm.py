@@ -1,0 +1,358 @@
+"""The OpenAI-compatible provider of the model stages (construction and the world-model agent).
+
+Paper §4.1 / Appendix C.2 (construction with a model ``phi``) and §4.3 (the world-model agent). Every stage
+is one :meth:`OpenAIProvider.complete` call ``(stage, payload, response_model)``:
+
+* the request is a chat completion against any OpenAI-compatible endpoint (vLLM, SGLang, ``transformers
+  serve``, a hosted API) through the ``openai`` client; the system message is the stage's instruction
+  (:data:`STAGE_INSTRUCTIONS`), the user message the JSON payload (clipped to ``max_payload_chars``);
+* structured output: ``response_format`` ``json_schema`` (non-strict: pydantic's schemas are not all
+  strict-mode schemas) built from the response model, or ``json_object`` with the schema in the prompt, or
+  none (the schema in the prompt only) for servers without structured output;
+* the reply is validated **locally** with pydantic (a ``<think>`` block, code fences and prose around one
+  JSON object are tolerated); an invalid reply gets up to ``repair_rounds`` follow-ups that show the model
+  its reply and the validation errors; a reply cut off at ``max_tokens`` is retried once per round at
+  twice the budget (up to ``max_tokens_cap``);
+* errors follow the project taxonomy (:mod:`trace2env.providers`): infrastructure failures are retried
+  with exponential backoff and then raised as :class:`InfrastructureError`, configuration errors are
+  raised at once as :class:`ConfigurationError`, and a stage that never validates raises
+  :class:`ModelOutputError`;
+* accounting per stage (:class:`StageUsage`): logical calls, HTTP requests, repairs, failures, prompt and
+  completion tokens and the cost from configured prices (:meth:`OpenAIProvider.usage_table`);
+* an optional content-addressed cache (``cache_dir``): key = sha256 of (model, stage, messages, schema,
+  sampling); a hit returns the validated answer without a request, so an interrupted build resumes
+  without paying twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import openai
+from pydantic import BaseModel, ValidationError
+
+from .providers import ConfigurationError, InfrastructureError, ModelOutputError
+
+__all__ = ["STAGE_INSTRUCTIONS", "OpenAIProvider", "OpenAIProviderConfig", "StageUsage", "extract_json_object"]
+
+T = TypeVar("T", bound=BaseModel)
+
+#: the system message of each stage (paper Appendix C.2 / C.3 roles; wording our own)
+STAGE_INSTRUCTIONS: dict[str, str] = {
+    "extract_transition": (
+        "You read one recorded action and the environment's observation. Report the state preconditions, the "
+        "state changes the action caused, the outcome and the facts the observation states. Cite only what the "
+        "observation supports; mark anything uncertain."),
+    "induce_schema": (
+        "You induce an environment's interface from recorded transitions: the actions with their arguments "
+        "(types, which are required) and the state variables the environment must keep to explain the "
+        "observations. State paths start with world., session., surface. or epistemic."),
+    "induce_rules": (
+        "You induce transition rules from recorded transitions: for an action, the conditions on the state "
+        "and arguments under which it has an outcome, its effects on declared state paths (set, create, "
+        "delete, increment, decrement, append, merge, remove) and a template that renders the observation "
+        "exactly. Contrast successes with failures of the same action. Propose invariants the state always "
+        "satisfies. Every rule is checked by replaying the recorded traces; wrong rules are discarded."),
+    "falsify_rules": (
+        "You review candidate rules against the recorded evidence and report every transition that "
+        "contradicts a rule."),
+    "induce_renderers": (
+        "You describe how the environment formats its observations per action: JSON or text, the fields "
+        "every observation carries, and a template when one fits."),
+    "induce_notes": (
+        "You write short notes on the environment's conventions, formats, constraints and facts, each "
+        "citing the recorded transitions that support it."),
+    "world_model_step": (
+        "You are the world model of an environment reconstructed from recorded traces. For the action given, "
+        "inspect the worldbook, the episode state and the episode memory with the tools offered, then submit "
+        "the transition: the effects on declared state paths and the exact observation the real environment "
+        "would return. Stay consistent with earlier turns of this episode. Evidence labelled format_only or "
+        "uncertain shows the shape of an observation, not its values. Answer with one JSON object: "
+        '{"thought": ..., "tool": <tool name or "submit">, "arguments": {...}}.'),
+}
+
+
+@dataclass
+class OpenAIProviderConfig:
+    """Where and how the model stages call an OpenAI-compatible endpoint."""
+
+    # base URL of the endpoint, ending in /v1 (e.g. http://127.0.0.1:8000/v1)
+    base_url: str
+    # served model name
+    model: str
+    # API key ("EMPTY" for local servers that do not check it)
+    api_key: str = "EMPTY"
+    # name of an environment variable with the API key; wins over api_key when set and non-empty
+    api_key_env: str | None = None
+    # seconds one HTTP attempt may take
+    timeout_s: float = 120.0
+    # retries after an infrastructure error (at most 1 + max_retries attempts per request)
+    max_retries: int = 3
+    # first backoff delay in seconds; doubles per retry, times a jitter in [0.5, 1.5)
+    backoff_base_s: float = 0.5
+    # cap of one backoff delay (and of a server's Retry-After), seconds
+    backoff_max_s: float = 30.0
+    # sampling temperature (None: the server's default)
+    temperature: float | None = 0.0
+    # completion-token budget of one request
+    max_tokens: int = 2048
+    # the budget is doubled (up to this cap) when a reply is cut off at max_tokens
+    max_tokens_cap: int = 16384
+    # follow-up requests showing the model its invalid reply (the reference uses 2)
+    repair_rounds: int = 2
+    # structured output: json_schema | json_object | none (schema in the prompt only)
+    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
+    # characters of the JSON payload sent (the middle is cut beyond it)
+    max_payload_chars: int = 60000
+    # USD per 1M prompt tokens, for the cost column
+    usd_per_m_prompt: float = 0.0
+    # USD per 1M completion tokens
+    usd_per_m_completion: float = 0.0
+    # content-addressed answer cache directory (None: no cache)
+    cache_dir: str | None = None
+    # extra JSON merged into every request body (e.g. {"chat_template_kwargs": {"enable_thinking": false}})
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.base_url or not self.model:
+            raise ValueError("OpenAIProviderConfig needs base_url and model")
+        if self.timeout_s <= 0 or self.max_retries < 0 or self.repair_rounds < 0:
+            raise ValueError("timeout_s must be > 0, max_retries and repair_rounds >= 0")
+        if self.max_tokens < 1 or self.max_tokens_cap < self.max_tokens:
+            raise ValueError("need 1 <= max_tokens <= max_tokens_cap")
+        if self.response_format not in ("json_schema", "json_object", "none"):
+            raise ValueError(f"response_format must be json_schema, json_object or none, got {self.response_format!r}")
+
+    def resolved_api_key(self) -> str:
+        if self.api_key_env and os.environ.get(self.api_key_env):
+            return os.environ[self.api_key_env]
+        return self.api_key or "EMPTY"
+
+
+@dataclass
+class StageUsage:
+    """Accounting of one stage."""
+
+    calls: int = 0  # logical complete() calls
+    requests: int = 0  # HTTP attempts
+    repairs: int = 0  # follow-up requests after an invalid or truncated reply
+    retries: int = 0  # attempts after an infrastructure error
+    failures: int = 0  # calls that raised
+    cache_hits: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    usd: float = 0.0
+
+
+_RETRYABLE = frozenset({408, 409, 425, 429})
+_FENCE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
+
+
+def extract_json_object(text: str | None) -> dict[str, Any]:
+    """The one JSON object of a reply (after a ``<think>`` block, inside fences, or amid prose).
+
+    Raises :class:`ValueError` with the reason."""
+    if not text or not text.strip():
+        raise ValueError("the reply is empty")
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif text.lstrip().startswith("<think>"):
+        raise ValueError("the reply is an unterminated <think> block")
+    body = text.strip()
+    decoder = json.JSONDecoder()
+    for cand in [m.group(1).strip() for m in _FENCE.finditer(body)] + [body]:
+        try:
+            obj = json.loads(cand)
+        except json.JSONDecodeError:
+            obj = None
+            for m in re.finditer(r"\{", cand):
+                try:
+                    obj, _ = decoder.raw_decode(cand, m.start())
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict):
+                    break
+        if isinstance(obj, dict):
+            return obj
+    raise ValueError("no JSON object in the reply")
+
+
+def _clip(text: str, limit: int) -> str:
+    if limit <= 0 or len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n...({len(text) - 2 * half} characters omitted)...\n{text[-half:]}"
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or '<root>'}: {e.get('msg')}"
+                         for e in exc.errors()[:8])
+    return str(exc)
+
+
+class OpenAIProvider:
+    """:class:`~trace2env.providers.Provider` over an OpenAI-compatible chat endpoint (synchronous,
+    thread-safe: the accounting is locked; the ``openai`` client is shared)."""
+
+    def __init__(self, config: OpenAIProviderConfig, *, client: openai.OpenAI | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.client = client or openai.OpenAI(base_url=config.base_url, api_key=config.resolved_api_key(),
+                                              timeout=config.timeout_s, max_retries=0)
+        self._rng = rng or random.Random(0)
+        self._lock = threading.Lock()
+        self.usage: dict[str, StageUsage] = {}
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def _count(self, stage: str, **inc: float) -> None:
+        with self._lock:
+            u = self.usage.setdefault(stage, StageUsage())
+            for k, v in inc.items():
+                setattr(u, k, getattr(u, k) + v)
+
+    def totals(self) -> StageUsage:
+        out = StageUsage()
+        for u in self.usage.values():
+            for k, v in asdict(u).items():
+                setattr(out, k, getattr(out, k) + v)
+        return out
+
+    def usage_table(self) -> list[dict[str, Any]]:
+        """One row per stage plus ``total`` (for the CLI's cost report)."""
+        rows = [{"stage": s, **asdict(u)} for s, u in sorted(self.usage.items())]
+        return [*rows, {"stage": "total", **asdict(self.totals())}]
+
+    # -- one HTTP request with retries ----------------------------------------------------------------
+    def _request(self, stage: str, kwargs: dict[str, Any]) -> tuple[str, str | None]:
+        cfg = self.config
+        last = ""
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                self._count(stage, retries=1)
+            self._count(stage, requests=1)
+            retry_after: float | None = None
+            try:
+                resp = self.client.chat.completions.create(**kwargs)
+            except openai.APITimeoutError:
+                last = f"no reply within {cfg.timeout_s:g}s"
+            except openai.APIConnectionError as e:
+                last = f"connection failed ({e.__cause__ or e})"
+            except openai.APIStatusError as e:
+                status = e.status_code
+                if status in _RETRYABLE or status >= 500:
+                    last = f"HTTP {status}: {str(e)[:200]}"
+                    try:
+                        retry_after = float(e.response.headers.get("retry-after", ""))
+                    except (TypeError, ValueError):
+                        retry_after = None
+                else:
+                    hint = " (is the model served there, and does the base URL end in /v1?)" if status == 404 else ""
+                    raise ConfigurationError(f"{cfg.base_url} rejected the request for model {cfg.model!r}: "
+                                             f"HTTP {status}: {str(e)[:300]}{hint}") from e
+            except openai.APIError as e:
+                last = f"bad response: {str(e)[:200]}"
+            else:
+                choices = getattr(resp, "choices", None)
+                if choices:
+                    usage = getattr(resp, "usage", None)
+                    pt = int(getattr(usage, "prompt_tokens", 0) or 0)
+                    ct = int(getattr(usage, "completion_tokens", 0) or 0)
+                    self._count(stage, prompt_tokens=pt, completion_tokens=ct,
+                                usd=pt * cfg.usd_per_m_prompt / 1e6 + ct * cfg.usd_per_m_completion / 1e6)
+                    return choices[0].message.content or "", choices[0].finish_reason
+                last = "the response has no choices"
+            if attempt < cfg.max_retries:
+                delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2**attempt) * (0.5 + self._rng.random())
+                if retry_after is not None:
+                    delay = max(delay, min(retry_after, cfg.backoff_max_s))
+                time.sleep(delay)
+        raise InfrastructureError(f"{cfg.base_url} model {cfg.model!r}: {cfg.max_retries + 1} attempt(s) failed; "
+                                  f"last: {last}")
+
+    # -- the Provider interface -----------------------------------------------------------------------
+    def messages(self, stage: str, payload: Mapping[str, Any], response_model: type[BaseModel]) -> list[dict[str, str]]:
+        """The chat a stage sends (exposed for tests and for inspection)."""
+        system = STAGE_INSTRUCTIONS.get(stage, f"You perform the construction stage {stage!r}.")
+        schema = json.dumps(response_model.model_json_schema(), ensure_ascii=False, separators=(",", ":"))
+        system += ("\nAnswer with exactly one JSON object and nothing else. It must match this JSON Schema:\n" + schema)
+        body = _clip(json.dumps(payload, ensure_ascii=False, default=str, separators=(",", ":")),
+                     self.config.max_payload_chars)
+        return [{"role": "system", "content": system}, {"role": "user", "content": body}]
+
+    def _cache_path(self, stage: str, messages: list[dict[str, str]], response_model: type[BaseModel]) -> Path | None:
+        cfg = self.config
+        if not cfg.cache_dir:
+            return None
+        key = hashlib.sha256(json.dumps([cfg.model, stage, messages, response_model.model_json_schema(),
+                                         cfg.temperature, cfg.response_format], sort_keys=True,
+                                        ensure_ascii=False).encode()).hexdigest()
+        return Path(cfg.cache_dir) / stage / f"{key}.json"
+
+    def complete(self, stage: str, payload: Mapping[str, Any], response_model: type[T]) -> T:
+        """One stage answer, validated by ``response_model`` (see the module docstring)."""
+        cfg = self.config
+        self._count(stage, calls=1)
+        messages = self.messages(stage, payload, response_model)
+        cpath = self._cache_path(stage, messages, response_model)
+        if cpath is not None and cpath.is_file():
+            try:
+                out = response_model.model_validate_json(cpath.read_text(encoding="utf-8"))
+                self._count(stage, cache_hits=1)
+                return out
+            except ValidationError:
+                pass  # a stale entry (the model changed): ask again and overwrite it
+        kwargs: dict[str, Any] = {"model": cfg.model}
+        if cfg.temperature is not None:
+            kwargs["temperature"] = cfg.temperature
+        if cfg.extra_body:
+            kwargs["extra_body"] = dict(cfg.extra_body)
+        if cfg.response_format == "json_schema":
+            kwargs["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": response_model.__name__, "schema": response_model.model_json_schema(), "strict": False}}
+        elif cfg.response_format == "json_object":
+            kwargs["response_format"] = {"type": "json_object"}
+        convo = list(messages)
+        max_tokens = cfg.max_tokens
+        text: str | None = None
+        reason = ""
+        rounds = 0
+        try:
+            for round_ in range(cfg.repair_rounds + 1):
+                if round_:
+                    self._count(stage, repairs=1)
+                    convo = [*convo, {"role": "assistant", "content": text or ""},
+                             {"role": "user", "content": f"Your previous reply could not be used: {reason}. Reply again "
+                                                         "with exactly one JSON object matching the schema, nothing else."}]
+                rounds += 1
+                text, finish = self._request(stage, {**kwargs, "messages": convo, "max_tokens": max_tokens})
+                try:
+                    out = response_model.model_validate(extract_json_object(text))
+                except ValueError as e:  # ValidationError is a ValueError
+                    reason = _reason(e)
+                    if finish == "length":
+                        reason += f" (the reply was cut off at {max_tokens} tokens)"
+                        max_tokens = min(cfg.max_tokens_cap, max_tokens * 2)
+                    continue
+                if cpath is not None:
+                    cpath.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = cpath.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_text(out.model_dump_json(), encoding="utf-8")
+                    os.replace(tmp, cpath)
+                return out
+        except (InfrastructureError, ConfigurationError):
+            self._count(stage, failures=1)
+            raise
+        self._count(stage, failures=1)
+        raise ModelOutputError(f"stage {stage!r}: no valid {response_model.__name__} after {rounds} request(s): "
+                               f"{reason}; last reply: {(text or '')[:300]!r}", text=text, rounds=rounds)
