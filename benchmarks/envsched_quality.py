@@ -1,19 +1,41 @@
-"""EnvSched selection quality on a simulated learner, next to the paper's Table 2 and Table 3(a).
+"""EnvSched selection quality on simulated learners: the paper's Table 2 / Table 3(a) comparison.
 
-    .venv/bin/python benchmarks/envsched_quality.py           # 51 envs x 50 tasks, B = 64, K = 8, 200 steps
-    .venv/bin/python benchmarks/envsched_quality.py --quick   # 60 steps
+    .venv/bin/python benchmarks/envsched_quality.py            # 2 learners x 12 arms x 3 seeds x 200 steps
+    .venv/bin/python benchmarks/envsched_quality.py --quick    # 2 learners x 12 arms x 3 seeds x 60 steps
+    .venv/bin/python benchmarks/envsched_quality.py --arms envsched,random --learners binary --seeds 5
 
-Schedulers: EnvSched (rho = 0.5), random, coverage only (rho = 1), exploitation only (rho = 0).  The learner
-(envsched.synthetic.SimulatedLearner) has latent difficulty by environment, structural archetype and task,
-and its success probability rises on the tasks it is trained on (GRPO-like: updates scale with the
-within-group reward spread).  Columns: mean / median within-task reward variance of the selected groups over
-all steps, median reward, environments and tools per batch, and the learner's final mean success
-probability over the whole pool (a proxy for "downstream" quality).
+Pool: ``envsched.synthetic.synthetic_records`` (51 environments x 60 tasks with tool schemas, instructions,
+verifier checks and code, and gold call sequences); per environment 50 tasks form the training pool
+(2,550 tasks, as in the paper) and 10 are held out.  Each task's structural archetype is its
+cross-environment structure cluster (the cluster is never shown to the scheduler; S_abs must find it).
+
+Learners (``envsched.synthetic.LatentSkillLearner``; latent difficulty per environment, per structure cluster
+and per task; updates proportional to the realised within-group reward spread):
+
+* ``partial``: partial credit over 4 ordered verifier checks;
+* ``binary``: 0/1 reward on harder tasks.
+
+Neither saturates within 200 steps (median reward of random scheduling ends near 0.7 / 0.5).
+
+Arms: random; full EnvSched (the shipped config); the paper's Table 3(a) ablations and the eligibility
+filters: without S_abs (within-environment edges only: K_cross = 0, all fusion weight on G^in), without
+S_full (cross-environment edges only), without both (K_within = K_cross = 0: the prior is b_t), rho = 0
+(exploitation only), rho = 1 (coverage only), without the progress filter, without the identifier filter.
+``--extra`` adds the non-paper relation options (``fusion: evidence``, ``cross_reference: environment``,
+and the same with longer half-lives); ``--set KEY=JSON`` changes a field of every EnvSched arm.
+
+Columns (mean ± sd over seeds): mean realised within-group variance over all steps (Eq. 2), median reward,
+environments per batch, final held-out success (mean probability of full success on the held-out tasks),
+final training-pool success, and the prediction diagnostics (``envsched/spearman_q_<type>``: Spearman
+correlation of the selection score q with the realised variance, averaged over steps) for ``all`` groups,
+``observed`` tasks and tasks without history (``within_env`` evidence).  Runtime of the full figure on
+the project's 2-core CPU machine: see the README's EnvSched section.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,80 +45,156 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envsched import EnvSchedConfig, EnvScheduler, TaskPool
-from envsched.synthetic import SimulatedLearner, synthetic_records
+from envsched.synthetic import LatentSkillLearner, synthetic_records
 
-PAPER = {  # Qwen3-4B, Table 2 and Table 3(a): mean var, median var, median reward, envs/batch, tools/batch
-    "envsched": (0.04290, 0.02108, 0.592, 45.96, 478.39),
-    "random": (0.03208, 0.01468, 0.595, 36.53, 413.41),
-    "coverage only (rho=1)": (0.0357, None, None, 51.00, 502.10),
-    "exploitation only (rho=0)": (0.0442, None, None, 33.95, 420.63),
+N_ENVS, TRAIN_PER_ENV, HELDOUT_PER_ENV = 51, 50, 10
+LEARNERS = {  # LatentSkillLearner keyword arguments
+    "partial": {"reward": "partial", "n_checks": 4, "offset": 0.5},
+    "binary": {"reward": "binary", "offset": 2.0},
 }
+RELATION_ARMS = ("without S_abs", "without S_full", "without both")
+DIAG = ("all", "observed", "within_env", "cross_env_only")
 
 
-def run(name: str, cfg: EnvSchedConfig, pool: TaskPool, recs: list, graph, steps: int, seed: int) -> dict:
-    learner = SimulatedLearner(pool.env, np.array([r["meta"]["archetype"] for r in recs]), np.array([len(r["verifier_checks"]) for r in recs]), seed=seed)
-    sched = EnvScheduler(pool, cfg, graph=graph if cfg.scheduler == "envsched" else None)
-    variances, rewards, envs, tools, times = [], [], [], [], []
+def arms(base: EnvSchedConfig, extra: bool) -> dict[str, EnvSchedConfig]:
+    out = {
+        "random": base.replace(scheduler="random"),
+        "EnvSched (full)": base,
+        "without S_abs": base.replace(k_cross=0, fusion_within=1.0),
+        "without S_full": base.replace(k_within=0, fusion_within=0.0),
+        "without both": base.replace(k_within=0, k_cross=0),
+        "rho=0 (exploit only)": base.replace(rho=0.0),
+        "rho=1 (coverage only)": base.replace(rho=1.0),
+        "without progress filter": base.replace(progress_filter=False),
+        "without identifier filter": base.replace(identifier_filter=False),
+    }
+    if extra:
+        out["evidence fusion + env-relative cross"] = base.replace(**RELATION_OPTIONS)
+        out["... + h_long=24, h_short=6"] = base.replace(**RELATION_OPTIONS, h_long=24.0, h_short=6.0)
+    return out
+
+
+# Non-paper relation options of envsched/config.py (issue 12), measured beside the paper's defaults.
+RELATION_OPTIONS = {"fusion": "evidence", "cross_reference": "environment"}
+
+
+def split_records(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    recs = synthetic_records(N_ENVS, TRAIN_PER_ENV + HELDOUT_PER_ENV, seed=seed)
+    train = [r for r in recs if int(r["task_id"].rsplit("_", 1)[1]) < TRAIN_PER_ENV]
+    held = [r for r in recs if int(r["task_id"].rsplit("_", 1)[1]) >= TRAIN_PER_ENV]
+    return train, held
+
+
+def run(cfg: EnvSchedConfig, pool: TaskPool, graph, learner: LatentSkillLearner, steps: int) -> dict[str, float]:
+    sched = EnvScheduler(pool, cfg.replace(seed=learner.seed), graph=graph)
+    var, med_r, envs, diag = [], [], [], {k: [] for k in DIAG}
+    t0 = time.perf_counter()
     for step in range(steps):
         ids = sched.select(step)
         nodes = pool.indices(ids)
         R = learner.rollout(nodes, cfg.rollouts_per_task)
         learner.train(nodes, R)
         m = sched.observe(step, {t: r.tolist() for t, r in zip(ids, R)})
-        variances.extend(R.var(axis=1).tolist())
-        rewards.extend(R.mean(axis=1).tolist())
+        var.append(R.var(axis=1).mean())
+        med_r.append(np.median(R.mean(axis=1)))
         envs.append(m["envsched/envs_per_batch"])
-        tools.append(m["envsched/tools_per_batch"])
-        times.append(m["envsched/schedule_time_s"])
-    return {
-        "name": name, "mean_var": float(np.mean(variances)), "median_var": float(np.median(variances)),
-        "median_reward": float(np.median(rewards)), "envs": float(np.mean(envs)), "tools": float(np.mean(tools)),
-        "final_success": float(learner.success_prob().mean()), "step_s": float(np.median(times)),
+        for k in DIAG:
+            if f"envsched/spearman_q_{k}" in m:
+                diag[k].append(m[f"envsched/spearman_q_{k}"])
+    out = {
+        "mean_var": float(np.mean(var)), "median_reward": float(np.median(med_r)), "envs": float(np.mean(envs)),
+        "heldout": learner.heldout_success(), "train_success": float(learner.success_prob().mean()),
+        "seconds": time.perf_counter() - t0,
     }
+    for k in DIAG:
+        out[f"rho_{k}"] = float(np.mean(diag[k])) if diag[k] else float("nan")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="60 steps instead of 200")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--seeds", type=int, default=1, help="learner seeds to average")
+    ap.add_argument("--seeds", type=int, default=3, help="learner / scheduler seeds (>= 3 for mean ± sd)")
+    ap.add_argument("--learners", default=",".join(LEARNERS), help="comma-separated subset of " + ",".join(LEARNERS))
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the arm names (default: all)")
+    ap.add_argument("--extra", action="store_true", help="add the 'paper estimation' and 'beyond the paper' arms")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a config field of every EnvSched arm")
+    ap.add_argument("--json", default=None, help="write the per-seed results here")
     args = ap.parse_args()
     steps = args.steps or (60 if args.quick else 200)
-    recs = synthetic_records(51, 50, seed=0)
-    pool = TaskPool.from_records(recs)
-    base = EnvSchedConfig(batch_size=64, rollouts_per_task=8)
-    t0 = time.perf_counter()
+    t_all = time.perf_counter()
+    train, held = split_records()
+    pool = TaskPool.from_records(train)
+    env, cluster = pool.env, np.array([r["meta"]["archetype"] for r in train])
+    held_env = np.array([pool.env_names.index(r["env_id"]) for r in held])
+    held_cluster = np.array([r["meta"]["archetype"] for r in held])
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    base = EnvSchedConfig(batch_size=64, rollouts_per_task=8).replace(**overrides)
     graph = EnvScheduler(pool, base).graph
-    print(f"static graph: {time.perf_counter() - t0:.1f}s, {graph.report()['extractors']}", flush=True)
-    variants = {
-        "envsched": base,
-        "random": base.replace(scheduler="random"),
-        "coverage only (rho=1)": base.replace(rho=1.0),
-        "exploitation only (rho=0)": base.replace(rho=0.0),
-    }
-    results = {}
-    for name, cfg in variants.items():
-        runs = [run(name, cfg, pool, recs, graph, steps, seed) for seed in range(args.seeds)]
-        results[name] = {k: (np.mean([r[k] for r in runs]) if k != "name" else name) for k in runs[0]}
-        print(f"  done {name}", flush=True)
+    variants = arms(base, args.extra)
+    if args.arms:
+        keep = [a.strip() for a in args.arms.split(",")]
+        unknown = [a for a in keep if a not in variants]
+        if unknown:
+            raise SystemExit(f"unknown arm(s) {unknown}; choose from {list(variants)}")
+        variants = {k: v for k, v in variants.items() if k in keep}
+    learners = [x.strip() for x in args.learners.split(",")]
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for lname in learners:
+        results[lname] = {}
+        for aname, cfg in variants.items():
+            runs = []
+            for seed in range(args.seeds):
+                learner = LatentSkillLearner(env, cluster, held_env, held_cluster, seed=seed, **LEARNERS[lname])
+                runs.append(run(cfg, pool, graph, learner, steps))
+            results[lname][aname] = runs
+            print(f"  {lname:<8} {aname:<36} done ({sum(r['seconds'] for r in runs):.0f}s)", flush=True)
+    wall = time.perf_counter() - t_all
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print_table(results, steps, args.seeds, wall)
 
-    def fmt(x, spec):
-        return "-" if x is None else format(x, spec)
 
-    print(f"\nSelection quality, simulated learner: 51 envs x 50 tasks, B=64, K=8, {steps} steps, {args.seeds} seed(s)")
-    hdr = f"{'scheduler':<27} {'mean var':>9} {'median var':>10} {'med reward':>10} {'envs/batch':>10} {'tools/batch':>11} {'final p':>8} {'step s':>7} | {'paper mean var':>14} {'paper median':>12} {'paper envs':>10} {'paper tools':>11}"
-    print(hdr)
-    print("-" * len(hdr))
-    for name, r in results.items():
-        p = PAPER[name]
-        print(f"{name:<27} {r['mean_var']:>9.5f} {r['median_var']:>10.5f} {r['median_reward']:>10.3f} {r['envs']:>10.2f} {r['tools']:>11.2f} {r['final_success']:>8.3f} {r['step_s']:>7.3f} | "
-              f"{fmt(p[0], '.4f'):>14} {fmt(p[1], '.5f'):>12} {fmt(p[3], '.2f'):>10} {fmt(p[4], '.2f'):>11}")
-    e, r = results["envsched"], results["random"]
-    dv, de = e["mean_var"] / r["mean_var"] - 1, e["envs"] / r["envs"] - 1
-    dm = e["median_var"] / r["median_var"] - 1 if r["median_var"] > 0 else float("nan")
-    print(f"\nEnvSched vs random: mean variance {dv:+.0%} (paper +34%), median variance {dm:+.0%} (paper +44%), "
-          f"environments per batch {de:+.0%} (paper +26%)")
-    print("paper direction reproduced" if dv > 0 and de > 0 else "paper direction NOT reproduced (see README: benchmark notes)")
+def _ms(runs: list[dict[str, float]], key: str) -> tuple[float, float]:
+    x = np.asarray([r[key] for r in runs], dtype=float)
+    x = x[np.isfinite(x)]
+    if not len(x):
+        return float("nan"), float("nan")
+    return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+
+def print_table(results: dict, steps: int, seeds: int, wall: float) -> None:
+    cols = [("mean var", "mean_var", ".4f"), ("med reward", "median_reward", ".3f"), ("envs/batch", "envs", ".2f"),
+            ("held-out", "heldout", ".3f"), ("train succ", "train_success", ".3f"),
+            ("rho_q all", "rho_all", ".2f"), ("rho_q obs", "rho_observed", ".2f"), ("rho_q within", "rho_within_env", ".2f")]
+    print(f"\nEnvSched quality: simulated learners, {N_ENVS} envs x {TRAIN_PER_ENV} tasks (+{HELDOUT_PER_ENV} held out per env), "
+          f"B=64, K=8, {steps} steps, {seeds} seeds, mean ± sd over seeds; wall {wall:.0f}s")
+    for lname, arms_ in results.items():
+        print(f"\nlearner: {lname}")
+        hdr = f"{'arm':<36}" + "".join(f" {c[0]:>17}" for c in cols)
+        print(hdr)
+        print("-" * len(hdr))
+        for aname, runs in arms_.items():
+            cells = []
+            for _, key, spec in cols:
+                m, s = _ms(runs, key)
+                cells.append("-" if not np.isfinite(m) else f"{format(m, spec)} ± {format(s, spec)}")
+            print(f"{aname:<36}" + "".join(f" {c:>17}" for c in cells))
+        full, rnd = arms_.get("EnvSched (full)"), arms_.get("random")
+        if full and rnd:
+            fv, rv = _ms(full, "mean_var")[0], _ms(rnd, "mean_var")[0]
+            fe, re_ = _ms(full, "envs")[0], _ms(rnd, "envs")[0]
+            fh, rh = _ms(full, "heldout")[0], _ms(rnd, "heldout")[0]
+            print(f"EnvSched vs random: variance {fv / rv - 1:+.1%} (target >= +25%, paper +34%), "
+                  f"envs/batch {fe / re_ - 1:+.1%} (target >= +20%, paper +26%), held-out {fh - rh:+.3f}")
+        if full:
+            for rel in RELATION_ARMS:
+                if rel in arms_:
+                    dv = _ms(full, "mean_var")[0] - _ms(arms_[rel], "mean_var")[0]
+                    dh = _ms(full, "heldout")[0] - _ms(arms_[rel], "heldout")[0]
+                    ok = "met" if dv >= 0 and dh >= 0 else "NOT met"
+                    print(f"  full - {rel:<15}: variance {dv:+.4f}, held-out {dh:+.3f} -> full >= ablation {ok}")
 
 
 if __name__ == "__main__":

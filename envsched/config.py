@@ -98,6 +98,10 @@ class EnvSchedConfig(BaseModel):
     # entry per (pool content hash, graph-relevant config fields); a restart with the same pool and config
     # loads the entry instead of rebuilding.  null: no cache.  Implementation choice, not in the paper.
     graph_cache_dir: str | None = None
+    # Warn when tasks lack gold call sequences and the median share of distinct App. E abstract descriptions
+    # per environment is below this (the deterministic extractor then works from tool schemas and S_abs
+    # cannot tell the tasks apart; StaticGraph.report()["abstraction"] has the figures).  0 disables it.
+    abstraction_min_distinct_fraction: float = Field(0.25, ge=0.0, le=1.0)
 
     # ---- neighbours (§2.2, Eq. 3, Eq. 7) -------------------------------------------------------
     # K_within: observed within-environment neighbours per target (by S_full).
@@ -119,6 +123,19 @@ class EnvSchedConfig(BaseModel):
     lambda_s: float = Field(2.0, ge=0.0)
     # Weight of the within-environment relation in the graph prior P (Eq. 4); cross gets 1 - this.
     fusion_within: float = Field(0.5, ge=0.0, le=1.0)
+    # How the two relation estimates form the graph prior P (Eq. 4).  "fixed" (paper): P = w G^in +
+    # (1 - w) G^cross with w = fusion_within, each G shrunk to its reference by lambda_g on its own (Eq. 3),
+    # so a relation without evidence still pulls P halfway to the reference.  "evidence": one pooled
+    # Eq. 3 over both relations' neighbours, relation weights 2w and 2(1 - w) on the a_ij, so each
+    # relation counts by its evidence mass and a relation without evidence does not dilute the other
+    # (equals "fixed" when both carry the same mass).  estimate.graph_prior.
+    fusion: Literal["fixed", "evidence"] = "fixed"
+    # Reference of the cross-environment relation (Eq. 3).  "global" (paper): neighbours' y-bar_j as they
+    # are, shrunk toward b_t.  "environment": cross-environment evidence is transferred as the neighbour's
+    # deviation from its own environment's level, y-bar_j - e_env(j) + e_env(i), where e_env is Eq. 3 over
+    # the environment's observed tasks (estimate.environment_reference); a structural twin in an easier
+    # environment then says "easier than its environment", not "easy".  Shrinkage stays toward b_t.
+    cross_reference: Literal["global", "environment"] = "global"
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).

@@ -141,15 +141,71 @@ def relation_estimate(a: np.ndarray, nbr_ybar: np.ndarray, b_t: float, lambda_g:
     return out
 
 
+def environment_reference(ybar: np.ndarray, W: np.ndarray, env: np.ndarray, b_t: float, lambda_g: float) -> np.ndarray:
+    """Eq. 3 applied to an environment's own observed tasks: the environment level of statistic y,
+
+        e_E = (sum_{j in E} W_j y-bar_j + lambda_g b_t) / (sum_{j in E} W_j + lambda_g),
+
+    returned per task (e_env(i)).  An environment without history gets b_t.  Used by
+    ``cross_reference = "environment"`` (``relation_values``)."""
+    env = np.asarray(env, dtype=np.int64)
+    n_env = int(env.max()) + 1 if env.size else 0
+    num = np.bincount(env, weights=W * ybar, minlength=n_env) + lambda_g * b_t
+    den = np.bincount(env, weights=W, minlength=n_env) + lambda_g
+    e = np.where(den > 0, num / np.where(den > 0, den, 1.0), b_t)
+    return e[env]
+
+
+def relation_values(ybar: np.ndarray, safe: np.ndarray, env_level: np.ndarray | None, interval: tuple[float, float]) -> np.ndarray:
+    """What each neighbour j of target i contributes to Eq. 3 (one row per target, one column per neighbour).
+
+    ``env_level is None`` (paper, ``cross_reference = "global"``): y-bar_j.  Otherwise (``"environment"``):
+    clip_{I_y}(y-bar_j - e_env(j) + e_env(i)) (Eq. 6 clip interval), the neighbour's deviation from its own
+    environment's level moved to the target's environment.  The shrinkage target of Eq. 3 stays b_t, so a
+    relation without neighbours still carries no evidence.
+    """
+    if env_level is None:
+        return ybar[safe]
+    vals = ybar[safe] - env_level[safe] + env_level[:, None]
+    return np.clip(vals, interval[0], interval[1])
+
+
+def graph_prior(G_in: np.ndarray, G_cross: np.ndarray, mass_in: np.ndarray, mass_cross: np.ndarray, b_t: float, lambda_g: float, w_in: float = 0.5, mode: str = "fixed") -> np.ndarray:
+    """EnvSched Eq. 4 (left): the graph prior P from the relation estimates G^r of Eq. 3.
+
+    ``mode="fixed"`` (paper): P = w G^in + (1 - w) G^cross.
+    ``mode="evidence"``: one pooled Eq. 3 over both relations' neighbours, with evidence masses
+    A_r = sum_j a^r_ij and relation weights c_in = 2w, c_cross = 2(1 - w):
+
+        P = (c_in S_in + c_cross S_cross + lambda_g b_t) / (c_in A_in + c_cross A_cross + lambda_g),
+
+    where S_r = sum_j a^r_ij y_j = G^r (A_r + lambda_g) - lambda_g b_t is recovered from Eq. 3.  A relation
+    without evidence (A_r = 0) then leaves the other undiluted; with equal masses and w = 1/2 it equals
+    "fixed" up to the shared shrinkage.
+    """
+    if mode == "fixed":
+        return w_in * G_in + (1.0 - w_in) * G_cross
+    c_in, c_cr = 2.0 * w_in, 2.0 * (1.0 - w_in)
+    s_in = G_in * (mass_in + lambda_g) - lambda_g * b_t
+    s_cr = G_cross * (mass_cross + lambda_g) - lambda_g * b_t
+    num = c_in * s_in + c_cr * s_cr + lambda_g * b_t
+    den = c_in * mass_in + c_cr * mass_cross + lambda_g
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), b_t)
+
+
 def fuse(G_in: np.ndarray, G_cross: np.ndarray, W: np.ndarray, ybar: np.ndarray, lambda_s: float, w_in: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
     """EnvSched Eq. 4: P = 1/2 G^in + 1/2 G^cross;  y-hat = (W y-bar + lambda_s P) / (W + lambda_s).
 
     Returns (P, y_hat).  With W = 0 (no own history) y-hat = P.
     """
     P = w_in * G_in + (1.0 - w_in) * G_cross
+    return P, fuse_prior(P, W, ybar, lambda_s)
+
+
+def fuse_prior(P: np.ndarray, W: np.ndarray, ybar: np.ndarray, lambda_s: float) -> np.ndarray:
+    """EnvSched Eq. 4 (right): y-hat = (W y-bar + lambda_s P) / (W + lambda_s); y-hat = P when W = 0."""
     den = W + lambda_s
-    yhat = np.where(den > 0, (W * ybar + lambda_s * P) / np.where(den > 0, den, 1.0), P)
-    return P, yhat
+    return np.where(den > 0, (W * ybar + lambda_s * P) / np.where(den > 0, den, 1.0), P)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,7 +328,7 @@ class Prediction:
         return {tid: {"v": float(self.v[i]), "m": float(self.m[i]), "d": float(self.d[i]), "q": float(self.q[i])} for i, tid in enumerate(self.task_ids)}
 
 
-def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None) -> dict[str, Any]:
+def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None, env: np.ndarray | None = None) -> dict[str, Any]:
     """One prediction pass for half-life h: Eq. 6, 11, 7, 3, 4 for y in {v, m, d}, then Eq. 12.
 
     ``kernels`` (optional, shared between the passes of one prediction) caches the W-independent Eq. 7
@@ -308,21 +364,31 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
                 kernels[rel] = (avail, kern)
         a = np.where(avail, kern * np.sqrt(np.clip(W[safe], cfg.neighbor_weight_clip[0], cfg.neighbor_weight_clip[1])), 0.0)
         weights[rel] = (safe, a)
+    if cfg.cross_reference == "environment" and env is None:
+        raise ValueError("cross_reference='environment' needs the environment of every task (env=...)")
+    mass = {rel: a.sum(axis=1) for rel, (_, a) in weights.items()}
     for y in STATS:
-        G = {rel: relation_estimate(a, ybars[y][safe], out["b"][y], cfg.lambda_g) for rel, (safe, a) in weights.items()}
-        _, out[y] = fuse(G["in"], G["cross"], W, ybars[y], cfg.lambda_s, cfg.fusion_within)
+        G = {}
+        for rel, (safe, a) in weights.items():
+            level = None
+            if rel == "cross" and cfg.cross_reference == "environment":
+                level = environment_reference(ybars[y], W, env, out["b"][y], cfg.lambda_g)
+            G[rel] = relation_estimate(a, relation_values(ybars[y], safe, level, intervals[y]), out["b"][y], cfg.lambda_g)
+        P = graph_prior(G["in"], G["cross"], mass["in"], mass["cross"], out["b"][y], cfg.lambda_g, cfg.fusion_within, cfg.fusion)
+        out[y] = fuse_prior(P, W, ybars[y], cfg.lambda_s)
     out["f"] = reconstructed_variance(out["d"], out["m"])
     out["u"] = quantile_score(out["v"], out["f"], cfg.quantile_weight_v)
     out["W"] = W
     return out
 
 
-def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig) -> Prediction:
-    """EnvSched Eq. 12–13 over both half-lives: q_{i,t} for every task of the pool."""
+def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig, env: np.ndarray | None = None) -> Prediction:
+    """EnvSched Eq. 12–13 over both half-lives: q_{i,t} for every task of the pool (``env``: environment code
+    of every task, needed for ``cross_reference = "environment"``)."""
     n = len(task_ids)
     kernels: dict[str, Any] = {}
-    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels)
-    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels)
+    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels, env)
+    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels, env)
     u, q = decline_priority(long["u"], short["u"], cfg.eta_decline)
     return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t)
 

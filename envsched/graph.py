@@ -128,6 +128,7 @@ class StaticGraph:
     fallback_reasons: dict[str, str] = field(default_factory=dict)
     build_seconds: float = 0.0
     view_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    abstraction: dict[str, float] = field(default_factory=dict)  # abstraction_report (resolution of S_abs)
     cache: str = "off"  # graph cache: "off" (no graph_cache_dir), "miss" (built and stored), "hit" (loaded), "skip"
     _rep_score: np.ndarray | None = field(default=None, repr=False)
     _fmap: np.ndarray | None = field(default=None, repr=False)
@@ -146,6 +147,7 @@ class StaticGraph:
             "abstract_features": int(self.x_abs.shape[1]),
             "nnz_full": int(self.x_full.nnz),
             "build_seconds": self.build_seconds,
+            "abstraction": dict(self.abstraction),
             "cache": self.cache,
         }
 
@@ -308,6 +310,36 @@ def _env_members(pool: TaskPool) -> list[np.ndarray]:
     return [order[bounds[e] : bounds[e + 1]] for e in range(pool.n_envs)]
 
 
+def abstraction_report(pool: TaskPool, abstract: Sequence[str], members: Sequence[np.ndarray], min_fraction: float) -> dict[str, float]:
+    """How much the App. E abstraction distinguishes the tasks of each environment (S_abs of Eq. 1).
+
+    Without gold call sequences the deterministic extractor describes a task from the tool schemas its
+    instruction / verifier name (else all of its environment's tools), which can collapse an environment's
+    tasks onto a handful of descriptions; cross-environment neighbours are then chosen among near-ties.
+    Logs a warning (with the figures and the remedies) when tasks lack gold calls and the median share of
+    distinct abstract descriptions per environment is below ``min_fraction``
+    (config ``abstraction_min_distinct_fraction``).
+    """
+    distinct = np.array([len({abstract[i] for i in m}) / len(m) for m in members if len(m)])
+    no_gold = sum(1 for t in pool.tasks if not t.gold_actions)
+    out = {
+        "tasks_without_gold_actions": float(no_gold),
+        "distinct_abstract_fraction_median": float(np.median(distinct)) if len(distinct) else 1.0,
+        "distinct_abstract_per_env_median": float(np.median([len({abstract[i] for i in m}) for m in members if len(m)])) if len(distinct) else 0.0,
+    }
+    out["low_resolution"] = float(no_gold > 0 and out["distinct_abstract_fraction_median"] < min_fraction)
+    if out["low_resolution"]:
+        log.warning(
+            "envsched: %d of %d tasks have no gold_actions, and the operation abstraction (App. E) gives a median of "
+            "%.0f distinct descriptions per environment (%.0f%% of its tasks, below abstraction_min_distinct_fraction="
+            "%.2f): those tasks are described from the tool schemas their instruction / verifier name, so "
+            "cross-environment (S_abs) neighbours are coarse.  Add gold_actions to the pool or use "
+            "operation_extractor: llm.",
+            no_gold, len(pool), out["distinct_abstract_per_env_median"], 100 * out["distinct_abstract_fraction_median"], min_fraction,
+        )
+    return out
+
+
 def make_extractor(cfg: EnvSchedConfig, client: Any = None) -> Any:
     if cfg.operation_extractor == "llm":
         return LLMExtractor.from_config(cfg.llm, client=client)
@@ -348,12 +380,13 @@ def build_static_graph(
         shapes[name] = h.shape
         blocks.append(h * np.sqrt(weight))
     x_full = sp.hstack(blocks, format="csr")
-    x_abs = _tfidf([abstract_text(d) for d in descriptions], cfg, token_pattern=r"\S+", lowercase=False)
+    abstract = [abstract_text(d) for d in descriptions]
+    x_abs = _tfidf(abstract, cfg, token_pattern=r"\S+", lowercase=False)
     members = _env_members(pool)
     graph = StaticGraph(
         x_full=x_full, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,
         extractor_counts=dict(counts), fallback_reasons=fallbacks, build_seconds=time.perf_counter() - t0,
-        view_shapes=shapes,
+        view_shapes=shapes, abstraction=abstraction_report(pool, abstract, members, cfg.abstraction_min_distinct_fraction),
     )
     graph.mean_within_env_similarity()  # cold-start representatives use static structure only
     graph.build_seconds = time.perf_counter() - t0
@@ -443,6 +476,7 @@ def save_graph(graph: StaticGraph, folder: Path, key: str) -> None:
         meta = {
             "key": key, "n": graph.n, "extractor_counts": graph.extractor_counts, "fallback_reasons": graph.fallback_reasons,
             "build_seconds": graph.build_seconds, "view_shapes": {k: list(v) for k, v in graph.view_shapes.items()},
+            "abstraction": graph.abstraction,
         }
         (tmp / _META).write_text(json.dumps(meta))
         try:
@@ -477,6 +511,7 @@ def load_graph(folder: Path, key: str, pool: TaskPool) -> StaticGraph | None:
         x_full=x_full, x_abs=x_abs, env=pool.env, env_members=_env_members(pool), descriptions=_DescriptionFile(entry / _DESCRIPTIONS, len(pool)),  # type: ignore[arg-type]
         extractor_counts=dict(meta["extractor_counts"]), fallback_reasons=dict(meta["fallback_reasons"]),
         build_seconds=float(meta["build_seconds"]), view_shapes={k: tuple(v) for k, v in meta["view_shapes"].items()}, cache="hit",
+        abstraction=dict(meta.get("abstraction", {})),
     )
     graph._rep_score = rep_score
     return graph

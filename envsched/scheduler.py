@@ -150,7 +150,13 @@ class EnvScheduler:
         if self._pred_cache is not None and self._pred_cache[:2] == key:
             return self._pred_cache[2]
         nb = self.neighbors
-        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg)
+        steps = self.log.arrays()["step"]
+        if len(steps) and step <= int(steps.max()):
+            # a past step: N_t(i) holds the most similar nodes observed *before* t (§2.2), not a top-K over
+            # the nodes observed since, with the later ones masked out (that would leave fewer than K)
+            nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
+            nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
+        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env)
         self._pred_cache = (*key, pred)
         return pred
 

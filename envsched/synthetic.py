@@ -128,3 +128,98 @@ class SimulatedLearner:
         np.add.at(self.skill_arch, self.archetype[nodes], self.lr_arch * signal)
         np.add.at(self.skill_task, nodes, self.lr_task * signal)
         self.skill_global += self.lr_global * float(signal.sum())
+
+
+@dataclass
+class LatentSkillLearner:
+    """Simulated policy for scheduling benchmarks: latent difficulty by environment, by cross-environment
+    structure cluster and by task, and learning driven by the realised within-group reward spread.
+
+    Logit of task i: ``z_i = s_global + s_env[e_i] + s_cluster[c_i] + s_task[i] - (D_env[e_i] +
+    D_cluster[c_i] + D_task[i] + offset)`` with ``D_* ~ N(0, sd_*)``.  A rollout draws one logistic noise
+    ``eps`` (the rollout's luck) and
+
+    * ``reward="partial"``: passes verifier check c when ``z + eps > thresholds[c]`` (``n_checks`` ordered
+      checks); the reward is the fraction of checks passed (partial credit);
+    * ``reward="binary"``: reward 1 when ``z + eps > 0``.
+
+    ``train(nodes, rewards)``: each trained task moves its environment, cluster, own and global skill by
+    ``lr_* * std(group rewards)`` (a GRPO-like update: a group without reward spread teaches nothing).
+    Held-out tasks (``heldout_*`` arrays, not in the training pool) share environment and cluster skills but
+    have no task skill of their own; ``heldout_success()`` is their mean probability of full success.
+    """
+
+    env: np.ndarray
+    cluster: np.ndarray
+    heldout_env: np.ndarray
+    heldout_cluster: np.ndarray
+    reward: str = "partial"  # "partial" | "binary"
+    n_checks: int = 4
+    offset: float = 0.0
+    sd_env: float = 1.5
+    sd_cluster: float = 1.5
+    sd_task: float = 1.0
+    lr_env: float = 0.01
+    lr_cluster: float = 0.0015
+    lr_task: float = 0.05
+    lr_global: float = 0.00005
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.reward not in ("partial", "binary"):
+            raise ValueError(f"reward must be 'partial' or 'binary', got {self.reward!r}")
+        rng = np.random.default_rng(self.seed)
+        n_env = int(max(self.env.max(), self.heldout_env.max())) + 1
+        n_cl = int(max(self.cluster.max(), self.heldout_cluster.max())) + 1
+        self.d_env = rng.normal(0.0, self.sd_env, n_env)
+        self.d_cluster = rng.normal(0.0, self.sd_cluster, n_cl)
+        self.d_task = rng.normal(0.0, self.sd_task, len(self.env)) + self.offset
+        self.d_heldout = rng.normal(0.0, self.sd_task, len(self.heldout_env)) + self.offset
+        self.s_env, self.s_cluster = np.zeros(n_env), np.zeros(n_cl)
+        self.s_task, self.s_global = np.zeros(len(self.env)), 0.0
+        half = 0.4 * (self.n_checks - 1)
+        self.thresholds = np.linspace(-half, half, self.n_checks) if self.reward == "partial" else np.zeros(1)
+        self.rng = np.random.default_rng(self.seed + 10_000)
+
+    def logit(self) -> np.ndarray:
+        return self.s_global + self.s_env[self.env] + self.s_cluster[self.cluster] + self.s_task - (self.d_env[self.env] + self.d_cluster[self.cluster] + self.d_task)
+
+    def _success(self, z: np.ndarray) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-(z - self.thresholds[-1])))
+
+    def success_prob(self) -> np.ndarray:
+        """Probability of full success (reward 1) of every training task."""
+        return self._success(self.logit())
+
+    def expected_reward(self) -> np.ndarray:
+        z = self.logit()[:, None]
+        return np.mean(1.0 / (1.0 + np.exp(-(z - self.thresholds[None, :]))), axis=1)
+
+    def expected_variance(self, k: int = 8) -> np.ndarray:
+        """Expected population variance of a group of ``k`` rewards (EnvSched Eq. 2) of every training task."""
+        z = self.logit()[:, None]
+        tail = 1.0 / (1.0 + np.exp(-(z - self.thresholds[None, :])))  # P(reward >= (c + 1) / n), c = 0..n-1
+        levels = np.arange(1, len(self.thresholds) + 1) / len(self.thresholds)
+        prob = tail - np.append(tail[:, 1:], np.zeros((len(z), 1)), axis=1)  # P(reward == levels[c])
+        mean = prob @ levels
+        var = prob @ levels**2 - mean**2
+        return var * (k - 1) / k
+
+    def heldout_success(self) -> float:
+        z = self.s_global + self.s_env[self.heldout_env] + self.s_cluster[self.heldout_cluster] - (self.d_env[self.heldout_env] + self.d_cluster[self.heldout_cluster] + self.d_heldout)
+        return float(self._success(z).mean())
+
+    def rollout(self, nodes: np.ndarray, k: int) -> np.ndarray:
+        """(len(nodes), k) rewards."""
+        z = self.logit()[np.asarray(nodes)][:, None]
+        eps = self.rng.logistic(0.0, 1.0, (len(nodes), k))
+        passed = (z + eps)[:, :, None] > self.thresholds[None, None, :]
+        return passed.mean(axis=2)
+
+    def train(self, nodes: np.ndarray, rewards: np.ndarray) -> None:
+        nodes = np.asarray(nodes)
+        signal = np.asarray(rewards).std(axis=1)
+        np.add.at(self.s_env, self.env[nodes], self.lr_env * signal)
+        np.add.at(self.s_cluster, self.cluster[nodes], self.lr_cluster * signal)
+        np.add.at(self.s_task, nodes, self.lr_task * signal)
+        self.s_global += self.lr_global * float(signal.sum())
