@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from t2e_fakeopenai import chat
 from t2e_kvenv import FakeKV, record
 
 from trace2env import Session, build_worldbook, load_worldbook, parse_trace
@@ -112,12 +111,12 @@ def test_agent_budget_and_giving_up_leave_state_unchanged(tmp_path):
     assert s.revision == 0
 
 
-def test_agent_over_http_with_the_openai_provider(fake_openai, tmp_path):
+def test_agent_over_http_with_the_openai_provider(fake_openai, replies, tmp_path):
     traces = [parse_trace(record(s, n=20)) for s in range(3)]
     wb = load_worldbook(build_worldbook(traces, tmp_path / "wb"))
     turns = [{"thought": "look", "tool": "inspect_action", "arguments": {"name": "get"}},
              {"tool": "submit", "arguments": {"observation": '{"error": "not found", "key": "nope"}', "outcome": "failure"}}]
-    srv = fake_openai(lambda body, n: chat(json.dumps(turns[min(n, 1)])))
+    srv = fake_openai(lambda body, n: replies.chat(json.dumps(turns[min(n, 1)])))
     p = OpenAIProvider(OpenAIProviderConfig(base_url=srv.base_url, model="wm"))
     s = Session.start(wb, proposer=WorldModelAgent(p))
     r = s.step({"name": "get", "arguments": {"key": "nope"}})

@@ -12,7 +12,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
-from t2e_fakeopenai import chat, http_error
 from t2e_kvenv import record, script
 
 from trace2env import build_worldbook, load_worldbook, make_split_manifest, parse_trace
@@ -28,8 +27,8 @@ def provider(url: str, **kw) -> OpenAIProvider:
 GOOD = {"rules": [{"id": "r", "action_type": "count", "observation_template": "{}"}]}
 
 
-def test_structured_request_validation_and_accounting(fake_openai):
-    srv = fake_openai(lambda body, n: chat(json.dumps(GOOD), prompt_tokens=1000, completion_tokens=200))
+def test_structured_request_validation_and_accounting(fake_openai, replies):
+    srv = fake_openai(lambda body, n: replies.chat(json.dumps(GOOD), prompt_tokens=1000, completion_tokens=200))
     p = provider(srv.base_url, usd_per_m_prompt=2.0, usd_per_m_completion=10.0)
     out = p.complete("induce_rules", {"transitions": [1, 2]}, RuleProposal)
     assert isinstance(out, RuleProposal) and out.rules[0].id == "r"
@@ -45,38 +44,38 @@ def test_structured_request_validation_and_accounting(fake_openai):
     assert p.usage_table()[-1]["stage"] == "total"
 
 
-def test_invalid_reply_is_repaired_then_gives_up(fake_openai):
-    replies = ["not json at all", '```json\n{"rules": [{"bogus": 1}]}\n```', "<think>hm</think> " + json.dumps(GOOD)]
-    srv = fake_openai(lambda body, n: chat(replies[min(n, 2)]))
+def test_invalid_reply_is_repaired_then_gives_up(fake_openai, replies):
+    texts = ["not json at all", '```json\n{"rules": [{"bogus": 1}]}\n```', "<think>hm</think> " + json.dumps(GOOD)]
+    srv = fake_openai(lambda body, n: replies.chat(texts[min(n, 2)]))
     p = provider(srv.base_url, repair_rounds=2)
     assert p.complete("induce_rules", {}, RuleProposal).rules[0].id == "r"
     assert len(srv.bodies) == 3 and p.usage["induce_rules"].repairs == 2
     last = srv.bodies[2]["messages"]
-    assert last[-2] == {"role": "assistant", "content": replies[1]}
+    assert last[-2] == {"role": "assistant", "content": texts[1]}
     assert "rules.0" in last[-1]["content"] and "could not be used" in last[-1]["content"]
 
-    srv2 = fake_openai(lambda body, n: chat("still not json"))
+    srv2 = fake_openai(lambda body, n: replies.chat("still not json"))
     p2 = provider(srv2.base_url, repair_rounds=1)
     with pytest.raises(ModelOutputError, match="after 2 request") as e:
         p2.complete("induce_rules", {}, RuleProposal)
     assert e.value.rounds == 2 and len(srv2.bodies) == 2 and p2.usage["induce_rules"].failures == 1
 
 
-def test_truncated_reply_doubles_the_budget(fake_openai):
-    srv = fake_openai(lambda body, n: chat('{"rules": [', "length") if n == 0 else chat(json.dumps(GOOD)))
+def test_truncated_reply_doubles_the_budget(fake_openai, replies):
+    srv = fake_openai(lambda body, n: replies.chat('{"rules": [', "length") if n == 0 else replies.chat(json.dumps(GOOD)))
     p = provider(srv.base_url, max_tokens=100, max_tokens_cap=150)
     p.complete("induce_rules", {}, RuleProposal)
     assert [b["max_tokens"] for b in srv.bodies] == [100, 150]
     assert "cut off at 100 tokens" in srv.bodies[1]["messages"][-1]["content"]
 
 
-def test_error_taxonomy(fake_openai, dead_url):
-    srv = fake_openai(lambda body, n: http_error(503) if n < 2 else chat(json.dumps(GOOD)))
+def test_error_taxonomy(fake_openai, replies, dead_url):
+    srv = fake_openai(lambda body, n: replies.error(503) if n < 2 else replies.chat(json.dumps(GOOD)))
     p = provider(srv.base_url, max_retries=2)
     p.complete("induce_rules", {}, RuleProposal)
     assert len(srv.bodies) == 3 and p.usage["induce_rules"].retries == 2  # infrastructure: retried
 
-    srv404 = fake_openai(lambda body, n: http_error(404, "model not found"))
+    srv404 = fake_openai(lambda body, n: replies.error(404, "model not found"))
     p = provider(srv404.base_url, max_retries=3)
     with pytest.raises(ConfigurationError, match="HTTP 404"):
         p.complete("induce_rules", {}, RuleProposal)
@@ -86,14 +85,14 @@ def test_error_taxonomy(fake_openai, dead_url):
     with pytest.raises(InfrastructureError, match="2 attempt"):
         p.complete("induce_rules", {}, RuleProposal)
 
-    srv_down = fake_openai(lambda body, n: http_error(429))
+    srv_down = fake_openai(lambda body, n: replies.error(429))
     with pytest.raises(InfrastructureError, match="HTTP 429"):
         provider(srv_down.base_url, max_retries=1).complete("induce_rules", {}, RuleProposal)
     assert len(srv_down.bodies) == 2
 
 
-def test_cache_resumes_without_paying_twice(fake_openai, tmp_path):
-    srv = fake_openai(lambda body, n: chat(json.dumps(GOOD)))
+def test_cache_resumes_without_paying_twice(fake_openai, replies, tmp_path):
+    srv = fake_openai(lambda body, n: replies.chat(json.dumps(GOOD)))
     a = provider(srv.base_url, cache_dir=str(tmp_path / "cache"), response_format="json_object")
     a.complete("induce_rules", {"x": 1}, RuleProposal)
     assert srv.bodies[0]["response_format"] == {"type": "json_object"}
@@ -104,14 +103,14 @@ def test_cache_resumes_without_paying_twice(fake_openai, tmp_path):
     assert len(srv.bodies) == 2
 
 
-def test_build_with_the_openai_provider_over_http(fake_openai, tmp_path):
+def test_build_with_the_openai_provider_over_http(fake_openai, replies, tmp_path):
     """The construction stages through a real HTTP round trip: a server answering the KV environment's
     schema and rules; the replay review still promotes the true rules and falsifies the wrong one."""
     answers = script()
 
     def responder(body, n):
         name = body["response_format"]["json_schema"]["name"]
-        return chat(json.dumps(answers["induce_schema" if name == SchemaProposal.__name__ else "induce_rules"]))
+        return replies.chat(json.dumps(answers["induce_schema" if name == SchemaProposal.__name__ else "induce_rules"]))
 
     srv = fake_openai(responder)
     traces = [parse_trace(record(s, n=30)) for s in range(10)]
