@@ -20,11 +20,17 @@ DRILL
     Short copy drills (:func:`copy_drill_examples`): a user message names a tool and argument values,
     the target is the call with exactly those values. Many copy targets per token of context.
 
-Training runs in two phases. Phase 1 (``drill_steps``) trains on drills alone, at a higher learning rate:
-copying multi-token values (``"F84"`` is three Qwen tokens) needs an induction-style attention circuit,
+Training runs in two phases. Phase 1 trains on drills alone, at a constant (higher) learning rate, until the
+drill loss averaged over ``drill_window`` steps falls to ``drill_target_loss`` (at most ``drill_steps``
+steps): copying multi-token values (``"F84"`` is three Qwen tokens) needs an induction-style attention circuit,
 which forms abruptly (the drill loss drops from ~0.35 to ~0.1 within a few hundred steps) after ~1,000-1,600
-steps; trained on task data from the start the same budget leaves the model guessing values (held-out
-success 0.0). Phase 2 (``max_steps``) trains on ACT and REHEARSE examples with some drills mixed in.
+steps, and when exactly depends on the machine's floating-point arithmetic. A fixed budget with a decaying
+learning rate was fragile: on an AMD EPYC the loss was still 0.29 at step 1,500 (the rate had decayed) and the
+model's held-out success was 0.02, where the same recipe on an Intel machine formed the circuit; with a
+constant rate it formed at ~1,400 steps (loss 0.10 at 1,500, 0.01 at 2,400). Stopping on the loss makes every
+machine leave phase 1 with the circuit formed (the manifest records the steps it took). Trained on task data
+from the start the same budget leaves the model guessing values (held-out success 0.0). Phase 2
+(``max_steps``) trains on ACT and REHEARSE examples with some drills mixed in, with a decaying rate.
 
 The tasks are the train split of :data:`LEARNING_POOL_KWARGS` (the ``synthetic`` pool restricted to
 one-call tasks and two-call lookup chains, canonical names), the pool the default RL run also draws its tasks
@@ -119,8 +125,10 @@ class WarmStartConfig:
     max_train_tasks: int = 0  # 0: every train task
     rehearse_per_task: int = 1  # rehearsal examples kept per task (random gold calls; 0: none)
     rehearse_every: int = 1  # rehearsal examples only for every k-th train task (more ACT tokens per step)
-    drill_steps: int = 1500  # phase 1: optimizer steps on copy drills alone (the copying circuit forms here)
-    drill_lr: float = 1.2e-2  # phase 1 peak learning rate
+    drill_steps: int = 3000  # phase 1: at most this many optimizer steps on copy drills alone (the copying circuit)
+    drill_lr: float = 1.2e-2  # phase 1 learning rate (constant after warm-up)
+    drill_target_loss: float = 0.1  # phase 1 ends once the drill loss averaged over drill_window steps is this low
+    drill_window: int = 50  # steps averaged for drill_target_loss
     copy_drills: int = 2000  # copy drills mixed into the phase-2 data (phase 1 draws its own, 30,000)
     max_history_chars: int = 1500
     epochs: int = 1
@@ -377,11 +385,17 @@ def train_sft(
     seed: int = 0,
     log_every: int = 0,
     threads: int = 1,
+    decay: bool = True,
+    stop_below: float = 0.0,
+    stop_window: int = 50,
 ) -> list[float]:
     """Fine-tune ``model`` (a tied-embedding Qwen3ForCausalLM, in place) on ``examples``; per-step losses.
 
     The softmax covers the ids occurring in ``examples`` plus ``negatives`` other ids drawn once
     (their log-sum-exp is shifted by ``log(#others / negatives)``); only those rows are trained.
+    The learning rate warms up linearly over ``warmup_steps``, then decays linearly to 5 % at the last step
+    (``decay``) or stays constant. With ``stop_below`` > 0 training ends early, at the first step where the
+    mean loss of the last ``stop_window`` steps is at most ``stop_below``.
     """
     import torch
 
@@ -389,14 +403,20 @@ def train_sft(
     torch.set_num_threads(threads)
     try:
         return _train(model, examples, epochs, max_steps, batch_tokens, lr, warmup_steps, weight_decay, grad_clip,
-                      negatives, seed, log_every)
+                      negatives, seed, log_every, decay, stop_below, stop_window)
     finally:
         torch.set_num_threads(prev_threads)
 
 
+def _window_mean(losses: Sequence[float], window: int) -> float:
+    """Mean of the last ``window`` losses (all of them when fewer)."""
+    tail = losses[-window:]
+    return sum(tail) / len(tail)
+
+
 def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: int, batch_tokens: int, lr: float,
            warmup_steps: int, weight_decay: float, grad_clip: float, negatives: int, seed: int,
-           log_every: int) -> list[float]:
+           log_every: int, decay: bool = True, stop_below: float = 0.0, stop_window: int = 50) -> list[float]:
     import torch
     import torch.nn.functional as F
 
@@ -422,7 +442,7 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     total = max_steps or epochs * len(_batches(examples, batch_tokens, random.Random(0)))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) * max(0.05, 1 - s / max(1, total))
+        opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) * (max(0.05, 1 - s / max(1, total)) if decay else 1.0)
     )
     pad_c = max(int(remap[_tok.QWEN3_SPECIAL_START_ID]), 0)
     losses: list[float] = []
@@ -464,6 +484,11 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
                 if log_every and step % log_every == 0:
                     recent = losses[-log_every:]
                     print(f"step {step}/{total} loss {sum(recent) / len(recent):.4f} ({time.time() - t0:.0f}s)", flush=True)
+                if stop_below > 0 and len(losses) >= stop_window and _window_mean(losses, stop_window) <= stop_below:
+                    print(f"step {step}/{total}: loss over the last {stop_window} steps "
+                          f"{_window_mean(losses, stop_window):.4f} <= {stop_below}, stopping", flush=True)
+                    total = step
+                    break
     with torch.no_grad():
         full_w[torch.tensor(used)] = compact.detach()
     model.eval()
@@ -700,7 +725,14 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
     common: dict[str, Any] = {"batch_tokens": cfg.batch_tokens, "warmup_steps": cfg.warmup_steps,
                               "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "negatives": cfg.negatives,
                               "log_every": log_every, "threads": cfg.threads}
-    drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1, **common) if drills else []
+    drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1,
+                             decay=False, stop_below=cfg.drill_target_loss, stop_window=cfg.drill_window,
+                             **common) if drills else []
+    drill_formed = _window_mean(drill_losses, cfg.drill_window) <= cfg.drill_target_loss if drill_losses else None
+    if drill_formed is False:
+        print(f"warm start: WARNING the drill loss is still {_window_mean(drill_losses, cfg.drill_window):.3f} after "
+              f"{len(drill_losses)} steps (target {cfg.drill_target_loss}): the copying circuit did not form and the "
+              f"model will guess argument values", flush=True)
     losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed, **common)
     t_train = time.time() - t0 - t_data
     with _tiny._no_progress_bars():
@@ -725,7 +757,8 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
             "rehearse_examples": sum(e.kind == "rehearse" for e in examples),
             "drill_examples": sum(e.kind == "drill" for e in examples),
             "drill_steps": len(drill_losses),
-            "drill_final_loss": round(sum(drill_losses[-50:]) / len(drill_losses[-50:]), 4) if drill_losses else None,
+            "drill_final_loss": round(_window_mean(drill_losses, cfg.drill_window), 4) if drill_losses else None,
+            "drill_formed": drill_formed,
             "steps": len(losses),
             "first_loss": round(losses[0], 4) if losses else None,
             "final_loss": round(sum(tail) / len(tail), 4) if losses else None,

@@ -33,6 +33,8 @@ FAST = [
     "trainer.save_freq=1",
     "trainer.test_freq=2",
     "data.val_max_samples=4",
+    # recompute the old log-probs (cpu_default bypasses it) so verl reports rollout-vs-trainer differences
+    "algorithm.rollout_correction.bypass_mode=false",
 ]
 
 

@@ -220,6 +220,33 @@ def test_training_is_deterministic(pool, tok, sample_tasks):
     assert runs[0] == runs[1]
 
 
+def test_training_stops_once_the_windowed_loss_reaches_the_target(pool, tok, sample_tasks):
+    """Phase 1's stopping rule: the first step whose last-``stop_window`` mean loss is <= ``stop_below``."""
+    examples = [W.act_examples(pool, tid, tok)[0] for tid in sample_tasks[:2]]
+    kw = {"max_steps": 12, "batch_tokens": 1024, "lr": 1e-2, "warmup_steps": 2, "negatives": 64, "seed": 1}
+    full = W.train_sft(_tiny_model(), examples, **kw)
+    assert len(full) == 12
+    # a target between the window means of the full run: it stops at the first window that reaches it
+    means = [sum(full[i - 3:i]) / 3 for i in range(3, 13)]
+    target = (max(means) + min(means)) / 2
+    first = next(i for i, m in zip(range(3, 13), means, strict=True) if m <= target)
+    stopped = W.train_sft(_tiny_model(), examples, stop_below=target, stop_window=3, **kw)
+    assert len(stopped) == first < 12
+    assert stopped == full[:first]  # the same steps up to the stop (same schedule: decay spans max_steps)
+    # an unreachable target runs every step; no early stop without a target
+    assert len(W.train_sft(_tiny_model(), examples, stop_below=1e-9, stop_window=3, **kw)) == 12
+
+
+def test_constant_rate_differs_from_decay_only_after_warmup(pool, tok, sample_tasks):
+    examples = [W.act_examples(pool, tid, tok)[0] for tid in sample_tasks[:2]]
+    kw = {"max_steps": 6, "batch_tokens": 1024, "lr": 1e-2, "warmup_steps": 2, "negatives": 64, "seed": 1}
+    decayed = W.train_sft(_tiny_model(), examples, **kw)
+    constant = W.train_sft(_tiny_model(), examples, decay=False, **kw)
+    # the first update (s = 0) has the same rate (warm-up 1/2, decay factor 1 - 0/6 = 1); the second differs
+    # (decay factor 1 - 1/6), so losses agree up to the one after the first update and not after
+    assert constant[:2] == decayed[:2] and constant[2] != decayed[2]
+
+
 def test_recipe_hash_tracks_the_config():
     assert W.warm_recipe_hash() == W.warm_recipe_hash(W.WarmStartConfig())
     assert W.warm_recipe_hash() != W.warm_recipe_hash(dataclasses.replace(W.DEFAULT_CONFIG, max_steps=1))
