@@ -47,6 +47,7 @@ __all__ = [
     "MalformedToolCall",
     "check_model_served",
     "classify_http_error",
+    "is_context_too_long",
     "parse_assistant_output",
 ]
 
@@ -114,13 +115,19 @@ _CONTEXT_TOO_LONG = re.compile(
 )
 
 
+def is_context_too_long(status: int | None, message: str) -> bool:
+    """Whether a rejected request failed on the conversation's length (the model's failure, not a configuration
+    error): a 400/413/422 whose message says so, in the wording of vLLM, transformers serve or OpenAI."""
+    return status in (400, 413, 422) and bool(_CONTEXT_TOO_LONG.search(message))
+
+
 def classify_http_error(status: int | None, message: str, *, base_url: str = "", model: str = "") -> Exception:
     """The taxonomy error for a failed chat request (``status`` None: no HTTP answer at all)."""
     where = f"{base_url}: " if base_url else ""
     if status is None or status in RETRYABLE_STATUS or status >= 500:
         code = f"HTTP {status}: " if status is not None else ""
         return InfrastructureError(f"{where}{code}{message}")
-    if status in (400, 413, 422) and _CONTEXT_TOO_LONG.search(message):
+    if is_context_too_long(status, message):
         return ModelError(f"{where}HTTP {status}: {message}")
     hint = " (is the model name served there, and does the base URL end in /v1?)" if status == 404 else ""
     return ConfigurationError(

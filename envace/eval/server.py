@@ -189,33 +189,42 @@ def launch_server(
 
 # The guard (python -c _GUARD CMD...): leader of the server's session; runs CMD as its child in its process
 # group; stdin is the lifeline pipe. EOF on it (the evaluation process is gone, however it ended) or a
-# SIGTERM stops the whole group: SIGTERM, a grace period, then SIGKILL. Plain stdlib: starts in milliseconds.
+# SIGTERM stops the whole group: SIGTERM, then SIGKILL once the server has exited or the grace period
+# (ENVACE_SERVER_GRACE_S, default 20 s) has passed, whichever comes first; the SIGKILL also ends the guard
+# and any process the server left behind. The wait runs in its own thread, never in the signal handler: the
+# main thread sits in server.wait(), which holds the Popen's waitpid lock, so a poll() from the handler (or
+# from another thread) never sees the exit and a clean stop used to take the whole grace period. The main
+# thread's wait sets `exited`; the stopper thread is not a daemon, so the interpreter finishes it before
+# exiting. Plain stdlib: starts in milliseconds.
 _GUARD = r"""
-import os, signal, subprocess, sys, threading, time
+import os, signal, subprocess, sys, threading
 server = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+exited = threading.Event()
 stopping = threading.Event()
 
-def stop_group(*_):
-    if stopping.is_set():
-        return
-    stopping.set()
+def stop_group():
     try:
         os.killpg(0, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + float(os.environ.get("ENVACE_SERVER_GRACE_S", "20"))
-    while server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    exited.wait(float(os.environ.get("ENVACE_SERVER_GRACE_S", "20")))
     os.killpg(0, signal.SIGKILL)
+
+def request_stop(*_):
+    if not stopping.is_set():
+        stopping.set()
+        threading.Thread(target=stop_group).start()
 
 def lifeline():
     while os.read(0, 4096):
         pass
-    stop_group()
+    request_stop()
 
-signal.signal(signal.SIGTERM, stop_group)
+signal.signal(signal.SIGTERM, request_stop)
 threading.Thread(target=lifeline, daemon=True).start()
-sys.exit(server.wait())
+code = server.wait()
+exited.set()
+sys.exit(code)
 """
 
 

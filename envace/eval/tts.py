@@ -60,7 +60,7 @@ from pydantic import BaseModel, Field, StrictBool, field_validator
 from envace.agents.engine import LoopLimits, Reply, Role, Transcript, TurnEngine
 from envace.agents.sources import RehearseSource, render_history
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict
-from envace.eval.client import _CONTEXT_TOO_LONG, ChatClient
+from envace.eval.client import ChatClient, is_context_too_long
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, RunContext, TaskRecord, register_runner, to_api_messages
 from envace.rewards.llm import ConfigurationError, JudgeFormatError, LLMEndpointConfig, LLMPool
 
@@ -668,7 +668,7 @@ class RehearsalRunner:
         except JudgeFormatError as exc:
             return None, f"JudgeFormatError: {exc}"
         except ConfigurationError as exc:
-            if exc.status_code in (400, 413, 422) and _CONTEXT_TOO_LONG.search(str(exc)):
+            if is_context_too_long(exc.status_code, str(exc)):
                 return None, f"context too long: {exc}"
             raise
         return value, None

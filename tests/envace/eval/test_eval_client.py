@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envace.agents.engine import ModelError
-from envace.eval.client import ChatClient, EndpointConfig, parse_assistant_output
+from envace.eval.client import ChatClient, EndpointConfig, is_context_too_long, parse_assistant_output
 from envace.rewards.llm import ConfigurationError, InfrastructureError
 
 
@@ -236,6 +236,30 @@ def test_client_errors_follow_the_one_taxonomy(stub: str, status: int, message: 
     _Stub.responses = [(status, {"error": {"message": message}})]
     with pytest.raises(kind):
         client.complete([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "expected"),
+    [
+        # vLLM
+        (400, "This model's maximum context length is 1024 tokens. However, you requested 1500 tokens.", True),
+        # OpenAI
+        (400, "This model's maximum context length is 8192 tokens; your messages resulted in 9000 tokens.", True),
+        # transformers serve / generic wording
+        (422, "Input is too long for the model", True),
+        (413, "prompt is too long", True),
+        # the same words with a status that is not a rejection of the request's size
+        (500, "maximum context length exceeded", False),
+        (404, "context length", False),
+        (None, "context length", False),
+        # a 400 about something else
+        (400, "temperature must be >= 0", False),
+        (400, "the tool list is too large", False),
+    ],
+)
+def test_is_context_too_long(status: int | None, message: str, expected: bool) -> None:
+    """The one context-overflow predicate (client taxonomy and test-time rehearsal's masking share it)."""
+    assert is_context_too_long(status, message) is expected
 
 
 def test_unreachable_endpoint_is_infrastructure(dead_url: str) -> None:

@@ -85,6 +85,45 @@ def test_the_server_dies_with_the_evaluation(tmp_path, sig):
             os.kill(server_pid, signal.SIGKILL)
 
 
+def _serve_and_stop(tmp_path, monkeypatch, script: str) -> tuple[int, int, float]:
+    """Launch ``script`` as the server through :func:`launch_server`, leave the block at once; return the
+    server's pid, the process group's id and the seconds the shutdown took."""
+    from envace.eval import server
+
+    fake = tmp_path / "fake_server.py"
+    fake.write_text(script)
+    pidfile = tmp_path / "server.pid"
+    monkeypatch.setattr(server, "server_command",
+                        lambda kind, checkpoint, host, port, extra=(): [sys.executable, str(fake), str(port), str(pidfile)])
+    with server.launch_server(str(tmp_path), "transformers", startup_timeout=120) as launched:
+        server_pid = int(pidfile.read_text())
+        assert _alive(server_pid)
+        t0 = time.monotonic()
+    return server_pid, launched.pid, time.monotonic() - t0
+
+
+def test_a_clean_stop_does_not_wait_out_the_grace_period(tmp_path, monkeypatch):
+    """Old behaviour: the guard waited for the server inside its SIGTERM handler with ``server.poll()``, which
+    always answered None (the main thread's ``server.wait()`` held the waitpid lock), so a server that exited
+    at once still kept its group alive for the whole grace period (20 s) before the SIGKILL."""
+    from envace.eval.server import _group_alive
+
+    monkeypatch.delenv("ENVACE_SERVER_GRACE_S", raising=False)  # the default: 20 s
+    server_pid, pgid, took = _serve_and_stop(tmp_path, monkeypatch, FAKE_SERVER)
+    assert not _alive(server_pid) and not _group_alive(pgid)
+    assert took < 10.0, f"stopping a server that exits on SIGTERM took {took:.1f}s (grace period 20 s)"
+
+
+def test_a_server_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, monkeypatch):
+    from envace.eval.server import _group_alive
+
+    monkeypatch.setenv("ENVACE_SERVER_GRACE_S", "2")
+    hung = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + FAKE_SERVER
+    server_pid, pgid, took = _serve_and_stop(tmp_path, monkeypatch, hung)
+    assert not _alive(server_pid) and not _group_alive(pgid)
+    assert took >= 1.5, f"the server was killed after {took:.1f}s, before its 2 s grace period"
+
+
 def test_transformers_serve_returns_text_for_a_malformed_tool_call():
     """Stock ``transformers serve`` lets the tool-call parser's exception escape (HTTP 500: an infrastructure
     error, retried forever); envace's entry point returns no structured calls, so the raw block stays in the
