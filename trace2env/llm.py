@@ -19,9 +19,13 @@ is one :meth:`OpenAIProvider.complete` call ``(stage, payload, response_model)``
   :class:`ModelOutputError`;
 * accounting per stage (:class:`StageUsage`): logical calls, HTTP requests, repairs, failures, prompt and
   completion tokens and the cost from configured prices (:meth:`OpenAIProvider.usage_table`);
-* an optional content-addressed cache (``cache_dir``): key = sha256 of (model, stage, messages, schema,
-  sampling); a hit returns the validated answer without a request, so an interrupted build resumes
-  without paying twice.
+* an optional content-addressed cache (``cache_dir``): key = sha256 of the canonical JSON (sorted keys) of
+  everything sent that can change the answer: the stage, the first request's whole body (model, messages
+  with the stage instruction and the schema, temperature, ``max_tokens``, ``response_format``,
+  ``extra_body``, which the ``openai`` client merges into the body), the parameters of the follow-up
+  requests (``repair_rounds``, ``max_tokens_cap``) and :data:`CACHE_VERSION`; a hit returns the validated
+  answer without a request, so an interrupted build resumes without paying twice. The endpoint's URL, key
+  and time-outs are not part of it (a resumed build may reach the same model on another port).
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from .providers import ConfigurationError, InfrastructureError, ModelOutputError
 __all__ = ["STAGE_INSTRUCTIONS", "OpenAIProvider", "OpenAIProviderConfig", "StageUsage", "extract_json_object"]
 
 T = TypeVar("T", bound=BaseModel)
+
+#: part of every cache key; bump it when the wording sent by the code (the JSON instruction appended to the
+#: stage's system message, the repair message) changes, so answers to the old wording are asked again
+CACHE_VERSION = 2
 
 #: the system message of each stage (paper Appendix C.2 / C.3 roles; wording our own)
 STAGE_INSTRUCTIONS: dict[str, str] = {
@@ -290,29 +298,10 @@ class OpenAIProvider:
                      self.config.max_payload_chars)
         return [{"role": "system", "content": system}, {"role": "user", "content": body}]
 
-    def _cache_path(self, stage: str, messages: list[dict[str, str]], response_model: type[BaseModel]) -> Path | None:
+    def _request_body(self, messages: list[dict[str, str]], response_model: type[BaseModel]) -> dict[str, Any]:
+        """The keyword arguments of a stage's first request (``extra_body`` as the client's own argument)."""
         cfg = self.config
-        if not cfg.cache_dir:
-            return None
-        key = hashlib.sha256(json.dumps([cfg.model, stage, messages, response_model.model_json_schema(),
-                                         cfg.temperature, cfg.response_format], sort_keys=True,
-                                        ensure_ascii=False).encode()).hexdigest()
-        return Path(cfg.cache_dir) / stage / f"{key}.json"
-
-    def complete(self, stage: str, payload: Mapping[str, Any], response_model: type[T]) -> T:
-        """One stage answer, validated by ``response_model`` (see the module docstring)."""
-        cfg = self.config
-        self._count(stage, calls=1)
-        messages = self.messages(stage, payload, response_model)
-        cpath = self._cache_path(stage, messages, response_model)
-        if cpath is not None and cpath.is_file():
-            try:
-                out = response_model.model_validate_json(cpath.read_text(encoding="utf-8"))
-                self._count(stage, cache_hits=1)
-                return out
-            except ValidationError:
-                pass  # a stale entry (the model changed): ask again and overwrite it
-        kwargs: dict[str, Any] = {"model": cfg.model}
+        kwargs: dict[str, Any] = {"model": cfg.model, "messages": messages, "max_tokens": cfg.max_tokens}
         if cfg.temperature is not None:
             kwargs["temperature"] = cfg.temperature
         if cfg.extra_body:
@@ -322,6 +311,34 @@ class OpenAIProvider:
                 "name": response_model.__name__, "schema": response_model.model_json_schema(), "strict": False}}
         elif cfg.response_format == "json_object":
             kwargs["response_format"] = {"type": "json_object"}
+        return kwargs
+
+    def cache_key(self, stage: str, request: Mapping[str, Any]) -> str:
+        """sha256 of the canonical JSON of everything sent for a stage that can change its answer: the first
+        request's body (``request``, as :meth:`_request_body` builds it) and the follow-ups' parameters."""
+        cfg = self.config
+        try:
+            canonical = json.dumps({"version": CACHE_VERSION, "stage": stage, "request": request,
+                                    "repair_rounds": cfg.repair_rounds, "max_tokens_cap": cfg.max_tokens_cap},
+                                   sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigurationError(f"the request of stage {stage!r} is not plain JSON (check extra_body): {e}") from e
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def complete(self, stage: str, payload: Mapping[str, Any], response_model: type[T]) -> T:
+        """One stage answer, validated by ``response_model`` (see the module docstring)."""
+        cfg = self.config
+        self._count(stage, calls=1)
+        messages = self.messages(stage, payload, response_model)
+        kwargs = self._request_body(messages, response_model)
+        cpath = Path(cfg.cache_dir) / stage / f"{self.cache_key(stage, kwargs)}.json" if cfg.cache_dir else None
+        if cpath is not None and cpath.is_file():
+            try:
+                out = response_model.model_validate_json(cpath.read_text(encoding="utf-8"))
+                self._count(stage, cache_hits=1)
+                return out
+            except ValidationError:
+                pass  # a stale entry (the model changed): ask again and overwrite it
         convo = list(messages)
         max_tokens = cfg.max_tokens
         text: str | None = None

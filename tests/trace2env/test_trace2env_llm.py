@@ -103,6 +103,59 @@ def test_cache_resumes_without_paying_twice(fake_openai, replies, tmp_path):
     assert len(srv.bodies) == 2
 
 
+@pytest.mark.parametrize("change", [
+    {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}},
+    {"max_tokens": 64},
+    {"temperature": 0.7},
+    {"response_format": "json_schema"},
+    {"model": "other"},
+    {"max_tokens_cap": 4096},
+    {"repair_rounds": 0},
+])
+def test_cache_key_covers_every_parameter_that_changes_the_answer(fake_openai, replies, tmp_path, change):
+    """Old behaviour: the key was (model, stage, messages, schema, temperature, response_format), so two
+    configurations differing only in extra_body (e.g. thinking on/off) or max_tokens shared cached answers."""
+    srv = fake_openai(lambda body, n: replies.chat(json.dumps(GOOD)))
+    base = {"cache_dir": str(tmp_path / "cache"), "response_format": "json_object", "max_tokens": 512,
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": False}, "seed": 3}}
+    kw = {**base, **change}
+    model = kw.pop("model", "m")
+    provider(srv.base_url, **base).complete("induce_rules", {"x": 1}, RuleProposal)
+    changed = OpenAIProvider(OpenAIProviderConfig(base_url=srv.base_url, model=model, backoff_base_s=0.0, **kw))
+    changed.complete("induce_rules", {"x": 1}, RuleProposal)
+    assert len(srv.bodies) == 2 and changed.usage["induce_rules"].cache_hits == 0  # a miss: asked again
+    assert len(list((tmp_path / "cache" / "induce_rules").glob("*.json"))) == 2
+    sent = srv.bodies[1]
+    if "extra_body" in change:
+        assert sent["chat_template_kwargs"] == {"enable_thinking": True} and "seed" not in sent
+    if "max_tokens" in change:
+        assert sent["max_tokens"] == 64
+
+
+def test_identical_requests_hit_the_cache_across_instances(fake_openai, replies, tmp_path):
+    """The key is canonical (sorted keys): the same request from another provider, with extra_body written in
+    another order, is answered from the cache; the key is a pure function of the request (stable across
+    processes: no hash(), no object ids)."""
+    srv = fake_openai(lambda body, n: replies.chat(json.dumps(GOOD)))
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "seed": 3}
+    a = provider(srv.base_url, cache_dir=str(tmp_path / "cache"), max_tokens=512, extra_body=extra)
+    a.complete("induce_rules", {"x": 1}, RuleProposal)
+    assert srv.bodies[0]["seed"] == 3 and srv.bodies[0]["max_tokens"] == 512
+    b = provider(srv.base_url, cache_dir=str(tmp_path / "cache"), max_tokens=512, timeout_s=5.0,
+                 extra_body=dict(reversed(list(extra.items()))))
+    assert b.complete("induce_rules", {"x": 1}, RuleProposal).rules[0].id == "r"
+    assert len(srv.bodies) == 1 and b.usage["induce_rules"].cache_hits == 1
+    req = b._request_body(b.messages("induce_rules", {"x": 1}, RuleProposal), RuleProposal)
+    assert a.cache_key("induce_rules", req) == b.cache_key("induce_rules", json.loads(json.dumps(req)))
+    assert a.cache_key("induce_rules", req) != a.cache_key("induce_notes", req)
+
+
+def test_cache_refuses_an_extra_body_that_is_not_json(tmp_path):
+    p = provider("http://127.0.0.1:9/v1", cache_dir=str(tmp_path / "cache"), extra_body={"seed": {1, 2}})
+    with pytest.raises(ConfigurationError, match="extra_body"):
+        p.complete("induce_rules", {}, RuleProposal)
+
+
 def test_build_with_the_openai_provider_over_http(fake_openai, replies, tmp_path):
     """The construction stages through a real HTTP round trip: a server answering the KV environment's
     schema and rules; the replay review still promotes the true rules and falsifies the wrong one."""

@@ -4,6 +4,9 @@ official scorers run through the pools. Scores are ~0 (random weights); the poin
 server, chat template with tools, tool-call parsing, simulated τ² user, checkers, table, resume.
 
 Generation is kept short (32 new tokens, a few turns) so the runs take about a minute each on CPU.
+
+The same server also answers trace2env's OpenAI provider and world-model agent (the ``test_trace2env_*``
+tests at the end): real replies through repair rounds, truncation retries, token accounting and the answer cache.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from envace.eval.server import LaunchedServer, launch_server
+
+if TYPE_CHECKING:
+    from trace2env.llm import OpenAIProvider
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +199,177 @@ def test_tts_with_the_served_model_as_rehearsal_model(server: LaunchedServer, fa
     assert not any((b["messages"][0]["content"] or "").startswith("You are the environment")
                    for b in fake.bodies)  # the policy endpoint wrote no tool response
     assert rec["reward"] == 1.0, rec["reason"]
+
+
+# -- trace2env's OpenAI provider and world-model agent against the same real server ---------------------------------
+# The fake-server tests (tests/trace2env/test_trace2env_llm.py, test_trace2env_agent.py) script the replies; here the
+# replies are the tiny random model's own. ``transformers serve`` ignores ``response_format`` (it logs "Ignoring
+# unsupported fields"), so the provider's default json_schema request is answered with free text and the validation
+# is the provider's own. Greedy decoding (the provider's default temperature 0) makes the replies deterministic.
+
+
+class _Wire:
+    """An ``openai`` client whose HTTP exchanges with the server are recorded: (request body, status, response
+    body), so the provider's accounting is compared with what the server itself reported."""
+
+    def __init__(self, base_url: str) -> None:
+        import httpx
+        import openai
+
+        self.exchanges: list[tuple[dict, int, dict]] = []
+
+        def record(resp: httpx.Response) -> None:
+            resp.read()
+            self.exchanges.append((json.loads(resp.request.content), resp.status_code, resp.json()))
+
+        self.client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=120, max_retries=0,
+                                    http_client=httpx.Client(timeout=120, event_hooks={"response": [record]}))
+
+    def usage(self, key: str) -> int:
+        return sum(resp["usage"][key] for _, _, resp in self.exchanges)
+
+
+def _t2e_provider(server: LaunchedServer, **config: object) -> tuple[OpenAIProvider, _Wire]:
+    from trace2env.llm import OpenAIProvider, OpenAIProviderConfig
+
+    wire = _Wire(server.base_url)
+    return OpenAIProvider(OpenAIProviderConfig(base_url=server.base_url, model=server.model, **config),
+                          client=wire.client), wire
+
+
+def test_trace2env_provider_repairs_truncation_and_accounting_on_a_real_server(server: LaunchedServer,
+                                                                              tmp_path: Path) -> None:
+    """A stage the random model cannot answer: every request reaches the server; replies cut off at max_tokens are
+    retried at twice the budget (up to the cap); the bounded repair rounds show the model its reply; the call ends in
+    ModelOutputError naming the stage, the rounds and the reason (no default answer, nothing cached); the per-stage
+    tokens and cost equal the server's reported usage."""
+    from pydantic import BaseModel
+
+    from trace2env.llm import STAGE_INSTRUCTIONS
+    from trace2env.providers import ModelOutputError
+
+    class Notes(BaseModel):
+        notes: list[str]
+
+    p, wire = _t2e_provider(server, max_tokens=4, max_tokens_cap=8, repair_rounds=2, cache_dir=str(tmp_path / "cache"),
+                            usd_per_m_prompt=1.0, usd_per_m_completion=2.0)
+    payload = {"transitions": [{"id": "t0", "action": {"name": "get", "arguments": {"key": "a"}},
+                                "observation": '{"key": "a", "value": 1}'}]}
+    with pytest.raises(ModelOutputError) as ei:
+        p.complete("induce_notes", payload, Notes)
+
+    assert len(wire.exchanges) == 3 and all(status == 200 for _, status, _ in wire.exchanges)
+    bodies = [b for b, _, _ in wire.exchanges]
+    answers = [r["choices"][0] for _, _, r in wire.exchanges]
+    assert answers[0]["finish_reason"] == "length" and wire.exchanges[0][2]["usage"]["completion_tokens"] == 4
+    budgets = [b["max_tokens"] for b in bodies]
+    for prev, nxt, ans in zip(budgets, budgets[1:], answers):  # doubled after a cut-off reply, capped at 8
+        assert nxt == (min(8, 2 * prev) if ans["finish_reason"] == "length" else prev)
+    assert budgets[:2] == [4, 8]
+    for b in bodies:
+        assert b["model"] == server.model and b["temperature"] == 0.0
+        assert b["response_format"]["json_schema"]["name"] == "Notes"
+        assert b["messages"][0]["content"].startswith(STAGE_INSTRUCTIONS["induce_notes"])
+        assert json.loads(b["messages"][1]["content"]) == payload
+    for i in (1, 2):  # a repair round: the previous request, the model's reply, the reason it was refused
+        msgs = bodies[i]["messages"]
+        assert msgs[:-2] == bodies[i - 1]["messages"]
+        assert msgs[-2] == {"role": "assistant", "content": answers[i - 1]["message"]["content"]}
+        assert msgs[-1]["role"] == "user" and msgs[-1]["content"].startswith("Your previous reply could not be used")
+        assert f"cut off at {budgets[i - 1]} tokens" in msgs[-1]["content"]
+
+    err = ei.value
+    assert err.rounds == 3 and err.text == answers[-1]["message"]["content"]
+    assert "stage 'induce_notes': no valid Notes after 3 request(s)" in str(err)
+    assert f"(the reply was cut off at {budgets[-1]} tokens)" in str(err)
+
+    u = p.usage["induce_notes"]
+    assert (u.calls, u.requests, u.repairs, u.retries, u.failures, u.cache_hits) == (1, 3, 2, 0, 1, 0)
+    assert u.prompt_tokens == wire.usage("prompt_tokens") > 0
+    assert u.completion_tokens == wire.usage("completion_tokens") > 0
+    prompts = [r["usage"]["prompt_tokens"] for _, _, r in wire.exchanges]
+    assert prompts == sorted(set(prompts))  # each repair round sends a longer conversation
+    assert u.usd == pytest.approx(u.prompt_tokens * 1e-6 + u.completion_tokens * 2e-6)
+    total = p.usage_table()[-1]
+    assert total["stage"] == "total" and total["prompt_tokens"] == u.prompt_tokens
+
+    # a failed stage is not cached: asking again goes to the server again
+    assert not list((tmp_path / "cache").rglob("*.json"))
+    with pytest.raises(ModelOutputError):
+        p.complete("induce_notes", payload, Notes)
+    assert len(wire.exchanges) == 6 and p.usage["induce_notes"].failures == 2
+
+
+def test_trace2env_provider_cache_on_a_real_server(server: LaunchedServer, tiny_model: Path, tmp_path: Path) -> None:
+    """A validated answer is cached: the repeat (same provider, or a new one on the same cache directory) returns
+    the identical answer without a request. The random model writes no JSON by itself, so the request's standard
+    ``logit_bias`` (passed through ``extra_body``) makes the server generate ``{}`` tokens, which validate."""
+    from pydantic import BaseModel
+    from tokenizers import Tokenizer  # not transformers: its import alone takes ~15 s on a CI core
+
+    class Notes(BaseModel):
+        notes: list[str] = []
+
+    (brace,) = Tokenizer.from_file(str(tiny_model / "tokenizer.json")).encode("{}", add_special_tokens=False).ids
+    cfg = {"max_tokens": 4, "cache_dir": str(tmp_path / "cache"),
+           "extra_body": {"logit_bias": {str(brace): 100.0}}}  # a float: the server refuses an int bias (HTTP 500)
+    p, wire = _t2e_provider(server, **cfg)
+    payload = {"transitions": ["t0"]}
+    first = p.complete("induce_notes", payload, Notes)
+    assert len(wire.exchanges) == 1
+    body, status, resp = wire.exchanges[0]
+    assert status == 200 and body["logit_bias"] == {str(brace): 100.0}
+    assert resp["choices"][0]["message"]["content"].startswith("{}")  # the server generated it
+    assert first == Notes() and list((tmp_path / "cache" / "induce_notes").glob("*.json"))
+    u = p.usage["induce_notes"]
+    assert (u.calls, u.requests, u.repairs, u.cache_hits) == (1, 1, 0, 0)
+    assert (u.prompt_tokens, u.completion_tokens) == (resp["usage"]["prompt_tokens"], resp["usage"]["completion_tokens"])
+
+    again = p.complete("induce_notes", payload, Notes)
+    resumed, wire2 = _t2e_provider(server, **cfg)  # an interrupted build restarts on the same cache
+    third = resumed.complete("induce_notes", payload, Notes)
+    assert again == first == third
+    assert len(wire.exchanges) == 1 and not wire2.exchanges
+    u = p.usage["induce_notes"]
+    assert (u.calls, u.requests, u.cache_hits, u.prompt_tokens) == (2, 1, 1, resp["usage"]["prompt_tokens"])
+    assert resumed.usage["induce_notes"].cache_hits == 1 and resumed.totals().requests == 0
+    # another payload is another key: it goes to the server
+    p.complete("induce_notes", {"transitions": ["t1"]}, Notes)
+    assert len(wire.exchanges) == 2
+
+
+def test_trace2env_world_model_agent_step_on_a_real_server(server: LaunchedServer, tmp_path: Path) -> None:
+    """One simulator step that no rule or record covers goes to the world-model agent, whose model call reaches
+    the server with the step's brief; the random model never answers a valid AgentTurn, so after the repair round
+    the step is an error observation (the world model's failure), the state unchanged, never an invented one."""
+    from trace2env import WorldbookEnv, build_worldbook, load_worldbook, parse_trace
+    from trace2env.agent import WorldModelAgent
+
+    def steps(*calls: tuple[str, dict, dict]) -> list[dict]:
+        return [{"action": {"name": n, "arguments": a}, "observation": json.dumps(o)} for n, a, o in calls]
+
+    traces = [parse_trace({"episode_id": f"ep{i}", "metadata": {"initial_state_id": "empty"}, "steps": steps(
+        ("put", {"key": k, "value": i}, {"ok": True, "key": k}),
+        ("get", {"key": k}, {"key": k, "value": i}),
+        ("get", {"key": "missing"}, {"error": "not found", "key": "missing"}))}) for i, k in enumerate("abc")]
+    wb = load_worldbook(build_worldbook(traces, tmp_path / "wb"))
+    p, wire = _t2e_provider(server, max_tokens=8, repair_rounds=1)
+    agent = WorldModelAgent(p)
+    env = WorldbookEnv(wb, proposer=agent)
+    env.reset({"initial_state_id": "empty"}, seed=0)
+    before = env.session.state
+    obs, done, info = env.step({"name": "get", "arguments": {"key": "zzz"}})
+
+    assert info["route"] == "proposer" and not info["accepted"] and not done
+    assert json.loads(obs) == {"error": "the world model proposed nothing", "type": "no_transition"}
+    assert env.session.state is before and env.session.revision == 0
+    st = agent.stats
+    assert (st.steps, st.model_calls, st.format_failures, st.accepted, st.tool_calls) == (1, 1, 1, 0, 0)
+    assert len(wire.exchanges) == 2 and all(status == 200 for _, status, _ in wire.exchanges)
+    brief = json.loads(wire.exchanges[0][0]["messages"][1]["content"])
+    assert brief["action"]["name"] == "get" and brief["action"]["arguments"] == {"key": "zzz"}
+    assert brief["transcript"] == [] and brief["tool_calls_left"] == agent.max_tool_calls and "submit" in brief["tools"]
+    assert brief["evidence"] and brief["package_applicability"]["abstained"]  # records of get, none supporting
+    u = p.usage["world_model_step"]
+    assert (u.calls, u.requests, u.repairs, u.failures) == (1, 2, 1, 1)
+    assert (u.prompt_tokens, u.completion_tokens) == (wire.usage("prompt_tokens"), wire.usage("completion_tokens"))
