@@ -239,3 +239,159 @@ def test_malformed_block_is_an_error_not_an_exception(good, junk):
     r = parse_tool_calls(text)
     assert r.calls == [ToolCall(n, a) for n, a in good]
     assert len(r.errors) == 1 and r.errors[0].startswith("tool call 1")
+
+
+# ------------------------------------------------------------------------ exact messages and renderings
+
+
+def test_to_message_exact_dict():
+    text = (
+        "<think>\nr\n</think>\n\nSure.\n"
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1}, "id": "c1"}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    )
+    assert parse_tool_calls(text).to_message() == {
+        "role": "assistant",
+        "content": "Sure.",
+        "reasoning_content": "r",
+        "tool_calls": [
+            {"type": "function", "id": "c1", "function": {"name": "f", "arguments": {"x": 1}}},
+            {"type": "function", "function": {"name": "g", "arguments": {}}},  # no id: no "id" key
+        ],
+    }
+    # no reasoning, no calls: neither key
+    assert parse_tool_calls("hi").to_message() == {"role": "assistant", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        # json.loads("\n{bad json}\n") fails at char 2 (after the newline and "{") with this stdlib message
+        (
+            "{bad json}",
+            "tool call 1: invalid JSON (Expecting property name enclosed in double quotes at char 2): '{bad json}'",
+        ),
+        ('{"arguments": {}}', "tool call 1: missing or non-string 'name' (keys: ['arguments'])"),
+        ('{"name": 3, "z": 1, "a": 2}', "tool call 1: missing or non-string 'name' (keys: ['a', 'name', 'z'])"),
+        ('["f", {}]', "tool call 1: body must be a JSON object, got list"),
+        ('{"name": "f", "arguments": [1]}', "tool call 1 ('f'): arguments of 'f' must be a JSON object, got list"),
+    ],
+)
+def test_error_messages_exact(body, message):
+    r = parse_tool_calls(f"<tool_call>\n{body}\n</tool_call>")
+    assert r.errors == [message] and r.calls == [] and r.content == ""
+
+
+def test_error_messages_exact_structure():
+    assert parse_tool_calls("a </tool_call> b").errors == ["stray </tool_call> without an opening <tool_call>"]
+    assert parse_tool_calls('x <tool_call>\n {"name": "f"} ').errors == [
+        'tool call 1: unterminated <tool_call> block (no </tool_call>): \'{"name": "f"}\''
+    ]
+    assert parse_tool_calls("<think>\nhm").errors == [
+        "unterminated <think> block: reasoning has no </think> (truncated output?)"
+    ]
+    # the block number counts every opened block, good or bad
+    ok = '<tool_call>{"name": "f"}</tool_call>'
+    assert parse_tool_calls(ok + ok + "<tool_call>[1]</tool_call>").errors == [
+        "tool call 3: body must be a JSON object, got list"
+    ]
+    assert parse_tool_calls(3).errors == ["expected text, got int"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [79, 80, 81, 200])
+def test_error_snippet_is_cut_after_80_characters(n):
+    body = "{" + "a" * (n - 1)  # n characters of invalid JSON
+    r = parse_tool_calls(f"<tool_call>  {body}  </tool_call>")
+    shown = body if n <= 80 else body[:80] + "..."
+    assert len(r.errors) == 1 and r.errors[0].endswith(": " + repr(shown))
+
+
+def test_render_assistant_text_whitespace_matches_template():
+    from envace.models import render_chat
+
+    prompt = [{"role": "user", "content": "q"}]
+    head = render_chat(prompt) + "<|im_start|>assistant\n"
+    for content, reasoning in (("\n\n ok \n", " r \n"), ("\nXML parsed", "\n\n r\n"), ("ok", "")):
+        msg = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        body = render_chat(prompt + [msg])[len(head) : -len("<|im_end|>\n")]
+        assert render_assistant_text(content, (), reasoning) == body
+    # by hand: reasoning keeps its spaces (only newlines are stripped), content loses leading newlines only
+    assert render_assistant_text("\n\n ok \n", (), " r \n") == "<think>\n r \n</think>\n\n ok \n"
+    assert render_assistant_text("\nXML parsed", (), "\n\n r\n") == "<think>\n r\n</think>\n\nXML parsed"
+    # defaults: no content, no reasoning -> the calls alone, "\n"-joined, no leading newline
+    f, g = ToolCall("f", {}), ToolCall("g", {"a": 1})
+    assert render_assistant_text(calls=[f, g]) == render_tool_call(f) + "\n" + render_tool_call(g)
+    assert render_assistant_text() == ""
+    assert render_assistant_text("c", [f]) == "c\n" + render_tool_call(f)
+
+
+def test_stray_closing_tags_at_the_edges_and_adjacent_text():
+    # a stray tag at position 0 is still an error, and the text right after it is kept whole
+    r = parse_tool_calls("</tool_call>xy")
+    assert r.content == "xy" and r.errors == ["stray </tool_call> without an opening <tool_call>"]
+    r = parse_tool_calls("a</tool_call>bc</tool_call>")
+    assert r.content == "a\nbc" and len(r.errors) == 2
+    # a good block followed directly by text: the text starts right after the closing tag
+    r = parse_tool_calls('<tool_call>{"name": "f"}</tool_call>xy')
+    assert r.content == "xy" and r.calls == [ToolCall("f", {})]
+    r = parse_tool_calls('<tool_call>{bad}</tool_call>xy<tool_call>\n\t{"name": "g"}\r\n </tool_call>z')
+    assert r.content == "xy\nz" and r.calls == [ToolCall("g", {})] and len(r.errors) == 1
+
+
+def test_reasoning_after_leading_whitespace():
+    r = parse_tool_calls('  \n<think>\nr\n</think>\n\nok<tool_call>{"name": "f"}</tool_call>')
+    assert r.reasoning == "r" and r.content == "ok" and r.calls == [ToolCall("f", {})] and r.ok
+    r = parse_tool_calls("  <think>\n still\n")
+    assert r.reasoning == " still" and r.content == "" and len(r.errors) == 1
+    # a </think> inside a call's JSON, no <think> at all: no reasoning, the call is parsed
+    r = parse_tool_calls('x <tool_call>{"name": "f", "arguments": {"s": "</think>"}}</tool_call>')
+    assert r.reasoning is None and r.content == "x" and r.calls == [ToolCall("f", {"s": "</think>"})]
+    # a </think> before the first call without <think> (thinking-mode output): everything before it is reasoning
+    r = parse_tool_calls('plan</think>ok<tool_call>{"name": "f"}</tool_call>')
+    assert r.reasoning == "plan" and r.content == "ok" and r.calls == [ToolCall("f", {})]
+
+
+def test_absurd_nesting_is_an_error_not_a_crash():
+    deep = "[" * 100_000 + "]" * 100_000
+    r = parse_tool_calls(f"<tool_call>{deep}</tool_call>after")
+    assert r.calls == [] and r.content == "after"
+    assert len(r.errors) == 1 and r.errors[0].startswith("tool call 1: invalid JSON (RecursionError): '[[[")
+
+
+def test_decode_keeps_only_name_arguments_and_id():
+    keys = {c: 0 for c in "jihgfedcba"}  # ten keys, no name: the message lists the first eight, sorted
+    r = parse_tool_calls(f"<tool_call>{json.dumps(keys)}</tool_call>")
+    assert r.errors == ["tool call 1: missing or non-string 'name' (keys: ['a', 'b', 'c', 'd', 'e', 'f', 'g', 'h'])"]
+    r = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1}, "id": "c9", "extra": [1]}</tool_call>')
+    assert r.calls == [ToolCall("f", {"a": 1}, id="c9")] and r.calls[0].id == "c9" and r.ok
+
+
+def test_render_tool_call_dict_forms_and_non_ascii_name():
+    assert render_tool_call({"name": "f"}) == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert render_tool_call({"name": "f", "arguments": {"a": "é"}}) == (
+        '<tool_call>\n{"name": "f", "arguments": {"a": "é"}}\n</tool_call>'
+    )
+    assert render_tool_call({"function": {"name": "météo"}}) == (
+        '<tool_call>\n{"name": "météo", "arguments": {}}\n</tool_call>'
+    )
+    with pytest.raises(TypeError, match="expected ToolCall or dict, got int"):
+        render_tool_call(3)  # type: ignore[arg-type]
+
+
+def test_reasoning_ends_at_the_first_think_end():
+    # a later </think> (here inside a call's JSON string) belongs to the content, not to the reasoning
+    r = parse_tool_calls(
+        '<think>\nr\n</think>\n\nok<tool_call>{"name": "f", "arguments": {"s": "</think>"}}</tool_call>'
+    )
+    assert r.reasoning == "r" and r.content == "ok" and r.calls == [ToolCall("f", {"s": "</think>"})]
+    # no <think>: a </think> inside the first call is not a reasoning end, even if another call follows
+    first = '<tool_call>{"name": "f", "arguments": {"s": "</think>"}}</tool_call>'
+    r = parse_tool_calls("a" + first + '<tool_call>{"name": "g"}</tool_call>')
+    assert r.reasoning is None and r.content == "a" and r.calls == [ToolCall("f", {"s": "</think>"}), ToolCall("g", {})]
+    # thinking-mode output whose reasoning is empty: "</think>" at position 0
+    r = parse_tool_calls("</think>\n\nok")
+    assert r.reasoning == "" and r.content == "ok" and r.ok
+    # the reasoning is the whole <think> block: a "<think>" written inside it is kept, spaces are kept
+    r = parse_tool_calls("<think>\n  a <think> b  \n</think>\n\nok")
+    assert r.reasoning == "  a <think> b  " and r.content == "ok"
+    assert parse_tool_calls("<think>\nXML X\n</think>\n\nok").reasoning == "XML X"  # only newlines are stripped
