@@ -448,10 +448,11 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
     losses: list[float] = []
     model.train()
     step = 0
+    stopped = False
     t0 = time.time()
     with _tiny._fork_rng():
         torch.manual_seed(seed)
-        while step < total:
+        while step < total and not stopped:
             for batch in _batches(examples, batch_tokens, rng):
                 if step >= total:
                     break
@@ -484,11 +485,13 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
                 if log_every and step % log_every == 0:
                     recent = losses[-log_every:]
                     print(f"step {step}/{total} loss {sum(recent) / len(recent):.4f} ({time.time() - t0:.0f}s)", flush=True)
-                if stop_below > 0 and len(losses) >= stop_window and _window_mean(losses, stop_window) <= stop_below:
-                    print(f"step {step}/{total}: loss over the last {stop_window} steps "
-                          f"{_window_mean(losses, stop_window):.4f} <= {stop_below}, stopping", flush=True)
-                    total = step
-                    break
+                if stop_below > 0 and len(losses) >= stop_window:
+                    window = _window_mean(losses, stop_window)
+                    if window <= stop_below:
+                        print(f"step {step}/{total}: loss over the last {stop_window} steps {window:.4f} "
+                              f"<= {stop_below}, stopping", flush=True)
+                        stopped = True
+                        break
     with torch.no_grad():
         full_w[torch.tensor(used)] = compact.detach()
     model.eval()
@@ -728,16 +731,18 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
     drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1,
                              decay=False, stop_below=cfg.drill_target_loss, stop_window=cfg.drill_window,
                              **common) if drills else []
-    drill_formed = _window_mean(drill_losses, cfg.drill_window) <= cfg.drill_target_loss if drill_losses else None
+    drill_final = _window_mean(drill_losses, cfg.drill_window) if drill_losses else None
+    drill_formed = drill_final <= cfg.drill_target_loss if drill_final is not None else None
     if drill_formed is False:
-        print(f"warm start: WARNING the drill loss is still {_window_mean(drill_losses, cfg.drill_window):.3f} after "
+        print(f"warm start: WARNING the drill loss is still {drill_final:.3f} after "
               f"{len(drill_losses)} steps (target {cfg.drill_target_loss}): the copying circuit did not form and the "
               f"model will guess argument values", flush=True)
     losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed, **common)
     t_train = time.time() - t0 - t_data
     with _tiny._no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
-    tail = losses[-max(1, len(losses) // 10):]
+    tenth = max(1, len(losses) // 10)
+    head, tail = losses[:tenth], losses[-tenth:]
     files = {}
     for f in sorted(out.iterdir()):
         if f.is_file() and f.name != _tiny.MANIFEST_NAME:
@@ -757,10 +762,10 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
             "rehearse_examples": sum(e.kind == "rehearse" for e in examples),
             "drill_examples": sum(e.kind == "drill" for e in examples),
             "drill_steps": len(drill_losses),
-            "drill_final_loss": round(_window_mean(drill_losses, cfg.drill_window), 4) if drill_losses else None,
+            "drill_final_loss": round(drill_final, 4) if drill_final is not None else None,
             "drill_formed": drill_formed,
             "steps": len(losses),
-            "first_loss": round(losses[0], 4) if losses else None,
+            "first_loss": round(sum(head) / len(head), 4) if losses else None,
             "final_loss": round(sum(tail) / len(tail), 4) if losses else None,
             "data_seconds": round(t_data, 1),
             "train_seconds": round(t_train, 1),

@@ -310,11 +310,14 @@ def test_full_warm_start_build():
     out = W.ensure_warm_model()
     assert W.is_warm_complete(out, verify=True)
     manifest = json.loads((out / "envace_manifest.json").read_text())
+    # phase 2 lowered the task loss (mean of its last tenth of steps below the mean of its first tenth: a single
+    # first batch can be drills the model already copies, lower than the phase's average)
     assert manifest["train"]["final_loss"] < manifest["train"]["first_loss"]
-    # What the warm start is relied on for today: both roles' output formats (tool calls to act on, strict
-    # rehearsals), so act-rehearse rollouts have rehearsals to train. Its held-out task success is recorded but
-    # not yet in the [0.15, 0.6] band the learning run needs (the tiny model does not learn to copy argument
-    # values in the CPU budget); that is an open item, not asserted here.
+    # phase 1 ended because the copying circuit formed (drill loss at the target), not at the step cap
+    assert manifest["train"]["drill_formed"] is True, manifest["train"]
+    # What the warm start is relied on: both roles' output formats (tool calls to act on, strict rehearsals), so
+    # act-rehearse rollouts have rehearsals to train. Its held-out task success (0.23 at T=1.0 on an AMD EPYC
+    # build) is recorded, not asserted: it has been measured on one machine only.
     held = manifest["heldout_success"]
     assert 0.0 <= held["success"] <= 1.0 and set(held["per_category"]) <= set(dict(W.LEARNING_POOL_KWARGS)["shapes"])
     rehearsal = W.evaluate_rehearsal(out, n_tasks=16)
