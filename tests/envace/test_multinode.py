@@ -1,7 +1,10 @@
 """The multi-node path of scripts/train.sh, for real on one machine.
 
 Two Ray nodes on loopback (a head and a worker, two raylets), NNODES=2 with one CPU-platform device
-slot per node, one training step across both nodes (FSDP over gloo, one rank per node). The cluster is
+slot per node, one training step across both nodes (FSDP over gloo, one rank per node). The step's tool
+calls are answered by the Trace2Env simulator (``observation_source=simulator`` over worldbooks built
+model-free from the synthetic pool's gold traces by ``scripts/build_worldbook.sh``), so the same run is the
+end-to-end training test of the simulator as an observation source (issue 9). The cluster is
 token-authenticated (the head writes the token to RAY_AUTH_TOKEN_PATH, the worker reads it), an unrelated
 Ray cluster on the same machine survives the run (train.sh stops only what it started), and a worker node
 that cannot see the run directory stops the run before training, named in the error.
@@ -9,6 +12,7 @@ that cannot see the run directory stops the run before training, named in the er
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -134,17 +138,44 @@ def bystander():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_two_ray_nodes_one_training_step(tmp_path, bystander):
+#: the default run's synthetic pool (configs/experiment/cpu_default.yaml), cut to its first two environments
+SIM_POOL = {"n_envs": 2, "shapes": ["act", "query", "lookup_act", "lookup_query"], "renamings": False,
+            "reward": "binary"}
+
+
+@pytest.fixture(scope="module")
+def worldbooks(tmp_path_factory) -> Path:
+    """One worldbook per environment of ``SIM_POOL``, built model-free from gold traces of its train split."""
+    out = tmp_path_factory.mktemp("worldbooks")
+    proc = subprocess.run([str(REPO / "scripts" / "build_worldbook.sh"), "--pool", "synthetic", "--out", str(out),
+                           "--pool-kwargs", json.dumps(SIM_POOL)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    books = out / "books"
+    assert len([d for d in books.iterdir() if (d / "manifest.json").is_file()]) == SIM_POOL["n_envs"]
+    return books
+
+
+def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
     bystander_proc, bystander_port = bystander
     port = _free_port()
     token = tmp_path / "shared" / "ray_token"
     env = _env(port, token)
     head_cmd = [
         str(REPO / "scripts" / "train.sh"),
-        "experiment=cpu_bfcl",  # the tiny random Qwen3 on BFCL: the mechanics, not the learning
+        # the warm-started tiny Qwen3 (it emits tool calls) on the synthetic pool, its calls answered by the
+        # Trace2Env simulator; the reward still comes from the real environment's replay (the shadow)
+        "experiment=cpu_default",
+        "envace.agent.observation_source=simulator", f"envace.agent.worldbook={worldbooks}",
+        f"+envace.agent.pool_kwargs.synthetic.n_envs={SIM_POOL['n_envs']}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
-        "data.max_response_length=64", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
+        "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
+        # verl pads a step's rows to a multiple of ppo_mini_batch_size x n = 8, 4 per rank: micro-batches of 4
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        # recompute the old log-probs so verl reports the rollout-vs-trainer difference across the two nodes
+        "algorithm.rollout_correction.bypass_mode=false",
     ]
     head = subprocess.Popen(head_cmd, cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -172,6 +203,10 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander):
     assert "auth: token" in text and "wrote a new Ray auth token" in text
     assert "step:1 - " in text
     assert "training/rollout_probs_diff_max" in text
+    # the simulator answered the step's tool calls, each compared with the real environment's response
+    compared = re.search(r"envace/rehearsal_fidelity/compared:([\d.]+)", text)
+    assert compared and float(compared.group(1)) > 0, text[-4000:]
+    assert re.search(r"envace/rehearsal_fidelity/exact:[\d.]+", text)
     # two FSDP ranks, one rollout replica each, placed on two different Ray nodes
     servers = re.findall(r"hfcpu://[^/\s']+/(\w+)/hfcpu_server_(\d+)_0", text)
     assert {rank for _, rank in servers} == {"0", "1"}, servers
