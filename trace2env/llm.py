@@ -12,11 +12,12 @@ is one :meth:`OpenAIProvider.complete` call ``(stage, payload, response_model)``
 * the reply is validated **locally** with pydantic (a ``<think>`` block, code fences and prose around one
   JSON object are tolerated); an invalid reply gets up to ``repair_rounds`` follow-ups that show the model
   its reply and the validation errors; a reply cut off at ``max_tokens`` is retried once per round at
-  twice the budget (up to ``max_tokens_cap``);
-* errors follow the project taxonomy (:mod:`trace2env.providers`): infrastructure failures are retried
-  with exponential backoff and then raised as :class:`InfrastructureError`, configuration errors are
-  raised at once as :class:`ConfigurationError`, and a stage that never validates raises
-  :class:`ModelOutputError`;
+  twice the budget (up to ``max_tokens_cap``) — the loop is :class:`trace2env.llmcore.RepairLoop`, shared
+  with envace's judge pool;
+* errors follow the project's one taxonomy (:mod:`trace2env.llmcore`, the classes envace catches too):
+  infrastructure failures are retried with exponential backoff and then raised as
+  :class:`InfrastructureError`, configuration errors are raised at once as :class:`ConfigurationError`,
+  and a stage that never validates raises :class:`ModelOutputError`;
 * accounting per stage (:class:`StageUsage`): logical calls, HTTP requests, repairs, failures, prompt and
   completion tokens and the cost from configured prices (:meth:`OpenAIProvider.usage_table`);
 * an optional content-addressed cache (``cache_dir``): key = sha256 of the canonical JSON (sorted keys) of
@@ -34,7 +35,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Mapping
@@ -45,7 +45,17 @@ from typing import Any, Literal, TypeVar
 import openai
 from pydantic import BaseModel, ValidationError
 
-from .providers import ConfigurationError, InfrastructureError, ModelOutputError
+from .llmcore import (
+    ConfigurationError,
+    InfrastructureError,
+    ModelOutputError,
+    RepairLoop,
+    backoff_delay,
+    extract_json_object,
+    is_retryable_status,
+    not_found_hint,
+    retry_after_s,
+)
 
 __all__ = ["STAGE_INSTRUCTIONS", "OpenAIProvider", "OpenAIProviderConfig", "StageUsage", "extract_json_object"]
 
@@ -53,7 +63,8 @@ T = TypeVar("T", bound=BaseModel)
 
 #: part of every cache key; bump it when the wording sent by the code (the JSON instruction appended to the
 #: stage's system message, the repair message) changes, so answers to the old wording are asked again
-CACHE_VERSION = 2
+#: (3: the repair message quotes the shared extractor's reasons, e.g. "invalid JSON: ... at char N")
+CACHE_VERSION = 3
 
 #: the system message of each stage (paper Appendix C.2 / C.3 roles; wording our own)
 STAGE_INSTRUCTIONS: dict[str, str] = {
@@ -87,6 +98,13 @@ STAGE_INSTRUCTIONS: dict[str, str] = {
         "would return. Stay consistent with earlier turns of this episode. Evidence labelled format_only or "
         "uncertain shows the shape of an observation, not its values. Answer with one JSON object: "
         '{"thought": ..., "tool": <tool name or "submit">, "arguments": {...}}.'),
+    "predict_observation": (
+        "You predict the observation a software environment returns for an action (an evaluation baseline: "
+        "the payload's instructions say what context you are given). Answer with the observation exactly as "
+        "the environment would return it."),
+    "judge_observation": (
+        "You judge a simulator's predicted observation against the reference observation the real environment "
+        "returned, with the rubric in the payload's instructions."),
 }
 
 
@@ -162,51 +180,11 @@ class StageUsage:
     usd: float = 0.0
 
 
-_RETRYABLE = frozenset({408, 409, 425, 429})
-_FENCE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
-
-
-def extract_json_object(text: str | None) -> dict[str, Any]:
-    """The one JSON object of a reply (after a ``<think>`` block, inside fences, or amid prose).
-
-    Raises :class:`ValueError` with the reason."""
-    if not text or not text.strip():
-        raise ValueError("the reply is empty")
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    elif text.lstrip().startswith("<think>"):
-        raise ValueError("the reply is an unterminated <think> block")
-    body = text.strip()
-    decoder = json.JSONDecoder()
-    for cand in [m.group(1).strip() for m in _FENCE.finditer(body)] + [body]:
-        try:
-            obj = json.loads(cand)
-        except json.JSONDecodeError:
-            obj = None
-            for m in re.finditer(r"\{", cand):
-                try:
-                    obj, _ = decoder.raw_decode(cand, m.start())
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(obj, dict):
-                    break
-        if isinstance(obj, dict):
-            return obj
-    raise ValueError("no JSON object in the reply")
-
-
 def _clip(text: str, limit: int) -> str:
     if limit <= 0 or len(text) <= limit:
         return text
     half = limit // 2
     return f"{text[:half]}\n...({len(text) - 2 * half} characters omitted)...\n{text[-half:]}"
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or '<root>'}: {e.get('msg')}"
-                         for e in exc.errors()[:8])
-    return str(exc)
 
 
 class OpenAIProvider:
@@ -250,24 +228,22 @@ class OpenAIProvider:
                 self._count(stage, retries=1)
             self._count(stage, requests=1)
             retry_after: float | None = None
+            timed_out = False
             try:
                 resp = self.client.chat.completions.create(**kwargs)
             except openai.APITimeoutError:
-                last = f"no reply within {cfg.timeout_s:g}s"
+                last, timed_out = f"no reply within {cfg.timeout_s:g}s", True
             except openai.APIConnectionError as e:
                 last = f"connection failed ({e.__cause__ or e})"
             except openai.APIStatusError as e:
                 status = e.status_code
-                if status in _RETRYABLE or status >= 500:
+                if is_retryable_status(status):
                     last = f"HTTP {status}: {str(e)[:200]}"
-                    try:
-                        retry_after = float(e.response.headers.get("retry-after", ""))
-                    except (TypeError, ValueError):
-                        retry_after = None
+                    retry_after = retry_after_s(e)
                 else:
-                    hint = " (is the model served there, and does the base URL end in /v1?)" if status == 404 else ""
                     raise ConfigurationError(f"{cfg.base_url} rejected the request for model {cfg.model!r}: "
-                                             f"HTTP {status}: {str(e)[:300]}{hint}") from e
+                                             f"HTTP {status}: {str(e)[:300]}{not_found_hint(status)}",
+                                             status_code=status, base_url=cfg.base_url) from e
             except openai.APIError as e:
                 last = f"bad response: {str(e)[:200]}"
             else:
@@ -281,12 +257,10 @@ class OpenAIProvider:
                     return choices[0].message.content or "", choices[0].finish_reason
                 last = "the response has no choices"
             if attempt < cfg.max_retries:
-                delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2**attempt) * (0.5 + self._rng.random())
-                if retry_after is not None:
-                    delay = max(delay, min(retry_after, cfg.backoff_max_s))
-                time.sleep(delay)
+                time.sleep(backoff_delay(attempt, cfg.backoff_base_s, cfg.backoff_max_s, self._rng.random(),
+                                         retry_after))
         raise InfrastructureError(f"{cfg.base_url} model {cfg.model!r}: {cfg.max_retries + 1} attempt(s) failed; "
-                                  f"last: {last}")
+                                  f"last: {last}", attempts=cfg.max_retries + 1, timed_out=timed_out)
 
     # -- the Provider interface -----------------------------------------------------------------------
     def messages(self, stage: str, payload: Mapping[str, Any], response_model: type[BaseModel]) -> list[dict[str, str]]:
@@ -339,27 +313,16 @@ class OpenAIProvider:
                 return out
             except ValidationError:
                 pass  # a stale entry (the model changed): ask again and overwrite it
-        convo = list(messages)
-        max_tokens = cfg.max_tokens
-        text: str | None = None
-        reason = ""
-        rounds = 0
+        loop = RepairLoop(messages, response_model, cfg.repair_rounds, repair_prompt=_repair_prompt,
+                          max_tokens=cfg.max_tokens, max_tokens_cap=cfg.max_tokens_cap)
         try:
-            for round_ in range(cfg.repair_rounds + 1):
-                if round_:
+            while loop.pending:
+                if loop.rounds:
                     self._count(stage, repairs=1)
-                    convo = [*convo, {"role": "assistant", "content": text or ""},
-                             {"role": "user", "content": f"Your previous reply could not be used: {reason}. Reply again "
-                                                         "with exactly one JSON object matching the schema, nothing else."}]
-                rounds += 1
-                text, finish = self._request(stage, {**kwargs, "messages": convo, "max_tokens": max_tokens})
-                try:
-                    out = response_model.model_validate(extract_json_object(text))
-                except ValueError as e:  # ValidationError is a ValueError
-                    reason = _reason(e)
-                    if finish == "length":
-                        reason += f" (the reply was cut off at {max_tokens} tokens)"
-                        max_tokens = min(cfg.max_tokens_cap, max_tokens * 2)
+                request = {**kwargs, "messages": loop.messages, "max_tokens": loop.max_tokens}
+                text, finish = self._request(stage, request)
+                out = loop.feed(text, finish)
+                if out is None:
                     continue
                 if cpath is not None:
                     cpath.parent.mkdir(parents=True, exist_ok=True)
@@ -371,5 +334,11 @@ class OpenAIProvider:
             self._count(stage, failures=1)
             raise
         self._count(stage, failures=1)
-        raise ModelOutputError(f"stage {stage!r}: no valid {response_model.__name__} after {rounds} request(s): "
-                               f"{reason}; last reply: {(text or '')[:300]!r}", text=text, rounds=rounds)
+        raise ModelOutputError(f"stage {stage!r}: no valid {response_model.__name__} after {loop.rounds} request(s): "
+                               f"{loop.reason}; last reply: {(loop.text or '')[:300]!r}", text=loop.text,
+                               rounds=loop.rounds)
+
+
+def _repair_prompt(reason: str) -> str:
+    return (f"Your previous reply could not be used: {reason}. Reply again with exactly one JSON object matching "
+            "the schema, nothing else.")

@@ -9,11 +9,12 @@ stage name, a JSON payload and a pydantic response model; the answer is validate
 * :class:`trace2env.llm.OpenAIProvider` — any OpenAI-compatible endpoint (``openai`` client, JSON-schema
   structured output validated locally by pydantic, bounded repair rounds, token and cost accounting).
 
-Errors follow the project's one taxonomy (the same three kinds as ``envace.rewards.llm``, which this
-standalone library cannot import): :class:`InfrastructureError` (endpoint down, time-out, 429/5xx; retried,
-then raised), :class:`ConfigurationError` (4xx, unknown model; raised at once) and
-:class:`ModelOutputError` (the model answered but nothing validated after the repair rounds). All are
-:class:`ProviderError` s, as is a scripted provider's missing answer.
+Errors follow the project's one taxonomy, defined once in :mod:`trace2env.llmcore` (``envace.rewards.llm``
+re-exports the same classes): :class:`InfrastructureError` (endpoint down, time-out, 429/5xx; retried, then
+raised), :class:`ConfigurationError` (4xx, unknown model; raised at once) and :class:`ModelOutputError` (the
+model answered but nothing validated after the repair rounds). All are :class:`ProviderError` s (the
+taxonomy's base :class:`~trace2env.llmcore.LLMError` under its trace2env name), as is a scripted provider's
+missing answer.
 
 The response models of the stages the deterministic pipeline already consumes live here too.
 """
@@ -25,6 +26,7 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
+from .llmcore import ConfigurationError, InfrastructureError, LLMError, ModelOutputError
 from .models import ActionSpec, Frozen, Invariant, RenderContract, StateField, TransitionRule
 
 __all__ = [
@@ -43,31 +45,15 @@ __all__ = [
 ]
 
 Stage = Literal["extract_transition", "induce_schema", "induce_rules", "falsify_rules", "induce_renderers",
-                "induce_notes", "world_model_step"]
+                "induce_notes", "world_model_step", "predict_observation", "judge_observation"]
 STAGES: tuple[str, ...] = Stage.__args__  # type: ignore[attr-defined]
 
 T = TypeVar("T", bound=BaseModel)
 
 
-class ProviderError(RuntimeError):
-    """A stage the provider cannot answer (unscripted, exhausted, or invalid after repairs)."""
-
-
-class InfrastructureError(ProviderError):
-    """The endpoint failed (connection, time-out, HTTP 408/409/425/429/5xx, malformed body) on every attempt."""
-
-
-class ConfigurationError(ProviderError):
-    """The request can never succeed as configured (HTTP 400/401/403/404/422: bad key, unknown model)."""
-
-
-class ModelOutputError(ProviderError):
-    """The endpoint answered, but no reply validated against the stage's model after the repair rounds."""
-
-    def __init__(self, message: str, *, text: str | None = None, rounds: int = 1) -> None:
-        super().__init__(message)
-        self.text = text
-        self.rounds = rounds
+#: a stage the provider cannot answer (unscripted, exhausted, endpoint failure, invalid after repairs): the
+#: base of the taxonomy (:class:`~trace2env.llmcore.LLMError`), so ``except ProviderError`` catches all of it
+ProviderError = LLMError
 
 
 @runtime_checkable

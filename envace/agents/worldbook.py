@@ -16,10 +16,14 @@ The session starts from the worldbook's declared defaults with the task's ``init
 Reward never comes from the simulator: like the LLM simulator, every call is also executed in the task's
 real environment, unseen by the agent (the shadow), and the pool's official verifier scores that replay;
 each simulated observation is compared with the real one (:func:`envace.agents.sources.fidelity`,
-``Observation.meta["fidelity"]``). Observation kinds: an accepted step is ``result`` / ``tool_error`` (by
-its text); an invalid or unknown action is ``tool_error`` (the model's mistake); a step the simulator cannot
-answer (no rule, no supporting evidence, the world model gave up) is ``simulator_gap`` — the agent reads
-the error, the count is in ``meta``, and the shadow still executed the call.
+``Observation.meta["fidelity"]``). That reward is the task's W2R outcome (the actions chosen inside the
+simulator, replayed in the real environment); with the same tasks run with ``observation_source=real``
+(Real) it gives the paper's Real / W2R / CR columns (:func:`trace2env.consistency.w2r_consistency`; WM
+needs a verdict of the simulator itself, which this source does not form). Observation kinds: an accepted
+step is ``result`` / ``tool_error`` (by its text); an invalid or unknown action is ``tool_error`` (the
+model's mistake); a step the simulator cannot answer (no rule, no supporting evidence, the world model gave
+up) is ``simulator_gap`` — the agent reads the error, the count is in ``meta``, and the shadow still
+executed the call.
 """
 
 from __future__ import annotations

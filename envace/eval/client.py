@@ -15,7 +15,8 @@ never exceptions: the agent loop feeds them back to the model as error observati
 Text from the server passes :func:`~envace.envs.base.scrub_surrogates` (a ``"\\ud800"`` escape in the
 JSON body would otherwise leave an unencodable lone surrogate in the conversation).
 
-Failed requests raise exceptions of envace's one error taxonomy (:mod:`envace.rewards.llm`):
+Failed requests raise exceptions of the project's one error taxonomy (:mod:`trace2env.llmcore`, re-exported by
+:mod:`envace.rewards.llm`; the status classification and :func:`is_context_too_long` are that module's too):
 
 * :class:`~envace.rewards.llm.InfrastructureError` - connection refused/reset, time-out, HTTP
   408/409/425/429/5xx, a malformed body (after the client's retries): the caller retries the task later;
@@ -28,7 +29,6 @@ Failed requests raise exceptions of envace's one error taxonomy (:mod:`envace.re
 from __future__ import annotations
 
 import json
-import re
 import threading
 import uuid
 from collections.abc import Sequence
@@ -39,6 +39,7 @@ from envace.agents.engine import ModelError
 from envace.envs.base import ToolCall, ToolCallError, scrub_surrogates
 from envace.rewards.llm import ConfigurationError, InfrastructureError
 from envace.toolcall import THINK_END, parse_tool_calls
+from trace2env.llmcore import is_context_too_long, is_retryable_status, not_found_hint
 
 __all__ = [
     "ChatClient",
@@ -105,33 +106,16 @@ class ChatReply:
         return msg
 
 
-#: HTTP statuses of a server that may answer the same request later (besides 5xx)
-RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
-#: a rejection caused by the conversation's length, i.e. by what the model generated
-_CONTEXT_TOO_LONG = re.compile(
-    r"context[ _-]?length|context window|maximum context|prompt is too long|input is too long|too many tokens"
-    r"|longer than the model|exceeds? the (model|maximum)|(input|prompt|context|conversation)[^.]{0,40}too long",
-    re.IGNORECASE,
-)
-
-
-def is_context_too_long(status: int | None, message: str) -> bool:
-    """Whether a rejected request failed on the conversation's length (the model's failure, not a configuration
-    error): a 400/413/422 whose message says so, in the wording of vLLM, transformers serve or OpenAI."""
-    return status in (400, 413, 422) and bool(_CONTEXT_TOO_LONG.search(message))
-
-
 def classify_http_error(status: int | None, message: str, *, base_url: str = "", model: str = "") -> Exception:
     """The taxonomy error for a failed chat request (``status`` None: no HTTP answer at all)."""
     where = f"{base_url}: " if base_url else ""
-    if status is None or status in RETRYABLE_STATUS or status >= 500:
+    if status is None or is_retryable_status(status):
         code = f"HTTP {status}: " if status is not None else ""
         return InfrastructureError(f"{where}{code}{message}")
     if is_context_too_long(status, message):
         return ModelError(f"{where}HTTP {status}: {message}")
-    hint = " (is the model name served there, and does the base URL end in /v1?)" if status == 404 else ""
     return ConfigurationError(
-        f"{where}the request for model {model!r} was rejected: HTTP {status}: {message}{hint}",
+        f"{where}the request for model {model!r} was rejected: HTTP {status}: {message}{not_found_hint(status)}",
         status_code=status,
         base_url=base_url or None,
     )
@@ -286,7 +270,7 @@ def check_model_served(config: EndpointConfig) -> None:
     try:
         served = [m.id for m in client.models.list().data]
     except openai.APIStatusError as exc:
-        if exc.status_code in (401, 403, 404) or exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
+        if exc.status_code in (401, 403, 404) or is_retryable_status(exc.status_code):
             detail = getattr(exc, "message", None) or str(exc)
             raise classify_http_error(exc.status_code, f"GET /models: {detail}", base_url=config.base_url,
                                       model=config.model) from exc

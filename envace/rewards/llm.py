@@ -15,6 +15,10 @@ Every failure belongs to one taxonomy (:class:`LLMError` and its subclasses):
 * :class:`ModelOutputError` - the endpoint answered but the text is unusable; :class:`JudgeFormatError`
   is the case of :meth:`LLMPool.complete_json` (no valid JSON object even after the repair rounds).
 
+The taxonomy, the JSON extraction (:func:`extract_json_object`) and the repair loop of
+:meth:`LLMPool.complete_json` are :mod:`trace2env.llmcore`'s, re-exported here: the classes envace catches
+are the ones trace2env's provider raises (``trace2env.providers.ProviderError`` is :class:`LLMError`).
+
 Counters (:meth:`LLMPool.counters`) are plain floats for metrics. The pool binds its HTTP clients and
 semaphore to the running event loop and rebuilds them when it is used from another loop (e.g. a
 synchronous caller that runs ``asyncio.run`` per batch).
@@ -26,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +37,21 @@ from typing import Any, Literal, Self, TypeVar
 
 import openai
 import pydantic
+
+from trace2env.llmcore import (
+    ConfigurationError,
+    InfrastructureError,
+    JudgeFormatError,
+    LLMError,
+    ModelOutputError,
+    RepairLoop,
+    backoff_delay,
+    extract_json_object,
+    is_retryable_status,
+    not_found_hint,
+    retry_after_s,
+)
+from trace2env.llmcore import short as _short
 
 __all__ = [
     "Completion",
@@ -48,45 +66,6 @@ __all__ = [
 ]
 
 T = TypeVar("T", bound=pydantic.BaseModel)
-
-
-# -- error taxonomy -----------------------------------------------------------------------------------
-class LLMError(Exception):
-    """Base of every error :class:`LLMPool` raises on purpose."""
-
-
-class InfrastructureError(LLMError):
-    """The endpoint failed (connection, timeout, 429/5xx, malformed body) on every attempt."""
-
-    def __init__(self, message: str, *, attempts: int = 1, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.attempts = attempts  # HTTP attempts made, retries included
-        self.timed_out = timed_out  # the last attempt ended in a timeout
-
-
-class ConfigurationError(LLMError):
-    """The request can never succeed as configured (HTTP 400/401/403/404/422, unknown model). Not retried."""
-
-    def __init__(self, message: str, *, status_code: int | None = None, base_url: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.base_url = base_url
-
-
-class ModelOutputError(LLMError):
-    """The endpoint answered, but the model's text is unusable."""
-
-    def __init__(self, message: str, *, text: str | None = None) -> None:
-        super().__init__(message)
-        self.text = text  # the last reply (may be None when there was none)
-
-
-class JudgeFormatError(ModelOutputError):
-    """No reply validated against the expected JSON schema, repair rounds included."""
-
-    def __init__(self, message: str, *, text: str | None = None, rounds: int = 1) -> None:
-        super().__init__(message, text=text)
-        self.rounds = rounds  # requests made (first try + repairs)
 
 
 # -- configuration --------------------------------------------------------------------------------------
@@ -168,74 +147,7 @@ class Completion:
     usage: dict[str, int] = field(default_factory=dict)
 
 
-# -- JSON extraction ----------------------------------------------------------------------------------
-_FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
-
-
-def _strip_reasoning(text: str) -> str:
-    """Drop a leading ``<think>...</think>`` block (or everything up to a lone ``</think>``)."""
-    if "</think>" in text:
-        return text.rsplit("</think>", 1)[1]
-    if text.lstrip().startswith("<think>"):
-        raise ValueError("the reply is an unterminated <think> block (cut off before any answer?)")
-    return text
-
-
-def _first_object(text: str) -> dict[str, Any] | None:
-    decoder = json.JSONDecoder()
-    for match in re.finditer(r"\{", text):
-        try:
-            obj, _ = decoder.raw_decode(text, match.start())
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
-
-
-def extract_json_object(text: str | None) -> dict[str, Any]:
-    """The JSON object in a model reply.
-
-    Tolerates a leading ``<think>...</think>`` block, ```` ```json ```` fences and prose around one object.
-    Raises :class:`ValueError` with the reason when there is no JSON object.
-    """
-    if text is None or not text.strip():
-        raise ValueError("the reply is empty")
-    body = _strip_reasoning(text).strip()
-    if not body:
-        raise ValueError("the reply has no text after the </think> block")
-    candidates = [m.group(1).strip() for m in _FENCE_RE.finditer(body)] + [body]
-    for cand in candidates:
-        try:
-            obj = json.loads(cand)
-        except json.JSONDecodeError:
-            obj = _first_object(cand)
-        if isinstance(obj, dict):
-            return obj
-    try:
-        json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"no JSON object found in the reply (invalid JSON: {exc.msg} at char {exc.pos})") from None
-    raise ValueError("the reply is JSON but not a JSON object")
-
-
-def _short(text: str | None, limit: int = 300) -> str:
-    if text is None:
-        return "<none>"
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _validation_reason(exc: pydantic.ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:8]:
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
-        parts.append(f"{loc}: {err.get('msg')}")
-    return "; ".join(parts)
-
-
 # -- the pool -------------------------------------------------------------------------------------------
-_RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 _COUNTER_NAMES = (
     "calls",  # logical calls (complete / complete_text / each complete_json round)
     "requests",  # HTTP attempts sent
@@ -361,10 +273,7 @@ class LLMPool:
 
     def _backoff(self, retry: int, retry_after: float | None) -> float:
         cfg = self.config
-        delay = min(cfg.backoff_max_s, cfg.backoff_base_s * (2**retry)) * (0.5 + self._rng.random())
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, cfg.backoff_max_s))
-        return delay
+        return backoff_delay(retry, cfg.backoff_base_s, cfg.backoff_max_s, self._rng.random(), retry_after)
 
     # -- requests -------------------------------------------------------------------------------------
     def _request_kwargs(self, messages: Sequence[Mapping[str, Any]], sampling: dict[str, Any]) -> dict[str, Any]:
@@ -444,18 +353,14 @@ class LLMPool:
         except openai.APIStatusError as exc:
             status = exc.status_code
             detail = _short(getattr(exc, "message", None) or str(exc))
-            if status in _RETRYABLE_STATUS or status >= 500:
-                retry_after = None
-                try:
-                    retry_after = float(exc.response.headers.get("retry-after", ""))
-                except (TypeError, ValueError):
-                    pass
-                return self._infra(ep, "server_errors", f"{ep.base_url}: HTTP {status}: {detail}", False, retry_after)
+            if is_retryable_status(status):
+                reason = f"{ep.base_url}: HTTP {status}: {detail}"
+                return self._infra(ep, "server_errors", reason, False, retry_after_s(exc))
             self._counters["config_errors"] += 1
             ep.failures += 1
-            hint = " (is the model name served there, and does the base URL end in /v1?)" if status == 404 else ""
             raise ConfigurationError(
-                f"{ep.base_url} rejected the request for model {cfg.model!r}: HTTP {status}: {detail}{hint}",
+                f"{ep.base_url} rejected the request for model {cfg.model!r}: HTTP {status}: {detail}"
+                f"{not_found_hint(status)}",
                 status_code=status,
                 base_url=ep.base_url,
             ) from exc
@@ -527,8 +432,7 @@ class LLMPool:
         :meth:`complete` for endpoint failures. ``use_json_schema`` (default: the config's) also sends
         ``response_format={"type": "json_schema", ...}`` built from ``schema``.
         """
-        if repair_rounds < 0:
-            raise ValueError(f"repair_rounds must be >= 0, got {repair_rounds}")
+        loop = RepairLoop(messages, schema, repair_rounds, repair_prompt=lambda r: self._repair_prompt(schema, r))
         if use_json_schema is None:
             use_json_schema = self.config.use_json_schema
         if use_json_schema and "response_format" not in sampling:
@@ -536,30 +440,19 @@ class LLMPool:
                 "type": "json_schema",
                 "json_schema": {"name": schema.__name__, "schema": schema.model_json_schema(), "strict": True},
             }
-        convo = [dict(m) for m in messages]
-        text: str | None = None
-        reason = ""
-        for round_ in range(repair_rounds + 1):
-            if round_:
+        while loop.pending:
+            if loop.rounds:
                 self._counters["repairs"] += 1
-                convo = [
-                    *convo,
-                    {"role": "assistant", "content": text or ""},
-                    {"role": "user", "content": self._repair_prompt(schema, reason)},
-                ]
-            completion = await self.complete(convo, **sampling)
-            text = completion.text
-            try:
-                return schema.model_validate(extract_json_object(text))
-            except ValueError as exc:  # pydantic.ValidationError is a ValueError too
-                reason = _validation_reason(exc) if isinstance(exc, pydantic.ValidationError) else str(exc)
-                if completion.finish_reason == "length":
-                    reason += " (the reply was cut off at max_tokens)"
+            completion = await self.complete(loop.messages, **sampling)
+            value = loop.feed(completion.text, completion.finish_reason)
+            if value is not None:
+                return value
         self._counters["format_errors"] += 1
         raise JudgeFormatError(
-            f"no valid {schema.__name__} JSON after {repair_rounds + 1} request(s): {reason}; last reply: {_short(text)}",
-            text=text,
-            rounds=repair_rounds + 1,
+            f"no valid {schema.__name__} JSON after {loop.rounds} request(s): {loop.reason}; "
+            f"last reply: {_short(loop.text)}",
+            text=loop.text,
+            rounds=loop.rounds,
         )
 
     @staticmethod
