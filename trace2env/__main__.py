@@ -11,6 +11,11 @@ OpenAI-compatible endpoint; LLM calls, tokens and cost per stage are printed to 
 ``eval WORLDBOOK TRACES... [--split-manifest M --split test] [--mode rules|evidence|agent]`` measures
 next-observation agreement with held-out recorded traces (:mod:`trace2env.evaluate`) and prints the
 summary as JSON (``--out FILE`` also writes every step). ``--mode agent`` needs ``--base-url/--model``.
+``eval ... --systems evidence,direct,trace_rag,worldbook_prompt,harness_only`` evaluates several systems
+(:mod:`trace2env.baselines`) on the same traces and prints one table (mean and 95 % interval per metric)
+and the paired differences against the first system (trajectories resampled, ``--n-boot``). The model
+systems use ``--base-url/--model``; ``--judge-base-url/--judge-model`` adds the LLM judge's 0–100 score
+(:mod:`trace2env.judge`; failed judgements are masked and counted).
 """
 
 from __future__ import annotations
@@ -33,6 +38,22 @@ def _endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="content-addressed cache of model answers")
     p.add_argument("--usd-per-m-prompt", type=float, default=0.0)
     p.add_argument("--usd-per-m-completion", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="completion-token budget of one request, and its cap (no doubling on truncation)")
+    p.add_argument("--repair-rounds", type=int, default=None, help="follow-ups showing the model its invalid reply")
+    p.add_argument("--max-payload-chars", type=int, default=None, help="characters of JSON payload sent")
+
+
+def _limits(args: argparse.Namespace) -> dict[str, int]:
+    """OpenAIProviderConfig fields set on the command line (the same for every provider of one run)."""
+    out = {}
+    if args.max_tokens is not None:
+        out["max_tokens"] = out["max_tokens_cap"] = args.max_tokens
+    if args.repair_rounds is not None:
+        out["repair_rounds"] = args.repair_rounds
+    if args.max_payload_chars is not None:
+        out["max_payload_chars"] = args.max_payload_chars
+    return out
 
 
 def _provider(args: argparse.Namespace):
@@ -44,14 +65,64 @@ def _provider(args: argparse.Namespace):
 
     return OpenAIProvider(OpenAIProviderConfig(base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
                                                cache_dir=args.cache_dir, usd_per_m_prompt=args.usd_per_m_prompt,
-                                               usd_per_m_completion=args.usd_per_m_completion))
+                                               usd_per_m_completion=args.usd_per_m_completion, **_limits(args)))
 
 
-def _report_usage(provider) -> None:
-    if provider is None:
+def _report_usage(provider, prefix: str = "") -> None:
+    if provider is None or not hasattr(provider, "usage_table"):
         return
     for row in provider.usage_table():
-        print("usage " + json.dumps(row), file=sys.stderr)
+        print(prefix + "usage " + json.dumps(row), file=sys.stderr)
+
+
+def _judge_provider(args: argparse.Namespace):
+    if not args.judge_base_url and not args.judge_model:
+        return None
+    if not (args.judge_base_url and args.judge_model):
+        raise SystemExit("--judge-base-url and --judge-model go together")
+    from .llm import OpenAIProvider, OpenAIProviderConfig
+
+    return OpenAIProvider(OpenAIProviderConfig(base_url=args.judge_base_url, model=args.judge_model,
+                                               api_key_env=args.judge_api_key_env, cache_dir=args.cache_dir,
+                                               **_limits(args)))
+
+
+def _eval(args: argparse.Namespace, split: SplitManifest | None, provider, judge_provider) -> int:
+    from .agent import WorldModelAgent
+    from .evaluate import evaluate, evaluate_systems, format_table
+    from .judge import LLMJudge
+
+    if args.systems and args.mode:
+        raise SystemExit("give --mode or --systems, not both")
+    traces = load_traces(args.traces)
+    if split is not None:
+        keep = set(split.ids(args.split))
+        traces = [t for t in traces if t.trace_id in keep]
+    if not traces:
+        raise SystemExit("no traces to evaluate (check --split-manifest/--split)")
+    wb = load_worldbook(args.worldbook)
+    judge = LLMJudge(judge_provider, prompt_version=args.judge_prompt) if judge_provider is not None else None
+    proposer = WorldModelAgent(provider) if provider is not None else None
+    try:
+        if args.systems:
+            systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+            report = evaluate_systems(wb, traces, systems, provider=provider, proposer=proposer, judge=judge,
+                                      environment=args.environment, n_boot=args.n_boot, seed=args.seed)
+            print(format_table(report))
+            out: dict = {k: report[k] for k in ("systems", "paired", "baseline")}
+            out["steps"] = {k: v["steps"] for k, v in report["results"].items()}
+        else:
+            out = evaluate(wb, traces, mode=args.mode or "evidence", proposer=proposer, judge=judge,
+                           environment=args.environment, n_boot=args.n_boot, seed=args.seed)
+            print(json.dumps(out["summary"], indent=1))
+    except ValueError as e:
+        raise SystemExit(f"eval: {e}") from None
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(out, f)
+    _report_usage(provider)
+    _report_usage(judge_provider, "judge ")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,9 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("traces", nargs="+")
     e.add_argument("--split-manifest", help="evaluate only the traces of --split in this manifest")
     e.add_argument("--split", default="test")
-    e.add_argument("--mode", default="evidence", choices=["rules", "evidence", "agent"])
+    e.add_argument("--mode", default=None, choices=["rules", "evidence", "agent"],
+                   help="one simulator mode, summary printed as JSON (default evidence)")
+    e.add_argument("--systems", default=None,
+                   help="comma-separated systems compared in one table, the first is the reference of the paired "
+                        "differences: rules, evidence, agent, direct, trace_rag, worldbook_prompt, harness_only")
     e.add_argument("--out", help="JSON file with the summary and every step")
+    e.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples of trajectories")
+    e.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    e.add_argument("--environment", default="", help="environment description sent to every model system and the judge")
     _endpoint_args(e)
+    e.add_argument("--judge-base-url", help="OpenAI-compatible endpoint (…/v1) of the LLM judge")
+    e.add_argument("--judge-model", help="served name of the judge model")
+    e.add_argument("--judge-api-key-env", default=None, help="environment variable holding the judge's API key")
+    e.add_argument("--judge-prompt", default="judge_v1", help="judge rubric version")
     args = ap.parse_args(argv)
     if args.cmd == "check":
         problems = check_worldbook(args.worldbook)
@@ -87,21 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             split = SplitManifest.model_validate(json.load(f))
     provider = _provider(args)
     if args.cmd == "eval":
-        from .agent import WorldModelAgent
-        from .evaluate import evaluate
-
-        traces = load_traces(args.traces)
-        if split is not None:
-            keep = set(split.ids(args.split))
-            traces = [t for t in traces if t.trace_id in keep]
-        result = evaluate(load_worldbook(args.worldbook), traces, mode=args.mode,
-                          proposer=WorldModelAgent(provider) if provider is not None else None)
-        print(json.dumps(result["summary"], indent=1))
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(result, f)
-        _report_usage(provider)
-        return 0
+        return _eval(args, split, provider, _judge_provider(args))
     out = build_worldbook(load_traces(args.traces), args.out, split=split, environment_id=args.environment_id,
                           provider=provider)
     _report_usage(provider)

@@ -115,7 +115,7 @@ def test_tampered_package_fails_to_load_naming_the_file(tmp_path):
         load_worldbook(out)
     assert e.value.path == "rules/index.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "trace2env", "check", str(out)], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "trace2env", "check", str(out)], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 1 and "rules/index.jsonl" in proc.stderr
     (out / "extra.txt").write_text("x")
     os.chmod(target, 0o644)
