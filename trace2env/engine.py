@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from .models import NAMESPACES, ActionSpec, Condition, Effect, Invariant, Operand, StateField, TransitionRule
@@ -117,6 +118,13 @@ def parse_path(path: str, arguments: Mapping[str, Any] | None = None) -> tuple[s
     if segs[0] not in NAMESPACES:
         raise EngineError(f"path {path!r} must start with one of {', '.join(NAMESPACES)}")
     return tuple(segs)
+
+
+@lru_cache(maxsize=8192)
+def _declared_path(path: str) -> tuple[str, ...]:
+    """:func:`parse_path` of an argument-free path (schema fields), parsed once: the schema checks of every
+    step look at every declared field, and re-parsing them dominated the rule fast path."""
+    return parse_path(path)
 
 
 def _child(node: Any, seg: str) -> Any:
@@ -469,7 +477,7 @@ def _field_for(fields: Sequence[StateField], segs: tuple[str, ...]) -> StateFiel
     best: StateField | None = None
     best_len = -1
     for f in fields:
-        fs = parse_path(f.path)
+        fs = _declared_path(f.path)
         if fs == segs[: len(fs)] and (len(fs) == len(segs) or f.type in ("object", "array", "any")):
             if len(fs) > best_len:
                 best, best_len = f, len(fs)
@@ -486,11 +494,11 @@ def validate_effects(effects: Sequence[ResolvedEffect], fields: Sequence[StateFi
         if f is None:
             errors.append(f"{e.op} {where}: path not declared in the state schema")
             continue
-        below = [g for g in fields if parse_path(g.path)[: len(e.path)] == e.path and not g.mutable]
+        below = [g for g in fields if not g.mutable and _declared_path(g.path)[: len(e.path)] == e.path]
         if not f.mutable or below:
             errors.append(f"{e.op} {where}: field is immutable")
             continue
-        exact = parse_path(f.path) == e.path
+        exact = _declared_path(f.path) == e.path
         if exact and e.op in ("set", "create") and not type_matches(f.type, e.value):
             errors.append(f"{e.op} {where}: expected {f.type}, got {json_type_of(e.value)}")
         if exact and e.op == "append" and f.type not in ("array", "any"):

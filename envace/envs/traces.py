@@ -6,6 +6,12 @@ gold actions are executed in a fresh episode of the real environment, and the ch
 ``messages`` format :func:`trace2env.parse_trace` reads (assistant ``tool_calls`` with ids, ``tool`` messages
 with ``tool_call_id``; the observation text exactly as the environment returned it).
 
+τ²-bench needs no user simulator here: its gold actions form one turn (τ² gold has no turn structure), so
+the replay never reaches a turn boundary; the trace opens with the agent's greeting and the scenario's
+reason for call (what the pool shows without a user model), and the user-side gold actions (telecom: the
+user toggling their phone) are executed on the user tools and recorded under their dict name
+``user:<tool>`` (:meth:`envace.envs.tau2.Tau2ToolCall.to_dict`), so a worldbook keeps the two sides apart.
+
 Trace metadata: ``pool``, ``task_id``, ``env_id``, ``category``, ``split``, ``trajectory_group`` (the task,
 so a split manifest never separates replays of one task) and ``initial_state_id``
 (:func:`initial_state_id`), which the applicability gate compares before it lets a recorded observation
@@ -15,6 +21,8 @@ Usage::
 
     python -m envace.envs.traces --pool synthetic --split train --max-tasks 200 --out traces/train.jsonl \
         [--by-env DIR]     # also one JSONL per env_id under DIR (one worldbook per environment)
+    python -m envace.envs.traces --pool tau2 --pool-kwargs '{"domains": ["airline"]}' --split train \
+        --out traces/tau2-airline-train.jsonl
 """
 
 from __future__ import annotations
@@ -61,8 +69,9 @@ def record_gold_trace(pool: EnvironmentPool, task_id: str, replies: Sequence[str
         for call in turn:
             cid = f"call_{n}"
             n += 1
+            name = call.to_dict()["name"]  # τ²'s user-side calls: "user:<tool>"
             messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": cid, "type": "function", "function": {"name": call.name, "arguments": dict(call.arguments)}}]})
+                {"id": cid, "type": "function", "function": {"name": name, "arguments": dict(call.arguments)}}]})
             messages.append({"role": "tool", "tool_call_id": cid, "content": episode.execute(call)})
         reply = replies[t] if replies is not None and t < len(replies) else ""
         messages.append({"role": "assistant", "content": reply})
