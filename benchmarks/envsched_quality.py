@@ -22,13 +22,17 @@ filters: without S_abs (within-environment edges only: K_cross = 0, all fusion w
 S_full (cross-environment edges only), without both (K_within = K_cross = 0: the prior is b_t), rho = 0
 (exploitation only), rho = 1 (coverage only), without the progress filter, without the identifier filter.
 ``--extra`` adds the non-paper relation options (``fusion: evidence``, ``cross_reference: environment``,
-and the same with longer half-lives); ``--set KEY=JSON`` changes a field of every EnvSched arm.
+and the same with longer half-lives; longer half-lives alone; ``cross_reference: environment_mean`` with
+``quantile_weight_v: 0.35``, with and without longer half-lives; ``reconstructed_target: learnability``);
+``--set KEY=JSON`` changes a field of every EnvSched arm.
 
 Columns (mean ± sd over seeds): mean realised within-group variance over all steps (Eq. 2), median reward,
 environments per batch, final held-out success (mean probability of full success on the held-out tasks),
 final training-pool success, and the prediction diagnostics (``envsched/spearman_q_<type>``: Spearman
 correlation of the selection score q with the realised variance, averaged over steps) for ``all`` groups,
-``observed`` tasks and tasks without history (``within_env`` evidence).  Runtime of the full figure on
+``observed`` tasks and tasks without history (``within_env`` evidence); ``rho_true``: the same score against
+the learner's noise-free expected group variance over the whole pool every 10 steps (``all``, ``observed``
+tasks, and among each environment's unobserved tasks: the coverage phase's choice).  Runtime of the full figure on
 the project's 2-core CPU machine: see the README's EnvSched section.
 """
 
@@ -45,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envsched import EnvSchedConfig, EnvScheduler, TaskPool
+from envsched.estimate import evidence_types, rank_correlation
 from envsched.synthetic import LatentSkillLearner, synthetic_records
 
 N_ENVS, TRAIN_PER_ENV, HELDOUT_PER_ENV = 51, 50, 10
@@ -54,6 +59,7 @@ LEARNERS = {  # LatentSkillLearner keyword arguments
 }
 RELATION_ARMS = ("without S_abs", "without S_full", "without both")
 DIAG = ("all", "observed", "within_env", "cross_env_only")
+TRUE_DIAG = ("all", "observed", "unobs_env")
 
 
 def arms(base: EnvSchedConfig, extra: bool) -> dict[str, EnvSchedConfig]:
@@ -71,11 +77,18 @@ def arms(base: EnvSchedConfig, extra: bool) -> dict[str, EnvSchedConfig]:
     if extra:
         out["evidence fusion + env-relative cross"] = base.replace(**RELATION_OPTIONS)
         out["... + h_long=24, h_short=6"] = base.replace(**RELATION_OPTIONS, h_long=24.0, h_short=6.0)
+        out["h_long=24, h_short=6"] = base.replace(h_long=24.0, h_short=6.0)
+        out["env-mean cross + f-weighted"] = base.replace(**MEAN_TRANSFER)
+        out["env-mean cross + f-weighted + h=24/6"] = base.replace(**MEAN_TRANSFER, h_long=24.0, h_short=6.0)
+        out["learnability target"] = base.replace(reconstructed_target="learnability")
     return out
 
 
 # Non-paper relation options of envsched/config.py (issue 12), measured beside the paper's defaults.
 RELATION_OPTIONS = {"fusion": "evidence", "cross_reference": "environment"}
+# Cross-environment evidence on the mean, moved by the environments' levels, and the Eq. 12 score weighted
+# toward the variance reconstructed from that mean (pr(f) weight 0.65 instead of 0.35).
+MEAN_TRANSFER = {"cross_reference": "environment_mean", "quantile_weight_v": 0.35}
 
 
 def split_records(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -85,13 +98,37 @@ def split_records(seed: int = 0) -> tuple[list[dict], list[dict]]:
     return train, held
 
 
-def run(cfg: EnvSchedConfig, pool: TaskPool, graph, learner: LatentSkillLearner, steps: int) -> dict[str, float]:
+def true_diagnostics(sched: EnvScheduler, learner: LatentSkillLearner, step: int, k: int) -> dict[str, float]:
+    """Noise-free prediction diagnostics: Spearman correlation of the score q_{i,t} (Eq. 13) with the learner's
+    *expected* group variance (``LatentSkillLearner.expected_variance``) over the whole pool at selection time:
+    ``all`` tasks, ``observed`` tasks (own history), and ``unobs_env``: among each environment's tasks without
+    history, averaged over environments (the choice the coverage phase makes, App. C)."""
+    pred, n = sched.predict(step), len(sched.pool)
+    vt = learner.expected_variance(k)
+    code = evidence_types(sched.log, sched.neighbors.idx, step, np.arange(n), n)
+    out = {}
+    for name, mask in (("all", np.ones(n, dtype=bool)), ("observed", code == 0)):
+        rho = rank_correlation(pred.q[mask], vt[mask])
+        if rho is not None:
+            out[name] = rho
+    per_env = [rank_correlation(pred.q[m], vt[m]) for m in ((sched.env == e) & (code != 0) for e in range(sched.pool.n_envs))]
+    per_env = [r for r in per_env if r is not None]
+    if per_env:
+        out["unobs_env"] = float(np.mean(per_env))
+    return out
+
+
+def run(cfg: EnvSchedConfig, pool: TaskPool, graph, learner: LatentSkillLearner, steps: int, true_every: int = 10) -> dict[str, float]:
     sched = EnvScheduler(pool, cfg.replace(seed=learner.seed), graph=graph)
     var, med_r, envs, diag = [], [], [], {k: [] for k in DIAG}
+    tdiag: dict[str, list[float]] = {k: [] for k in TRUE_DIAG}
     t0 = time.perf_counter()
     for step in range(steps):
         ids = sched.select(step)
         nodes = pool.indices(ids)
+        if cfg.scheduler == "envsched" and step > 0 and true_every and step % true_every == 0:
+            for k, x in true_diagnostics(sched, learner, step, cfg.rollouts_per_task).items():
+                tdiag[k].append(x)
         R = learner.rollout(nodes, cfg.rollouts_per_task)
         learner.train(nodes, R)
         m = sched.observe(step, {t: r.tolist() for t, r in zip(ids, R)})
@@ -108,6 +145,8 @@ def run(cfg: EnvSchedConfig, pool: TaskPool, graph, learner: LatentSkillLearner,
     }
     for k in DIAG:
         out[f"rho_{k}"] = float(np.mean(diag[k])) if diag[k] else float("nan")
+    for k in TRUE_DIAG:
+        out[f"rho_true_{k}"] = float(np.mean(tdiag[k])) if tdiag[k] else float("nan")
     return out
 
 
@@ -167,7 +206,8 @@ def _ms(runs: list[dict[str, float]], key: str) -> tuple[float, float]:
 def print_table(results: dict, steps: int, seeds: int, wall: float) -> None:
     cols = [("mean var", "mean_var", ".4f"), ("med reward", "median_reward", ".3f"), ("envs/batch", "envs", ".2f"),
             ("held-out", "heldout", ".3f"), ("train succ", "train_success", ".3f"),
-            ("rho_q all", "rho_all", ".2f"), ("rho_q obs", "rho_observed", ".2f"), ("rho_q within", "rho_within_env", ".2f")]
+            ("rho_q all", "rho_all", ".2f"), ("rho_q obs", "rho_observed", ".2f"), ("rho_q within", "rho_within_env", ".2f"),
+            ("rho_true all", "rho_true_all", ".2f"), ("rho_true obs", "rho_true_observed", ".2f"), ("rho_true unobs/env", "rho_true_unobs_env", ".2f")]
     print(f"\nEnvSched quality: simulated learners, {N_ENVS} envs x {TRAIN_PER_ENV} tasks (+{HELDOUT_PER_ENV} held out per env), "
           f"B=64, K=8, {steps} steps, {seeds} seeds, mean ± sd over seeds; wall {wall:.0f}s")
     for lname, arms_ in results.items():

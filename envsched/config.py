@@ -135,7 +135,11 @@ class EnvSchedConfig(BaseModel):
     # deviation from its own environment's level, y-bar_j - e_env(j) + e_env(i), where e_env is Eq. 3 over
     # the environment's observed tasks (estimate.environment_reference); a structural twin in an easier
     # environment then says "easier than its environment", not "easy".  Shrinkage stays toward b_t.
-    cross_reference: Literal["global", "environment"] = "global"
+    # "environment_mean": the same transfer for the mean m only (v and d keep "global"): the mean is monotone
+    # in the policy's margin on a task, so an environment offset moves it additively, whereas the variance is
+    # hump-shaped in that margin and a neighbour's variance does not move that way; the variance then reaches
+    # the score through the reconstructed f = d m (1 - m) of Eq. 12 (see quantile_weight_v).
+    cross_reference: Literal["global", "environment", "environment_mean"] = "global"
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).
@@ -150,6 +154,13 @@ class EnvSchedConfig(BaseModel):
     dispersion_floor: float = Field(0.01, gt=0.0)
     # Weight of pr(v_hat) in the quantile mapping of Eq. 12; pr(f) gets 1 - this (paper: 0.65 / 0.35).
     quantile_weight_v: float = Field(0.65, ge=0.0, le=1.0)
+    # Variance reconstructed from the predicted mean in Eq. 12.  "bernoulli" (paper): f = d m (1 - m).
+    # "learnability" (beyond the paper): f = d (1 - m^K - (1 - m)^K), the probability that a binary group of
+    # K = rollouts_per_task rollouts has non-zero spread (GRPO learns nothing from a group without spread).
+    # Both are decreasing in |m - 1/2|; Eq. 12 uses f only through its percentile rank, so the two rank tasks
+    # differently only through the factor d.  Off: on benchmarks/envsched_quality.py it ranked the learner's
+    # expected variance slightly worse (Spearman 0.60 vs 0.61, binary learner).  estimate.reconstructed_variance.
+    reconstructed_target: Literal["bernoulli", "learnability"] = "bernoulli"
     # eta_decline: penalty on a recent decline u_long - u_short (Eq. 13).
     eta_decline: float = Field(0.5, ge=0.0)
 

@@ -238,9 +238,19 @@ def average_rank(z: np.ndarray) -> np.ndarray:
     return 0.5 * (count[dense] + count[dense - 1] + 1)
 
 
-def reconstructed_variance(d_hat: np.ndarray, m_hat: np.ndarray) -> np.ndarray:
-    """EnvSched Eq. 12 (left): f = d-hat * m-hat * (1 - m-hat)."""
-    return d_hat * m_hat * (1.0 - m_hat)
+def reconstructed_variance(d_hat: np.ndarray, m_hat: np.ndarray, target: str = "bernoulli", k: int = 8) -> np.ndarray:
+    """EnvSched Eq. 12 (left): f = d-hat * m-hat * (1 - m-hat)  (``target="bernoulli"``, the paper).
+
+    ``target="learnability"`` (beyond the paper, config ``reconstructed_target``): f = d-hat * (1 - m-hat^K -
+    (1 - m-hat)^K), the probability that K Bernoulli(m-hat) rollouts are not all equal (a GRPO group with
+    non-zero spread).
+    """
+    if target == "bernoulli":
+        return d_hat * m_hat * (1.0 - m_hat)
+    if target == "learnability":
+        m = np.clip(m_hat, 0.0, 1.0)
+        return d_hat * (1.0 - m**k - (1.0 - m) ** k)
+    raise ValueError(f"reconstructed_target must be 'bernoulli' or 'learnability', got {target!r}")
 
 
 def quantile_score(v_hat: np.ndarray, f: np.ndarray, weight_v: float = 0.65) -> np.ndarray:
@@ -364,19 +374,20 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
                 kernels[rel] = (avail, kern)
         a = np.where(avail, kern * np.sqrt(np.clip(W[safe], cfg.neighbor_weight_clip[0], cfg.neighbor_weight_clip[1])), 0.0)
         weights[rel] = (safe, a)
-    if cfg.cross_reference == "environment" and env is None:
-        raise ValueError("cross_reference='environment' needs the environment of every task (env=...)")
+    if cfg.cross_reference != "global" and env is None:
+        raise ValueError(f"cross_reference={cfg.cross_reference!r} needs the environment of every task (env=...)")
+    env_relative = {"global": (), "environment": STATS, "environment_mean": ("m",)}[cfg.cross_reference]
     mass = {rel: a.sum(axis=1) for rel, (_, a) in weights.items()}
     for y in STATS:
         G = {}
         for rel, (safe, a) in weights.items():
             level = None
-            if rel == "cross" and cfg.cross_reference == "environment":
+            if rel == "cross" and y in env_relative:
                 level = environment_reference(ybars[y], W, env, out["b"][y], cfg.lambda_g)
             G[rel] = relation_estimate(a, relation_values(ybars[y], safe, level, intervals[y]), out["b"][y], cfg.lambda_g)
         P = graph_prior(G["in"], G["cross"], mass["in"], mass["cross"], out["b"][y], cfg.lambda_g, cfg.fusion_within, cfg.fusion)
         out[y] = fuse_prior(P, W, ybars[y], cfg.lambda_s)
-    out["f"] = reconstructed_variance(out["d"], out["m"])
+    out["f"] = reconstructed_variance(out["d"], out["m"], cfg.reconstructed_target, cfg.rollouts_per_task)
     out["u"] = quantile_score(out["v"], out["f"], cfg.quantile_weight_v)
     out["W"] = W
     return out

@@ -10,6 +10,7 @@ from envsched.estimate import (
     environment_reference,
     graph_prior,
     predict_all,
+    reconstructed_variance,
     relation_estimate,
     relation_values,
 )
@@ -98,6 +99,45 @@ def test_environment_cross_reference_moves_evidence_to_the_targets_environment()
     assert rel.m[[0, 2, 3]] == pytest.approx(glob.m[[0, 2, 3]])
     with pytest.raises(ValueError, match="env="):
         predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment"))
+
+
+def test_environment_mean_cross_reference_moves_only_the_mean():
+    log, idx, sim, env = _two_env_log()
+    base = EnvSchedConfig(h_long=1.0, h_short=1.0, fusion="evidence", lambda_g=1.0, lambda_s=1.0)
+    glob = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="global"))
+    full = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment"), env)
+    mean = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment_mean"), env)
+    b, a = 1.3 / 3, np.exp(-0.5) * np.sqrt(0.5)
+    e0, e1 = (0.5 * 0.9 + b) / 1.5, (0.5 * 0.3 + 0.5 * 0.1 + b) / 2.0
+    # the mean is transferred relative to the environments (as with "environment") ...
+    assert mean.m[1] == pytest.approx((a * (0.1 - e1 + e0) + b) / (a + 1.0))
+    assert mean.m == pytest.approx(full.m)
+    # ... while variance and dispersion keep the paper's global reference
+    assert mean.v == pytest.approx(glob.v)
+    assert mean.d == pytest.approx(glob.d)
+    assert not np.allclose(full.v, glob.v)
+    with pytest.raises(ValueError, match="env="):
+        predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment_mean"))
+
+
+def test_reconstructed_target_learnability():
+    d, m = np.array([0.5, 1.0, 1.0, 0.2]), np.array([0.5, 0.25, 0.0, 1.0])
+    assert reconstructed_variance(d, m) == pytest.approx(d * m * (1 - m))
+    # 1 - m^K - (1 - m)^K for K = 8: m = 1/2 -> 1 - 2 / 256; m = 1/4 -> 1 - (1 + 3^8) / 4^8; m in {0, 1} -> 0
+    want = np.array([0.5 * (1 - 2 / 256), 1 - (1 + 3**8) / 4**8, 0.0, 0.0])
+    assert reconstructed_variance(d, m, "learnability", 8) == pytest.approx(want)
+    assert reconstructed_variance(np.ones(1), np.array([0.5]), "learnability", 2) == pytest.approx([0.5])
+    with pytest.raises(ValueError, match="reconstructed_target"):
+        reconstructed_variance(d, m, "entropy")
+    # it reaches the score: a pool where d varies ranks f differently under the two targets
+    log, idx, sim, env = _two_env_log()
+    cfg = EnvSchedConfig(h_long=1.0, h_short=1.0, lambda_g=1.0, lambda_s=1.0)
+    p0 = predict_all(log, idx, sim, 1, list("abcd"), cfg)
+    p1 = predict_all(log, idx, sim, 1, list("abcd"), cfg.replace(reconstructed_target="learnability"), env)
+    assert p1.f == pytest.approx(reconstructed_variance(p0.d, p0.m, "learnability", cfg.rollouts_per_task))
+    assert p1.v == pytest.approx(p0.v) and p1.m == pytest.approx(p0.m)
+    with pytest.raises(ConfigError, match="'reconstructed_target'"):
+        EnvSchedConfig.from_dict({"reconstructed_target": "entropy"})
 
 
 def test_new_fields_are_validated():
