@@ -12,7 +12,10 @@ proposal → validation-gate → commit step. Modules:
 * :mod:`trace2env.engine` — effects, conditions, templates, rule selection, invariants;
 * :mod:`trace2env.runtime` — gate, forkable sessions, ``WorldbookEnv`` (``reset``/``step``);
 * :mod:`trace2env.applicability` — the applicability gate;  :mod:`trace2env.agent` — the world-model agent;
-* :mod:`trace2env.llm` — the OpenAI-compatible provider;  :mod:`trace2env.evaluate` — held-out agreement.
+* :mod:`trace2env.llmcore` — the one LLM error taxonomy and repair loop (envace's judge and evaluation client
+  use it too);  :mod:`trace2env.llm` — the OpenAI-compatible provider;
+* :mod:`trace2env.evaluate` — held-out agreement;  :mod:`trace2env.baselines` — the paper's baselines;
+  :mod:`trace2env.judge` — the LLM judge;  :mod:`trace2env.consistency` — W2R / CR.
 
 A standalone library: it never imports ``envace`` or ``verl`` (tests/test_dependency_direction.py).
 """
