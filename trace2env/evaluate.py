@@ -28,6 +28,7 @@ differences against the first. W2R replay is not computed here.
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -185,10 +186,18 @@ def evaluate(worldbook: Worldbook, traces: Sequence[Trace], *, mode: str = "evid
             steps.append(row)
     n = len(steps)
     ids = [tr.trace_id for tr in traces]
+    # trace ids are content hashes: an evaluated trace with the id of one the worldbook was built from is that
+    # same recording (e.g. two tasks with identical gold replays), so its agreement is not held-out
+    built_from = {s.get("source_id") for s in worldbook.sources} | {t.trace_id for t in worldbook.transitions}
+    seen = sorted(set(ids) & built_from)
+    if seen:
+        warnings.warn(f"{len(seen)} of {len(set(ids))} evaluated trace(s) are recordings the worldbook was built "
+                      f"from (same content hash, e.g. {seen[0]}); their steps are not held-out", stacklevel=2)
     summary: dict[str, Any] = {"system": predictor.name,
                                "mode": predictor.mode if isinstance(predictor, SimulatorPredictor) else None,
                                "prompt_version": getattr(predictor, "prompt_version", None),
-                               "traces": len(traces), "steps": n, "routes": dict(Counter(s["route"] for s in steps))}
+                               "traces": len(traces), "steps": n, "routes": dict(Counter(s["route"] for s in steps)),
+                               "traces_in_worldbook": len(seen)}
     summary.update(_summarise(steps, ids, METRICS, n_boot=n_boot, seed=seed))
     answered = [s for s in steps if s["answered"]]
     summary["exact_when_answered"] = sum(s["exact"] for s in answered) / len(answered) if answered else float("nan")

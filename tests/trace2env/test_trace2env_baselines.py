@@ -120,7 +120,8 @@ def test_trace_rag_adds_top_k_lexical_transitions_never_from_the_evaluated_trace
     # evaluating a construction trace: its own transitions are never retrieved (that would leak the answer)
     own = train[0]
     p2 = ScriptedProvider({PREDICT_STAGE: {"observation": "{}"}})
-    run(wb, TraceRAG(p2), [own])
+    with pytest.warns(UserWarning, match="not held-out"):
+        run(wb, TraceRAG(p2), [own])
     got = [h["transition_id"] for _, pl in p2.calls for h in pl["retrieved_transitions"]]
     assert got and not {by_id[t].trace_id for t in got} & {own.trace_id}
     assert all(len(pl["retrieved_transitions"]) == 5 for _, pl in p2.calls)

@@ -15,7 +15,7 @@ from t2e_kvenv import record
 import trace2env.__main__ as cli
 from trace2env import build_worldbook, load_worldbook, parse_trace
 from trace2env.baselines import PREDICT_STAGE
-from trace2env.evaluate import evaluate_systems, format_table, paired_bootstrap
+from trace2env.evaluate import evaluate, evaluate_systems, format_table, paired_bootstrap
 from trace2env.judge import JUDGE_STAGE
 from trace2env.providers import ScriptedProvider
 
@@ -154,3 +154,13 @@ def test_cli_provider_limits_reach_every_provider(monkeypatch):
     limits = [[(p.config.max_tokens, p.config.max_tokens_cap, p.config.repair_rounds, p.config.max_payload_chars)
                for p in pair] for pair in seen]
     assert limits == [[(16, 16, 0, 8000)] * 2, [(2048, 16384, 2, 60000)] * 2]
+
+
+def test_a_trace_the_worldbook_was_built_from_is_flagged_as_not_held_out(kv):
+    """Trace ids are content hashes: evaluating a recording the worldbook was built from warns and is counted."""
+    wb, held, _ = kv
+    train_again = parse_trace({**record(0, n=20), "metadata": {"initial_state_id": "empty"}})
+    assert evaluate(wb, held, n_boot=10)["summary"]["traces_in_worldbook"] == 0
+    with pytest.warns(UserWarning, match="1 of 6 evaluated trace"):
+        summary = evaluate(wb, [*held, train_again], n_boot=10)["summary"]
+    assert summary["traces_in_worldbook"] == 1
