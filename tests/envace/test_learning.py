@@ -20,7 +20,7 @@ Measured on a 2-core AMD EPYC (this file, ``pytest tests/envace/test_learning.py
 EnvACE's role-wise GRPO (``experiment=cpu_default`` as it is: the policy also rehearses every tool response,
 one sample per generation) is not in this test yet, because it does not learn reliably at this scale (issue 8).
 With the same tasks, temperature and learning rate and rehearsals sampled at 0.6, one run went from a control
-of 0.058 to 0.254 (last 4 of 10 updates), and a second went from 0.031 to 0.11. In the second, malformed
+of 0.058 to 0.254 (last 4 of 10 updates), and a second went from 0.031 to 0.101. In the second, malformed
 rehearsals ended 3 % of trajectories before the updates and 44 % after 9 of them, and the act role's format
 errors rose from 4 % to 13-24 %. Add ``"grpo_rolewise": [...]`` to ``ESTIMATORS`` once it learns reliably.
 
