@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .evaluate import resampled_ratios
+
 __all__ = ["TaskOutcome", "w2r_consistency"]
 
 
@@ -84,9 +86,7 @@ def w2r_consistency(outcomes: Iterable[TaskOutcome | Mapping[str, Any]], *, succ
     cr = float(w2r.sum() / real.sum()) if real.sum() > 0 else nan
     lo = hi = nan
     if n and n_boot and real.sum() > 0:
-        idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-        den = real[idx].sum(axis=1)
-        ratios = np.divide(w2r[idx].sum(axis=1), den, out=np.full(n_boot, nan), where=den > 0)
+        ratios = resampled_ratios(w2r, real, n_boot, seed)
         lo, hi = (float(v) for v in np.nanpercentile(ratios, [2.5, 97.5]))
     return {
         "tasks": n,

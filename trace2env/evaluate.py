@@ -44,7 +44,7 @@ from .package import Worldbook
 from .providers import Provider
 from .runtime import Proposer
 
-__all__ = ["METRICS", "bootstrap_ci", "compare", "evaluate", "evaluate_systems", "format_table", "paired_bootstrap"]
+__all__ = ["METRICS", "bootstrap_ci", "compare", "evaluate", "evaluate_systems", "format_table", "paired_bootstrap", "resampled_ratios"]
 
 #: the model-free metrics (fractions in [0, 1])
 METRICS: tuple[str, ...] = ("exact", "key_overlap", "answered")
@@ -76,7 +76,7 @@ def compare(predicted: str, recorded: str) -> dict[str, float]:
     return {"exact": exact, "key_overlap": len(ka & kb) / len(ka | kb) if (ka or kb) else exact}
 
 
-def _resampled_ratios(sums: np.ndarray, ns: np.ndarray, n_boot: int, seed: int, chunk: int = 1000) -> np.ndarray:
+def resampled_ratios(sums: np.ndarray, ns: np.ndarray, n_boot: int, seed: int, chunk: int = 1000) -> np.ndarray:
     """``n_boot`` ratios sum(sums[idx]) / sum(ns[idx]) for trajectory indices ``idx`` drawn with replacement
     (nan where a resample has no step); chunked so memory stays ``chunk * len(sums)``."""
     rng = np.random.default_rng(seed)
@@ -96,7 +96,7 @@ def bootstrap_ci(per_trace: Sequence[tuple[float, int]], *, n_boot: int = 2000, 
         return (float("nan"), float("nan"))
     sums = np.array([s for s, _ in per_trace], dtype=float)
     ns = np.array([n for _, n in per_trace], dtype=float)
-    means = _resampled_ratios(sums, ns, n_boot, seed)
+    means = resampled_ratios(sums, ns, n_boot, seed)
     lo, hi = np.nanpercentile(means, [2.5, 97.5])
     return float(lo), float(hi)
 
@@ -126,7 +126,7 @@ def paired_bootstrap(steps: Sequence[Mapping[str, Any]], baseline_steps: Sequenc
     _, codes = np.unique(np.array(traces), return_inverse=True)
     d = np.bincount(codes, weights=np.array(diffs))
     n = np.bincount(codes).astype(float)
-    means = _resampled_ratios(d, n, n_boot, seed)
+    means = resampled_ratios(d, n, n_boot, seed)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return {"metric": metric, "diff": float(d.sum() / n.sum()), "ci95": (float(lo), float(hi)),
             "pairs": len(diffs), "traces": len(d)}

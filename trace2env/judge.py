@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from .llmcore import clip_middle
 from .models import ActionCall, Event
 from .providers import ConfigurationError, InfrastructureError, ModelOutputError, Provider, ProviderError
 
@@ -118,10 +119,6 @@ class JudgeResult:
         return cls(raw, dict(zip(DIMENSIONS, mapped.tolist(), strict=True)), float(mapped.mean()), v.reasoning)
 
 
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit // 2] + f" …[{len(text) - limit} characters cut]… " + text[-limit // 2:]
-
-
 def render_history(events: Sequence[Event], *, max_events: int = 40, max_chars: int = 1500) -> list[dict[str, Any]]:
     """The recorded episode prefix as the judge and the prompting baselines see it: the last ``max_events``
     events (``{"actor", "kind", "content"}``), each content clipped to ``max_chars``; a leading marker says
@@ -132,7 +129,7 @@ def render_history(events: Sequence[Event], *, max_events: int = 40, max_chars: 
         out.append({"actor": "system", "kind": "note", "content": f"{skipped} earlier event(s) omitted"})
     for e in events[skipped:]:
         c = e.content if isinstance(e.content, str) else json.dumps(e.content, ensure_ascii=False, default=str)
-        out.append({"actor": e.actor, "kind": e.kind, "content": _clip(c, max_chars)})
+        out.append({"actor": e.actor, "kind": e.kind, "content": clip_middle(c, max_chars)})
     return out
 
 
@@ -164,8 +161,8 @@ class LLMJudge:
             "environment": environment,
             "context": render_history(history, max_events=self.max_history_events, max_chars=lim // 4),
             "action": action.model_dump(mode="json", exclude={"call_id"}),
-            "predicted_observation": _clip(predicted, lim),
-            "reference_observation": _clip(reference, lim),
+            "predicted_observation": clip_middle(predicted, lim),
+            "reference_observation": clip_middle(reference, lim),
         }
 
     def score(self, *, action: ActionCall, predicted: str, reference: str, history: Sequence[Event] = (),

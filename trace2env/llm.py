@@ -51,6 +51,7 @@ from .llmcore import (
     ModelOutputError,
     RepairLoop,
     backoff_delay,
+    clip_middle,
     extract_json_object,
     is_retryable_status,
     not_found_hint,
@@ -180,13 +181,6 @@ class StageUsage:
     usd: float = 0.0
 
 
-def _clip(text: str, limit: int) -> str:
-    if limit <= 0 or len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n...({len(text) - 2 * half} characters omitted)...\n{text[-half:]}"
-
-
 class OpenAIProvider:
     """:class:`~trace2env.providers.Provider` over an OpenAI-compatible chat endpoint (synchronous,
     thread-safe: the accounting is locked; the ``openai`` client is shared)."""
@@ -268,7 +262,7 @@ class OpenAIProvider:
         system = STAGE_INSTRUCTIONS.get(stage, f"You perform the construction stage {stage!r}.")
         schema = json.dumps(response_model.model_json_schema(), ensure_ascii=False, separators=(",", ":"))
         system += ("\nAnswer with exactly one JSON object and nothing else. It must match this JSON Schema:\n" + schema)
-        body = _clip(json.dumps(payload, ensure_ascii=False, default=str, separators=(",", ":")),
+        body = clip_middle(json.dumps(payload, ensure_ascii=False, default=str, separators=(",", ":")),
                      self.config.max_payload_chars)
         return [{"role": "system", "content": system}, {"role": "user", "content": body}]
 

@@ -46,6 +46,7 @@ __all__ = [
     "ModelOutputError",
     "RepairLoop",
     "backoff_delay",
+    "clip_middle",
     "extract_json_object",
     "is_context_too_long",
     "is_retryable_status",
@@ -203,6 +204,15 @@ def validation_reason(exc: Exception) -> str:
             parts.append(f"{loc}: {err.get('msg')}")
         return "; ".join(parts)
     return str(exc)
+
+
+def clip_middle(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters by dropping its middle (a marker says how many characters);
+    unchanged when it fits or ``limit <= 0``. For long payloads sent to a model: both ends usually matter."""
+    if limit <= 0 or len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n...({len(text) - 2 * half} characters omitted)...\n{text[-half:]}"
 
 
 def short(text: str | None, limit: int = 300) -> str:

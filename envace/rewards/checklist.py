@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from envace.rewards.llm import ConfigurationError, InfrastructureError, LLMPool, ModelOutputError
 from envace.rewards.prompts import DEFAULT_CHECKLIST_PROMPT_VERSION, checklist_judge_template
+from trace2env.llmcore import clip_middle
 
 __all__ = [
     "ChecklistItem",
@@ -254,11 +255,6 @@ def render_messages(messages: Sequence[Mapping[str, Any]], *, include_reasoning:
     return out
 
 
-def _truncate_middle(text: str, limit: int) -> str:
-    if limit <= 0 or len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n...({len(text) - limit} characters omitted)...\n{text[-half:]}"
 
 
 # -- aggregation ------------------------------------------------------------------------------------------
@@ -408,8 +404,8 @@ class ChecklistJudge:
             pass_condition=item.pass_condition,
             failure_examples=failure,
             evidence=evidence,
-            history=_truncate_middle(history, cfg.max_history_chars),
-            current=_truncate_middle(current, cfg.max_current_chars),
+            history=clip_middle(history, cfg.max_history_chars),
+            current=clip_middle(current, cfg.max_current_chars),
             step=step.step,
         )
 
