@@ -45,7 +45,8 @@ class DataConfig:
     max_tasks_per_pool: int | None = None
     # seed of the deterministic task order used by the cap
     seed: int = 0
-    # where built parquet files go (null: $ENVACE_CACHE/data/<content hash>)
+    # where built parquet files go (null: $ENVACE_CACHE/data/<content hash>); a folder holding a build of another
+    # recipe (its recipe.json) is an error, never silently reused
     out_dir: str | None = None
 
 

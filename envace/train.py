@@ -130,8 +130,24 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(d.out_dir).expanduser() if d.out_dir else cache_dir() / "data" / digest
     train, val = out / "train.parquet", out / "val.parquet"
+    # the recipe a build was made from, written after it completed: an explicit out_dir is not keyed by the
+    # recipe, so reusing it needs this record to match (a build of another recipe is never silently reused)
+    stamp = out / "recipe.json"
     if train.is_file() and val.is_file() and (out / "manifest.json").is_file():
-        return str(train), str(val)
+        if not d.out_dir:  # the folder name is the recipe's digest
+            return str(train), str(val)
+        try:
+            built = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            built = None
+        if built == json.loads(json.dumps(recipe)):
+            return str(train), str(val)
+        why = ("no recipe.json to compare with" if not isinstance(built, dict) else
+               "differs in " + ", ".join(k for k in sorted(recipe) if json.dumps(built.get(k)) != json.dumps(recipe[k])))
+        raise ConfigError(
+            f"envace.data.out_dir={out} holds a data build of another recipe ({why}); delete that folder to rebuild "
+            "there, or choose another envace.data.out_dir (null: a cache folder keyed by the recipe)"
+        )
     t, v = build_parquet(
         d.pools,
         out,
@@ -142,6 +158,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         pool_kwargs=pool_kwargs,
         seed=d.seed,
     )
+    stamp.write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     return str(t), str(v)
 
 

@@ -185,6 +185,26 @@ def test_build_data_honours_out_dir(tmp_path, cache):
     assert not (cache / "data").exists()
 
 
+def test_an_out_dir_is_reused_only_for_its_own_recipe(tmp_path, cache, monkeypatch):
+    mine = str(tmp_path / "mine")
+    first = build_data(CFG, ecfg(out_dir=mine))
+    rows = pq.read_table(first[0]).num_rows
+    from envace.envs import datasets
+
+    def no_build(*args: Any, **kwargs: Any):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(datasets, "build_parquet", no_build)
+    assert build_data(CFG, ecfg(out_dir=mine)) == first  # same recipe: reused
+    # another recipe in the same folder: a clear error naming what differs, the old build left as it was
+    with pytest.raises(ConfigError, match=r"another recipe \(differs in max, seed\)"):
+        build_data(CFG, ecfg(out_dir=mine, max_tasks_per_pool=4, seed=1))
+    assert pq.read_table(first[0]).num_rows == rows
+    (tmp_path / "mine" / "recipe.json").unlink()  # a build whose recipe is unknown is not trusted either
+    with pytest.raises(ConfigError, match="no recipe.json"):
+        build_data(CFG, ecfg(out_dir=mine))
+
+
 # -- launch.wait_nodes ---------------------------------------------------------------------------------------
 
 
