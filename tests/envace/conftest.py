@@ -1,12 +1,19 @@
-"""Fixtures of the envace tests: ``train_sh``, a run of ``scripts/train.sh`` for the end-to-end trainer tests (the
-fake OpenAI server and its reply builders are in ``tests/conftest.py``)."""
+"""Fixtures of the envace tests: ``train_sh``, a run of ``scripts/train.sh`` for the end-to-end trainer tests, and
+``gpu_lock_resolves``, the GPU lock's resolve against PyPI started when the session starts (the fake OpenAI
+server and its reply builders are in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-from collections.abc import Callable
+import sys
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,3 +37,106 @@ def _train_sh(run_dir: Path, *overrides: str, timeout: int = 1800) -> str:
 @pytest.fixture(scope="session")
 def train_sh() -> Callable[..., str]:
     return _train_sh
+
+
+# -- the GPU lock's PyPI resolve (test_install.py::test_gpu_lock_resolves_for_linux_x86_64_cuda) --------------------
+GPU_LOCK_TEST = "test_gpu_lock_resolves_for_linux_x86_64_cuda"
+PYPI_INDEX = os.environ.get("ENVACE_PYPI_INDEX", "https://pypi.org/simple")
+#: pure-Python distributions PyPI has only as sdists; built locally into wheels for the platform resolve
+SDIST_ONLY = ("antlr4-python3-runtime==4.9.3",)
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                                  "manylinux1_x86_64", "linux_x86_64"]
+
+
+def pypi_unreachable() -> str | None:
+    try:
+        urllib.request.urlopen(f"{PYPI_INDEX}/pip/", timeout=15).close()
+    except OSError as exc:
+        return f"{PYPI_INDEX} unreachable ({exc})"
+    return None
+
+
+def clean_pip_env() -> dict[str, str]:
+    """This machine's pip config (local wheel folders, a CPU torch) must not stand in for PyPI."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def resolve_gpu_lock(tmp: Path, python: str, procs: list[subprocess.Popen]) -> dict[str, Any]:
+    """pip's resolve of requirements/gpu.lock (and no-deps.txt) for CPython ``python`` on manylinux x86-64, binary
+    wheels only, reading metadata with HTTP range requests (--dry-run --use-feature=fast-deps).
+
+    Returns ``{"skip": reason}`` when PyPI is unreachable, else each step's return code and output tail and the
+    resolved ``{name: version}``. Every pip it starts is added to ``procs`` (so the session can stop them)."""
+    reason = pypi_unreachable()
+    if reason:
+        return {"skip": reason}
+    env, pip = clean_pip_env(), [sys.executable, "-m", "pip"]
+
+    def run(cmd: list[str], timeout: int) -> tuple[int, str]:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            return -9, f"timed out after {timeout} s\n{out[-3000:]}"
+        return proc.returncode, out
+
+    wheels = tmp / "wheels"
+    rc, out = run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--index-url", PYPI_INDEX,
+                   "-w", str(wheels), *SDIST_ONLY], 300)
+    result: dict[str, Any] = {"wheel_rc": rc, "wheel_out": out[-3000:]}
+    if rc:
+        return result
+    report = tmp / "report.json"
+    cmd = [*pip, "install", "--dry-run", "--ignore-installed", "--no-cache-dir", "--use-feature=fast-deps",
+           "--report", str(report), "--target", str(tmp / "target"), "--index-url", PYPI_INDEX,
+           "--find-links", str(wheels), "--only-binary=:all:", "--python-version", python,
+           "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}", "--abi", "abi3", "--abi", "none",
+           *[a for p in PLATFORMS for a in ("--platform", p)], "-r", str(REPO / "requirements" / "gpu.lock")]
+    rc, out = run(cmd, 840)
+    result.update(resolve_rc=rc, resolve_out=out)
+    if rc:
+        return result
+    result["resolved"] = {i["metadata"]["name"]: i["metadata"]["version"]
+                          for i in json.loads(report.read_text())["install"]}
+    # bfcl-eval goes in with --no-deps (requirements/no-deps.txt): it needs a wheel for the platform too
+    nodeps = [*cmd[: cmd.index("-r")], "--no-deps", "-r", str(REPO / "requirements" / "no-deps.txt")]
+    nodeps[nodeps.index(str(report))] = str(tmp / "nodeps.json")
+    result["nodeps_rc"], out = run(nodeps, 300)
+    result["nodeps_out"] = out[-3000:]
+    return result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpu_lock_resolves(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                      ) -> Iterator[dict[str, Future]]:
+    """``{python: Future of resolve_gpu_lock}`` for each interpreter the selected GPU-lock tests ask for.
+
+    The resolve waits minutes on PyPI and uses little CPU, so it starts in a background thread when the session
+    starts (this fixture is autouse) and the test only waits for its result: the wait overlaps the other tests
+    instead of adding to the run. Nothing starts when that test is not selected (e.g. ``-m "not slow"``)."""
+    wanted = sorted({item.callspec.params["python"] for item in request.session.items
+                     if getattr(item, "originalname", None) == GPU_LOCK_TEST})
+    futures: dict[str, Future] = {}
+    procs: list[subprocess.Popen] = []
+    for python in wanted:
+        fut: Future = Future()
+        tmp = tmp_path_factory.mktemp(f"gpu-lock-{python}")
+
+        def work(fut: Future = fut, tmp: Path = tmp, python: str = python) -> None:
+            try:
+                fut.set_result(resolve_gpu_lock(tmp, python, procs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test through the future
+                fut.set_exception(exc)
+
+        threading.Thread(target=work, name=f"gpu-lock-resolve-{python}", daemon=True).start()
+        futures[python] = fut
+    yield futures
+    for proc in procs:  # a session that ends early (-x, Ctrl-C) leaves no pip behind
+        if proc.poll() is None:
+            proc.kill()

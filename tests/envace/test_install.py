@@ -10,14 +10,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import importlib.util
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -263,60 +261,25 @@ def test_envace_is_a_verl_plugin_entry_point():
 
 
 # -- the GPU lock resolves for Linux x86-64 CUDA (network) ----------------------------------------------
-INDEX = os.environ.get("ENVACE_PYPI_INDEX", "https://pypi.org/simple")
-#: pure-Python distributions PyPI has only as sdists; built locally into wheels for the platform resolve
-SDIST_ONLY = ("antlr4-python3-runtime==4.9.3",)
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
-                                                                  "manylinux1_x86_64", "linux_x86_64"]
-
-
-def pypi_unreachable() -> str | None:
-    try:
-        urllib.request.urlopen(f"{INDEX}/pip/", timeout=15).close()
-    except OSError as exc:
-        return f"{INDEX} unreachable ({exc})"
-    return None
-
-
-def clean_pip_env() -> dict[str, str]:
-    """This machine's pip config (local wheel folders, a CPU torch) must not stand in for PyPI."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    return env
 
 
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("python", ["3.11"])  # the CI interpreter; 3.12 resolves the same lock (checked by hand, 2026-12-01)
-def test_gpu_lock_resolves_for_linux_x86_64_cuda(tmp_path, python):
+def test_gpu_lock_resolves_for_linux_x86_64_cuda(gpu_lock_resolves, python):
     """pip resolves the whole GPU lock, with dependencies, for CPython on manylinux x86-64, binary wheels only.
 
     --dry-run with --use-feature=fast-deps reads each wheel's metadata with HTTP range requests: no wheel is
-    downloaded. The resolved set must equal the lock (nothing missing, nothing extra, the same versions).
+    downloaded. The resolved set must equal the lock (nothing missing, nothing extra, the same versions). The
+    resolve itself (``resolve_gpu_lock`` in tests/envace/conftest.py) started with the session, in the background.
     """
-    reason = pypi_unreachable()
-    if reason:
-        pytest.skip(reason)
-    env, pip = clean_pip_env(), [sys.executable, "-m", "pip"]
-    wheels = tmp_path / "wheels"
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--index-url", INDEX,
-                    "-w", str(wheels), *SDIST_ONLY], env=env, check=True, capture_output=True, timeout=300)
-    report = tmp_path / "report.json"
-    cmd = [*pip, "install", "--dry-run", "--ignore-installed", "--no-cache-dir", "--use-feature=fast-deps",
-           "--report", str(report), "--target", str(tmp_path / "target"), "--index-url", INDEX,
-           "--find-links", str(wheels), "--only-binary=:all:", "--python-version", python,
-           "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}", "--abi", "abi3", "--abi", "none",
-           *[a for p in PLATFORMS for a in ("--platform", p)], "-r", str(REPO / "requirements" / "gpu.lock")]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840, check=False)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert not re.search(r"^\s*Downloading \S+\.whl", out.stdout, re.MULTILINE), "a wheel was downloaded"
-    resolved = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
-                for i in json.loads(report.read_text())["install"]}
-    assert resolved == lock_pins("gpu.lock")
+    result = gpu_lock_resolves[python].result(timeout=880)
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert result["wheel_rc"] == 0, result["wheel_out"]
+    assert result["resolve_rc"] == 0, result["resolve_out"][-6000:]
+    assert not re.search(r"^\s*Downloading \S+\.whl", result["resolve_out"], re.MULTILINE), "a wheel was downloaded"
+    assert {canonicalize_name(k): v for k, v in result["resolved"].items()} == lock_pins("gpu.lock")
     # bfcl-eval goes in with --no-deps (requirements/no-deps.txt): it needs a wheel for the platform too
-    nodeps = [*cmd[: cmd.index("-r")], "--no-deps", "-r", str(REPO / "requirements" / "no-deps.txt")]
-    nodeps[nodeps.index(str(report))] = str(tmp_path / "nodeps.json")
-    out = subprocess.run(nodeps, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert result["nodeps_rc"] == 0, result["nodeps_out"]
