@@ -1,4 +1,4 @@
-"""``python -m envace.eval {bfcl,tau2,table} ...``: benchmark evaluation against an OpenAI-compatible
+"""``python -m envace.eval {bfcl,tau2,w2r,table} ...``: benchmark evaluation against an OpenAI-compatible
 endpoint or a checkpoint served on the fly.
 
 Examples::
@@ -9,6 +9,8 @@ Examples::
     python -m envace.eval bfcl --checkpoint ckpt/step_470 --server vllm --concurrency 32
     # test-time rehearsal (EnvACE §4.3): 2 private rehearsals, self-evaluation, memory, one committed execution
     python -m envace.eval bfcl --base-url http://127.0.0.1:8000/v1 --model ckpt --tts parallel --rehearsals 2
+    # Trace2Env W2R: the same held-out tasks in the real environment and in the simulator (Real / WM / W2R / CR)
+    python -m envace.eval w2r --pool synthetic --worldbook runs/wb-syn/books --base-url URL --model NAME
     # one table from several runs (rows grouped by --label / model)
     python -m envace.eval table runs/q8b-tau2 runs/q8b-bfcl
 
@@ -180,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     tl = tau2.add_argument_group("τ² orchestrator limits")
     tl.add_argument("--tau2-max-steps", type=int, default=200, help="τ²'s max_steps (messages)")
     tl.add_argument("--tau2-max-errors", type=int, default=10, help="τ²'s max_errors (failed tool calls)")
+
+    w2r = sub.add_parser("w2r", help="Trace2Env W2R (Table 2): the same tasks in the real environment and in the "
+                         "simulator over a worldbook; Real / WM / W2R / CR (envace/eval/w2r.py)")
+    _add_common(w2r, Benchmark("w2r", "", "", (), ()))
+    from envace.eval.w2r import add_w2r_arguments
+
+    add_w2r_arguments(w2r)
 
     table = sub.add_parser("table", help="print one table from the summary.json of several runs")
     table.add_argument("runs", nargs="+", help="output directories of previous runs")
@@ -485,6 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         with terminate_on_sigterm():  # SIGTERM unwinds like Ctrl-C: a launched model server is stopped
+            if args.command == "w2r":
+                from envace.eval.w2r import run_w2r
+
+                return run_w2r(args, parser)
             return run_benchmark(args, parser)
     except ConfigurationError as exc:
         if os.environ.get("ENVACE_DEBUG"):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from envace.agents.engine import LoopLimits, Reply, Role, TurnEngine
+from envace.agents.engine import LoopLimits, ObservationSource, Reply, Role, TurnEngine
 from envace.agents.sources import RealSource
 from envace.envs.base import EnvironmentPool, TaskSpec, Verdict, scrub_surrogates
 from envace.eval.client import ChatClient
@@ -166,16 +166,20 @@ class AgentLoopRunner:
         return self.run_episode(spec, episode, ChatPolicy(self.client), started=started)
 
     def run_episode(
-        self, spec: TaskSpec, episode: Any, policy: ChatPolicy, *, started: float | None = None
+        self, spec: TaskSpec, episode: Any, policy: ChatPolicy, *, started: float | None = None,
+        source: ObservationSource | None = None,
     ) -> TaskRecord:
         """One rollout of a started ``episode`` against the real environment, then its official verdict.
 
         ``policy`` acts (its token counts go into the record); ``started`` (``time.monotonic()``) is when the
         task began, for ``elapsed_s``. Other runners (test-time rehearsal) reuse it for their committed run.
+        ``source`` answers the tool calls instead of the real environment (W2R, :mod:`envace.eval.w2r`: the
+        Trace2Env simulator, which executes every call in ``episode`` too, so the verdict scores that replay).
         """
         started = time.monotonic() if started is None else started
         task_id = spec.task_id
-        transcript = asyncio.run(TurnEngine(self.limits).run(episode, policy, RealSource(self.env_timeout_s)))
+        source = RealSource(self.env_timeout_s) if source is None else source
+        transcript = asyncio.run(TurnEngine(self.limits).run(episode, policy, source))
         rec = TaskRecord(task_id=task_id, category=spec.category, split=spec.split, reward=0.0, passed=False)
         rec.stop_reason, rec.error = transcript.stop_reason, transcript.error
         rec.turns = transcript.user_turns
