@@ -116,7 +116,7 @@ def _decode_call(obj: Any, index: int) -> tuple[ToolCall | None, str | None]:
         return ToolCall.from_dict({k: v for k, v in obj.items() if k in ("name", "arguments", "id")}), None
     except ToolCallError as exc:
         return None, f"tool call {index} ({name!r}): {exc}"
-    except Exception as exc:  # noqa: BLE001  # pragma: no cover - defensive: never raise
+    except Exception as exc:  # noqa: BLE001 - never raise (e.g. RecursionError: string arguments holding very deep JSON)
         return None, f"tool call {index} ({name!r}): {type(exc).__name__}: {exc}"
 
 

@@ -231,7 +231,7 @@ def truncate_middle(text: str, limit: int) -> str:
     if limit <= 0 or len(text) <= limit:
         return text
     half = limit // 2
-    return f"{text[:half]}\n...({len(text) - 2 * half} characters truncated)...\n{text[-half:]}"
+    return f"{text[:half]}\n...({len(text) - 2 * half} characters truncated)...\n{text[len(text) - half:]}"
 
 
 def malformed_call_observation(error: str) -> str:

@@ -248,12 +248,18 @@ def parse_rehearsal(text: str | None) -> str:
     """
     if not isinstance(text, str):
         raise RehearsalFormatError(f"expected text, got {type(text).__name__}")
-    body = text
-    end = body.find(THINK_END)
-    if end >= 0:
+    body = text.lstrip()
+    if body.startswith(THINK_START):
+        end = body.find(THINK_END)
+        if end < 0:
+            raise RehearsalFormatError("unterminated <think> block")
         body = body[end + len(THINK_END) :]
-    elif body.lstrip().startswith(THINK_START):
-        raise RehearsalFormatError("unterminated <think> block")
+    else:
+        # reasoning whose <think> was in the prompt ends at a </think> before the result block; a </think> inside
+        # the result (a JSON string or key) is data
+        end, start = body.find(THINK_END), body.find(RESULT_START)
+        if end >= 0 and (start < 0 or end < start):
+            body = body[end + len(THINK_END) :]
     body = body.strip()
     if not body.startswith(RESULT_START):
         raise RehearsalFormatError(f"the response must start with {RESULT_START}")

@@ -528,3 +528,122 @@ def test_role_labels_context_supplies_what_verl_does_not_pass():
         fn(token_level_rewards=rewards, response_mask=mask, config=None, index=index)
     with role_labels(roles[:3]), pytest.raises(ValueError, match="cover 3 rows"):
         fn(token_level_rewards=rewards, response_mask=mask, config=None, index=index)
+
+
+# --------------------------------------------------------------------------- edges found by mutation testing
+
+
+def test_explicit_arguments_win_over_the_role_labels_context():
+    from envace.advantage import role_labels
+
+    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    rewards, mask = batch(CASE_SCORES)
+    index = np.array(CASE_INDEX, dtype=object)
+    roles = np.array(CASE_ROLES, dtype=object)
+    traj = np.array(CASE_TRAJ)
+    other_roles = ["act"] * 7  # one group: differs from the context's two roles
+    with role_labels(roles, traj_index=traj, options={"norm_by_std": True, "baseline": "trajectory"}):
+        # an explicit option wins over the context's options (and the context still supplies the labels)
+        via, _ = fn(rewards, mask, config=None, index=index, norm_by_std=False)
+        want, _ = compute_rolewise_advantage(rewards, mask, index, roles, traj, baseline="trajectory")
+        torch.testing.assert_close(via, want)
+        # explicit roles: the context (labels and options) is not used at all
+        via, _ = fn(rewards, mask, config=None, index=index, roles=other_roles)
+        torch.testing.assert_close(via, compute_rolewise_advantage(rewards, mask, index, other_roles)[0])
+    # the context ends with the block
+    with pytest.raises(ValueError, match="needs role labels"):
+        fn(rewards, mask, config=None, index=index)
+
+
+def test_numpy_integer_codes_and_bool_labels_in_object_arrays():
+    scores, index = [1.0, 0.0, 3.0, 0.0], ["p"] * 4
+    by_name = row_adv(scores, index, np.array(["act", "rehearse", "act", "rehearse"], dtype=object))
+    codes = np.array([np.int64(0), "rehearse", "act", np.int32(1)], dtype=object)  # numpy integers are codes too
+    assert row_adv(scores, index, codes) == by_name == [-1.0, 0.0, 1.0, 0.0]
+    # a bool is a label of its own, not the role code 1 (True == 1 in Python)
+    assert row_adv(scores, index, np.array([True, 1, True, 1], dtype=object)) == [-1.0, 0.0, 1.0, 0.0]
+    assert row_adv(scores, index, np.array([True, "rehearse", True, "rehearse"], dtype=object)) == [-1.0, 0.0, 1.0, 0.0]
+
+
+def test_wrong_lengths_name_the_argument():
+    rewards, mask = batch([1.0, 0.0, 2.0])
+    idx = np.array(["p"] * 3, dtype=object)
+    with pytest.raises(ValueError, match="index has 2 entries, expected 3"):
+        compute_rolewise_advantage(rewards, mask, np.array(["p", "p"], dtype=object), ["act"] * 3)
+    with pytest.raises(ValueError, match="roles has 4 entries, expected 3"):
+        compute_rolewise_advantage(rewards, mask, idx, [("a", 1)] * 4)  # hashable labels (a 2-D array)
+    with pytest.raises(ValueError, match="traj_index has 2 entries, expected 3"):
+        compute_rolewise_advantage(rewards, mask, idx, ["act"] * 3, traj_index=np.array([0, 1]), baseline="trajectory")
+    with pytest.raises(ValueError, match="empty has 4 entries, expected 3"):
+        compute_rolewise_advantage(rewards, mask, idx, ["act"] * 3, empty=[False] * 4)
+    with pytest.raises(ValueError, match="valid has 1 entries, expected 3"):
+        compute_rolewise_advantage(rewards, mask, idx, ["act"] * 3, valid=np.array([True]))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float64])
+def test_advantages_take_the_rewards_dtype_whatever_the_mask(mask_dtype):
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=torch.float32)
+    mask = torch.ones(2, 2, dtype=mask_dtype)
+    adv, ret = compute_rolewise_advantage(rewards, mask, np.array(["p", "p"], dtype=object), ["act", "act"])
+    assert adv.dtype == ret.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5], [-0.5, -0.5]]))
+
+
+def test_column_shaped_masks_are_flattened():
+    scores, index, roles = [3.0, 1.0, 2.0, 0.0], ["p"] * 4, ["act"] * 4
+    valid, empty = [True, True, False, True], [False, True, False, False]
+    flat = row_adv(scores, index, roles, valid=valid, empty=empty, empty_penalty=1.0)
+    assert flat == approx([2.0, -1.0, 0.0, -1.0])  # scores 3, 0 (penalised), -, 0: mean 1
+    column = row_adv(scores, index, roles, valid=torch.tensor(valid).unsqueeze(-1),
+                     empty=np.array(empty).reshape(-1, 1), empty_penalty=1.0)
+    assert column == flat
+
+
+def test_other_integer_labels_are_labels_of_their_own():
+    """Only 0 and 1 are role codes; any other integer is a label of its own (not merged with a role or with
+    its string form)."""
+    scores, index = [1.0, 0.0, 3.0, 0.0, 5.0, 7.0], ["p"] * 6
+    ints = [0, 2, 0, 2, 3, 3]  # groups {0, 2}, {1, 3}, {4, 5}
+    want = [-1.0, 0.0, 1.0, 0.0, -1.0, 1.0]
+    assert row_adv(scores, index, np.array(ints)) == want
+    assert row_adv(scores, index, np.array(["act", 2, "act", 2, 3, 3], dtype=object)) == want
+    assert row_adv(scores, index, np.array([0, 2, "act", 2, "3", "3"], dtype=object)) == want
+    # 2 and "2" are different labels (group means 2 and 3; merged, their mean would be 2.5)
+    mixed = np.array([2, "2", 2, "2", "act", 0], dtype=object)
+    assert row_adv([1.0, 4.0, 3.0, 2.0, 5.0, 7.0], index, mixed) == [-1.0, 1.0, 1.0, -1.0, -1.0, 1.0]
+
+
+def test_estimator_without_index_raises_clear_error():
+    rewards, mask = batch([1.0, 0.0])
+    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    with pytest.raises(ValueError, match="needs index"):
+        fn(token_level_rewards=rewards, response_mask=mask, config=None, roles=["act", "act"])
+
+
+def test_registration_replaces_only_its_own_estimator(monkeypatch):
+    """Only a function of this module named like the estimator counts as an earlier registration of it; a
+    same-named function of another module, another function of this module, or a callable object are someone
+    else's estimator, which verl refuses to overwrite."""
+    ours = adv_mod.rolewise_adv_estimator.__qualname__
+
+    def other_module(**kw):
+        return None
+
+    other_module.__qualname__ = ours  # the same name, another module
+
+    def other_name(**kw):
+        return None
+
+    other_name.__module__ = adv_mod.__name__  # this module, another function
+
+    class Estimator:
+        def __call__(self, **kw):
+            return None
+
+    Estimator.__module__ = adv_mod.__name__  # an instance: a __module__ but no __qualname__
+
+    for foreign in (other_module, other_name, Estimator()):
+        monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "grpo_rolewise", foreign)
+        with pytest.raises(ValueError, match="already been registered"):
+            adv_mod.register_rolewise_estimator()
+        assert core_algos.ADV_ESTIMATOR_REGISTRY["grpo_rolewise"] is foreign

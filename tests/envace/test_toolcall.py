@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,28 @@ from envace.toolcall import ParseResult, parse_tool_calls, render_assistant_text
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+# CPU seconds any test here may use: the slowest property test needs under 10 (more under coverage tracing);
+# a parser that never stops (a position that does not advance) fails the test instead of hanging the suite.
+CPU_LIMIT_S = 120.0
+
+
+class ParserHang(BaseException):
+    """Not an ``Exception``: neither the parser's own ``except Exception`` nor hypothesis may swallow it."""
+
+
+@pytest.fixture(autouse=True)
+def _parser_terminates():
+    def hang(signum, frame):
+        raise ParserHang(f"test used more than {CPU_LIMIT_S:.0f} s of CPU: the parser does not terminate")
+
+    old = signal.signal(signal.SIGPROF, hang)
+    signal.setitimer(signal.ITIMER_PROF, CPU_LIMIT_S, 1.0)  # then again every second until the test ends
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
 
 
 def test_single_call_with_content():
@@ -395,3 +418,99 @@ def test_reasoning_ends_at_the_first_think_end():
     r = parse_tool_calls("<think>\n  a <think> b  \n</think>\n\nok")
     assert r.reasoning == "  a <think> b  " and r.content == "ok"
     assert parse_tool_calls("<think>\nXML X\n</think>\n\nok").reasoning == "XML X"  # only newlines are stripped
+
+
+# ------------------------------------------------------------------------ edges found by mutation testing
+
+
+def test_unterminated_think_strips_only_newlines():
+    # the reasoning of a truncated <think> block keeps its text, spaces and letters at both ends
+    r = parse_tool_calls("<think>\nXML notes X \n\n")
+    assert r.reasoning == "XML notes X " and r.content == "" and r.calls == [] and len(r.errors) == 1
+
+
+def test_arguments_nested_too_deep_are_an_error_not_a_crash():
+    # the string arguments decode (in ToolCall.from_dict) to absurdly nested JSON: RecursionError, not a crash
+    deep = "[" * 100_000 + "]" * 100_000
+    bad = '<tool_call>{"name": "f", "arguments": "' + deep + '"}</tool_call>'
+    r = parse_tool_calls(bad + ' mid <tool_call>{"name": "g"}</tool_call>')
+    assert r.calls == [ToolCall("g", {})] and r.content == "mid"
+    assert len(r.errors) == 1 and r.errors[0].startswith("tool call 1 ('f'): RecursionError")
+
+
+@pytest.mark.parametrize("tail", ["", " ", "\n\t ", '{"name": "f"}', '\n{"name": "f"}\n'])
+def test_text_ending_inside_an_opened_block(tail):
+    # the output stops right after the opening tag (or after a complete JSON object): an error, never an IndexError
+    r = parse_tool_calls("ok <tool_call>" + tail)
+    assert r.calls == [] and r.content == "ok"
+    assert len(r.errors) == 1 and r.errors[0].startswith("tool call 1: unterminated <tool_call> block")
+
+
+@pytest.mark.parametrize("value,kind", [(b"<tool_call>", "bytes"), (3, "int"), (["x"], "list")])
+def test_non_text_is_one_error_with_empty_content(value, kind):
+    # content is always a str (callers build the assistant message from it), even for input that is not text
+    assert parse_tool_calls(value) == ParseResult(content="", errors=[f"expected text, got {kind}"])
+
+
+def test_call_at_position_zero_with_a_think_end_inside_its_json():
+    # no <think>, the text starts with the call: the "</think>" inside its arguments is not a reasoning end
+    first = '<tool_call>{"name": "f", "arguments": {"s": "</think>"}}</tool_call>'
+    r = parse_tool_calls(first + " after")
+    assert r.reasoning is None and r.calls == [ToolCall("f", {"s": "</think>"})] and r.content == "after" and r.ok
+
+
+def test_stray_closing_tag_then_a_malformed_block():
+    # the malformed block is judged on its own body, not on the stray tag that came before it
+    r = parse_tool_calls("a\n</tool_call>\n<tool_call>{bad}</tool_call> b")
+    assert r.calls == [] and r.content == "a\nb" and len(r.errors) == 2
+    assert r.errors[0].startswith("stray </tool_call>") and r.errors[1].startswith("tool call 1: invalid JSON")
+
+
+BAD_BLOCKS = (
+    "<tool_call>{bad}</tool_call>",
+    "<tool_call>[1]</tool_call>",
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',
+    '<tool_call>{"name": 3}</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+)
+pieces = st.lists(
+    st.one_of(
+        plain_text.map(lambda s: ("text", s)),
+        st.tuples(identifier_names, json_objects).map(lambda c: ("call", ToolCall(*c))),
+        st.sampled_from(BAD_BLOCKS).map(lambda b: ("bad", b)),
+        st.just(("stray", "</tool_call>")),
+    ),
+    max_size=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=pieces, sep=st.sampled_from(["\n", " ", "\n\n"]))
+def test_mixed_text_calls_and_malformed_blocks(pieces, sep):
+    """Text, good calls, malformed blocks and stray closing tags in any order: the content is the text between
+    the blocks, the good calls come back in order, and every bad block is one error numbered by its position
+    among the opened blocks."""
+    text = sep.join(render_tool_call(p) if kind == "call" else p for kind, p in pieces)
+    segments, current, calls, errors, opened = [], [], [], [], 0
+    for kind, p in pieces:
+        if kind == "text":
+            current.append(p)
+            continue
+        segments.append(sep.join(current))
+        current = []
+        if kind == "stray":
+            errors.append("stray </tool_call>")
+        else:
+            opened += 1
+            if kind == "call":
+                calls.append(p)
+            else:
+                errors.append(f"tool call {opened}")
+    segments.append(sep.join(current))
+    r = parse_tool_calls(text)
+    assert r.reasoning is None and r.calls == calls
+    assert r.content == "\n".join(s.strip() for s in segments if s.strip())
+    assert len(r.errors) == len(errors)
+    for got, want in zip(r.errors, errors, strict=True):
+        assert got.startswith(want) and got[len(want)] in ": ", (got, want)  # "tool call 1:" is not "tool call 10:"

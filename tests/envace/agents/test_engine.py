@@ -342,6 +342,12 @@ def test_rehearsal_roundtrip(value, prefix, pad):
     assert json.loads(parsed) == value
 
 
+@pytest.mark.parametrize("prefix", ["", "<think>\nplan\n</think>\n", "plan (its <think> was in the prompt)\n</think>\n"])
+def test_a_think_end_inside_the_result_is_data(prefix):
+    value = {"</think>": "a </think> b", "k": ["</think>"]}
+    assert json.loads(parse_rehearsal(prefix + render_rehearsal(json.dumps(value)))) == value
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=200))
 def test_rehearsal_parser_never_raises_anything_but_its_format_error(text):
@@ -386,3 +392,178 @@ def test_fidelity_scores():
     f = fidelity('{"a": 1, "c": 2}', '{"a": 2, "b": 2}')
     assert f["exact"] == 0.0 and f["key_overlap"] == pytest.approx(1 / 3)
     assert fidelity('{"error": "no"}', '{"a": 1}')["error_agree"] == 0.0
+
+
+# -- edges found by mutation testing: limits validation, counters, truncation, what the engine records -------
+
+
+def test_loop_limits_validation():
+    assert LoopLimits().max_user_turns == 30
+    zero = LoopLimits(max_observation_chars=0, tool_timeout_s=0, tool_memory_mb=0)  # 0: no bound
+    assert (zero.max_observation_chars, zero.tool_timeout_s, zero.tool_memory_mb) == (0, 0, 0)
+    LoopLimits(max_user_turns=1, max_steps_per_turn=1, max_calls_per_message=1)
+    for name in ("max_user_turns", "max_steps_per_turn", "max_calls_per_message"):
+        with pytest.raises(ValueError, match=f"limits.{name} must be >= 1"):
+            LoopLimits(**{name: 0})
+    for name in ("max_observation_chars", "tool_timeout_s", "tool_memory_mb"):
+        with pytest.raises(ValueError, match=f"limits.{name} must be >= 0"):
+            LoopLimits(**{name: -1})
+    for name, allowed in LoopLimits.CHOICES.items():
+        for value in allowed:
+            assert getattr(LoopLimits(**{name: value}), name) == value
+        with pytest.raises(ValueError, match=f"limits.{name} must be one of"):
+            LoopLimits(**{name: "sometimes"})
+    # the CLI builds LoopLimits from these names: every field, no class-level table
+    assert LoopLimits.field_names() == [
+        "max_user_turns", "max_steps_per_turn", "max_calls_per_message", "max_observation_chars", "on_step_limit",
+        "on_malformed_call", "on_malformed_rehearsal", "tool_timeout_s", "tool_memory_mb"]
+
+
+def test_transcript_counters_name_each_counter():
+    from envace.agents.engine import StepRecord, Transcript
+
+    t = Transcript(messages=[], steps=[StepRecord(turn=1, reply=Reply(text="x"))] * 2, user_turns=3, tool_calls=4,
+                   malformed_calls=5, skipped_calls=6, malformed_rehearsals=7, env_errors=8, bound_hits=9)
+    assert t.counters() == {"user_turns": 3.0, "assistant_messages": 2.0, "tool_calls": 4.0, "malformed_calls": 5.0,
+                            "skipped_calls": 6.0, "malformed_rehearsals": 7.0, "env_errors": 8.0, "bound_hits": 9.0}
+
+
+def test_truncate_middle_exact():
+    from envace.agents.engine import truncate_middle
+
+    text = "abcdefghij"  # 10 characters
+    assert truncate_middle(text, 0) == text and truncate_middle(text, 10) == text and truncate_middle(text, 11) == text
+    assert truncate_middle(text, 9) == "abcd\n...(2 characters truncated)...\nghij"
+    assert truncate_middle(text, 4) == "ab\n...(6 characters truncated)...\nij"
+    assert truncate_middle(text, 2) == "a\n...(8 characters truncated)...\nj"
+    assert truncate_middle(text, 1) == "\n...(10 characters truncated)...\n"  # not the marker + the whole text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1, max_size=300), st.integers(min_value=1, max_value=300))
+def test_truncate_middle_keeps_both_ends_and_counts_the_cut(text, limit):
+    from envace.agents.engine import truncate_middle
+
+    out = truncate_middle(text, limit)
+    if len(text) <= limit:
+        assert out == text
+        return
+    half = limit // 2
+    assert out == f"{text[:half]}\n...({len(text) - 2 * half} characters truncated)...\n{text[len(text) - half:]}"
+
+
+def test_assistant_message_shape():
+    from envace.agents.engine import assistant_message
+
+    reply = Reply(text="t", content="c", calls=[ToolCall("f", {"a": 1}), ToolCall("g", {})])
+    assert assistant_message(reply, ["call_3", "call_4"]) == {
+        "role": "assistant", "content": "c",
+        "tool_calls": [{"id": "call_3", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+                       {"id": "call_4", "type": "function", "function": {"name": "g", "arguments": {}}}]}
+    assert assistant_message(Reply(text="t", content="only text"), []) == {"role": "assistant", "content": "only text"}
+    with pytest.raises(ValueError):  # one id per call
+        assistant_message(reply, ["call_3"])
+
+
+class ScriptedSource:
+    """Answers each call with the next scripted Observation; records the context it was given."""
+
+    name = "scripted"
+
+    def __init__(self, observations):
+        self.observations, self.seen = list(observations), []
+
+    async def observe(self, call, ctx):
+        self.seen.append((call, ctx.call_index, json.loads(json.dumps(ctx.messages)), ctx.reply, ctx.tools,
+                          ctx.limits, ctx.episode))
+        return self.observations.pop(0)
+
+
+def test_observations_are_counted_recorded_and_truncated():
+    from envace.agents.engine import Observation
+
+    obs = [
+        Observation(text="plain"),
+        Observation(text="R" * 30, real_text="real answer"),  # fidelity: the replay keeps the real text
+        Observation(text="boom", kind="env_error", masked=True),  # masked without a reason: the kind is the reason
+        Observation(text="stopped", kind="bound_exceeded", executed=False),
+        Observation(text="bad", kind="malformed_rehearsal", masked=True, meta={"reason": "second"}),
+    ]
+    source = ScriptedSource(obs)
+    calls = [echo(i) for i in range(5)]
+    policy = ScriptedPolicy(["\n".join(calls[:2]), "\n".join(calls[2:]), "end"])
+    ep = EndTurnEpisode(turns=1)
+    t, _ = run(policy, ep, source, max_observation_chars=10)
+    assert t.stop_reason == "completed" and t.final_text == "end" and ep.ended == ["end"]
+    assert (t.tool_calls, t.env_errors, t.bound_hits, t.malformed_rehearsals) == (5, 1, 1, 1)
+    assert t.masked and t.mask_reason == "env_error"  # the first masked observation decides
+    assert [a["output"] for a in t.actions] == ["plain", "real answer", "boom", "bad"]  # no action for the stopped one
+    assert [a["arguments"]["x"] for a in t.actions] == [0, 1, 2, 4]
+    tool_msgs = [m for m in t.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_msgs] == [f"call_{i}" for i in range(5)]  # ids continue across messages
+    assert tool_msgs[1]["content"] == "RRRRR\n...(20 characters truncated)...\nRRRRR" and tool_msgs[0]["content"] == "plain"
+    assert [o.text for s in t.steps for o in s.observations] == ["plain", "R" * 30, "boom", "stopped", "bad"]
+    # each call sees the conversation before its assistant message, its position in it, the reply, tools, limits
+    assert [(c.arguments["x"], i) for c, i, *_ in source.seen] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 2)]
+    for call, i, before, reply, tools, limits, episode in source.seen:
+        assert before[-1]["role"] == ("user" if call.arguments["x"] < 2 else "tool")
+        assert reply.calls[i] == call and tools == TOOLS and limits.max_observation_chars == 10 and episode is ep
+    assert len(source.seen[2][2]) == 4  # user, assistant, tool, tool
+
+
+def test_a_terminating_observation_ends_the_rollout_with_its_kind():
+    from envace.agents.engine import Observation
+
+    source = ScriptedSource([Observation(text="ok"), Observation(text="t/o", kind="timeout", terminate=True),
+                             Observation(text="never")])
+    policy = ScriptedPolicy(["\n".join(echo(i) for i in range(3)), "unreached"])
+    t, ep = run(policy, EndTurnEpisode(turns=1), source)
+    assert t.stop_reason == "timeout" and len(policy.calls) == 1 and ep.ended == []
+    assert len(source.observations) == 1 and [m["role"] for m in t.messages].count("tool") == 2
+
+
+@pytest.mark.parametrize("mode", ["feedback", "end"])
+def test_malformed_calls_next_to_good_ones(mode):
+    """A reply with a malformed block and a good call: the error is fed back first (a tool message without a
+    call id); with on_malformed_call=end no call of that reply runs."""
+    bad = '<tool_call>{"name": "echo", bad}</tool_call>'
+    policy = ScriptedPolicy([bad + "\n" + echo(7) + "\n" + bad, "fin"])
+    t, ep = run(policy, EndTurnEpisode(turns=1), on_malformed_call=mode)
+    assert t.malformed_calls == 2
+    kinds = [o.kind for o in t.steps[0].observations]
+    tool_msgs = [m for m in t.messages if m["role"] == "tool"]
+    assert all("tool_call_id" not in m and m["content"].startswith("Error: your tool call could not be parsed")
+               for m in tool_msgs[:2])
+    if mode == "end":
+        assert t.stop_reason == "malformed_call" and ep.executed == [] and len(policy.calls) == 1
+        assert kinds == ["malformed_call", "malformed_call"] and len(tool_msgs) == 2
+    else:
+        assert t.stop_reason == "completed" and [c.arguments["x"] for c in ep.executed] == [7]
+        assert kinds == ["malformed_call", "malformed_call", "result"] and tool_msgs[2]["tool_call_id"] == "call_0"
+
+
+def test_skipped_calls_are_observations_of_kind_skipped():
+    policy = ScriptedPolicy(["\n".join(echo(i) for i in range(3)), "fin"])
+    t, _ = run(policy, EndTurnEpisode(turns=1), max_calls_per_message=1)
+    assert [o.kind for o in t.steps[0].observations] == ["result", "skipped", "skipped"]
+
+
+def test_episode_done_stops_before_the_next_generation():
+    class DoneAfterOne(EndTurnEpisode):
+        @property
+        def done(self):
+            return len(self.executed) >= 1
+
+    policy = ScriptedPolicy([echo(0), echo(1)])
+    t, ep = run(policy, DoneAfterOne(turns=3))
+    assert t.stop_reason == "episode_done" and len(policy.calls) == 1 and len(ep.executed) == 1
+
+
+def test_user_turns_are_recorded_in_messages_and_actions():
+    policy = ScriptedPolicy([echo(0), "first", "second"])
+    t, ep = run(policy, EndTurnEpisode(turns=2))
+    assert t.stop_reason == "completed" and t.final_text == "second" and ep.ended == ["first", "second"]
+    assert [m["content"] for m in t.messages if m["role"] == "user"] == ["start", "turn 2"]
+    assert t.actions[1] == {"name": "__end_turn__", "arguments": {}} and len(t.actions) == 2
+    assert t.actions[0] == {"name": "echo", "arguments": {"x": 0}, "output": json.dumps({"echo": {"x": 0}})}
+    assert [s.turn for s in t.steps] == [1, 1, 2]
