@@ -8,8 +8,9 @@
 # Each target runs in its own scratch copy of the work tree ($MUTATION_DIR/<target>; the work tree itself is
 # never touched) and prints its counts, the mutation score (killed / (killed + survived + timeout +
 # suspicious); "no tests" mutants count as survivors) and the survivors; `cd $MUTATION_DIR/<target> &&
-# mutmut show <name>` prints a survivor's diff. An unchanged scratch copy keeps its results (mutmut only
-# reruns what changed); delete the folder to start afresh.
+# mutmut show <name>` prints a survivor's diff. A scratch copy keeps its results: mutmut re-tests a mutant only
+# when its function changed, not when the tests did, so after adding tests re-test the survivors by name
+# (`cd $MUTATION_DIR/<target> && mutmut run <names>`) or delete the folder to start afresh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/bootstrap.sh
