@@ -36,6 +36,9 @@ from typing import Any
 from envace.agents.engine import LoopLimits
 from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
 
+if typing.TYPE_CHECKING:
+    from envace.eval.client import EndpointConfig
+
 __all__ = ["add_limit_arguments", "add_tts_arguments", "build_parser", "limits_from_args", "main", "tts_from_args"]
 
 
@@ -228,6 +231,29 @@ def _runner_options(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _api_key(args: argparse.Namespace) -> str:
+    return args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+
+
+def _extra_body(args: argparse.Namespace) -> dict[str, Any]:
+    return {"chat_template_kwargs": args.chat_template_kwargs} if args.chat_template_kwargs else {}
+
+
+def agent_endpoint(args: argparse.Namespace, stack: contextlib.ExitStack, out_dir: Path, *, serve: bool,
+                   ) -> EndpointConfig:
+    """The agent's endpoint from the common flags. With ``serve`` (there is work to do), ``--checkpoint`` is
+    launched for the life of ``stack``; without, nothing starts and the names come from the flags."""
+    from envace.eval.client import EndpointConfig
+
+    if serve:
+        base_url, model = stack.enter_context(_endpoint(args, out_dir))
+    else:
+        base_url, model = args.base_url or "", args.model or args.checkpoint or ""
+    return EndpointConfig(base_url=base_url, model=model, api_key=_api_key(args), temperature=args.temperature,
+                          top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
+                          timeout=args.request_timeout, extra_body=_extra_body(args))
+
+
 @contextlib.contextmanager
 def _endpoint(args: argparse.Namespace, out_dir: Path) -> Iterator[tuple[str, str]]:
     """Yield (base_url, model): the given endpoint, or a server launched for --checkpoint."""
@@ -328,8 +354,7 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     label = args.label or _default_label(args)
     out_dir = Path(args.out or Path("results") / "eval" / bench.name / _slug(label))
     store = ResultStore(out_dir)
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-    extra_body = {"chat_template_kwargs": args.chat_template_kwargs} if args.chat_template_kwargs else {}
+    api_key, extra_body = _api_key(args), _extra_body(args)
 
     if bench.name == "tau2":
         pool = get_pool(
@@ -354,21 +379,8 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     outcome = None
     with contextlib.ExitStack() as stack:
-        if todo:
-            base_url, model = stack.enter_context(_endpoint(args, out_dir))
-        else:
-            base_url, model = args.base_url or "", args.model or args.checkpoint or ""
-        agent_cfg = EndpointConfig(
-            base_url=base_url,
-            model=model,
-            api_key=api_key,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            timeout=args.request_timeout,
-            extra_body=extra_body,
-        )
+        agent_cfg = agent_endpoint(args, stack, out_dir, serve=bool(todo))
+        base_url, model = agent_cfg.base_url, agent_cfg.model
         start_kwargs: dict[str, Any] = {}
         if bench.name == "tau2":
             start_kwargs["user"] = EndpointConfig(

@@ -45,7 +45,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -315,8 +314,8 @@ def _worldbook_identity(library: WorldbookLibrary, envs: Sequence[str]) -> dict[
 
 def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from envace.envs.base import get_pool
-    from envace.eval.cli import _default_label, _endpoint, _identity, _slug, _validate, limits_from_args
-    from envace.eval.client import EndpointConfig, check_model_served
+    from envace.eval.cli import _default_label, _identity, _slug, _validate, agent_endpoint, limits_from_args
+    from envace.eval.client import check_model_served
     from envace.eval.driver import evaluate
     from envace.eval.store import ResultStore
 
@@ -357,18 +356,10 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"[envace.eval] w2r: {len(selected)} task(s) of {args.pool} ({', '.join(envs)}), "
           f"{2 * len(selected) - todo} of {2 * len(selected)} runs already done in {out_dir}", file=sys.stderr)
 
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-    extra_body = {"chat_template_kwargs": args.chat_template_kwargs} if args.chat_template_kwargs else {}
     records: dict[str, dict[str, TaskRecord]] = {}
     incomplete = False
     with contextlib.ExitStack() as stack:
-        if todo:
-            base_url, model = stack.enter_context(_endpoint(args, out_dir))
-        else:
-            base_url, model = args.base_url or "", args.model or args.checkpoint or ""
-        client = ChatClient(EndpointConfig(
-            base_url=base_url, model=model, api_key=api_key, temperature=args.temperature, top_p=args.top_p,
-            max_tokens=args.max_tokens, seed=args.seed, timeout=args.request_timeout, extra_body=extra_body))
+        client = ChatClient(agent_endpoint(args, stack, out_dir, serve=bool(todo)))
         if todo and not args.checkpoint:
             check_model_served(client.config)
         proposer = world_model_from_endpoint(sim_endpoint)
