@@ -212,7 +212,7 @@ def clip_middle(text: str, limit: int) -> str:
     if limit <= 0 or len(text) <= limit:
         return text
     half = limit // 2
-    return f"{text[:half]}\n...({len(text) - 2 * half} characters omitted)...\n{text[-half:]}"
+    return f"{text[:half]}\n...({len(text) - 2 * half} characters omitted)...\n{text[len(text) - half:]}"
 
 
 def short(text: str | None, limit: int = 300) -> str:

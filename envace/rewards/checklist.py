@@ -255,8 +255,6 @@ def render_messages(messages: Sequence[Mapping[str, Any]], *, include_reasoning:
     return out
 
 
-
-
 # -- aggregation ------------------------------------------------------------------------------------------
 def _normalised_weights(items: Sequence[ChecklistItem]) -> list[float]:
     total = sum(item.weight for item in items)

@@ -142,3 +142,11 @@ def test_short_escapes_newlines_and_cuts():
     assert llmcore.short(None) == "<none>"
     assert llmcore.short("a\nb") == "a\\nb"
     assert llmcore.short("x" * 10, limit=6) == "xxx..."
+
+
+def test_clip_middle_keeps_both_ends_and_counts_the_cut():
+    text = "abcdefghij"  # 10 characters
+    assert llmcore.clip_middle(text, 0) == text and llmcore.clip_middle(text, 10) == text
+    assert llmcore.clip_middle(text, 4) == "ab\n...(6 characters omitted)...\nij"
+    assert llmcore.clip_middle(text, 9) == "abcd\n...(2 characters omitted)...\nghij"
+    assert llmcore.clip_middle(text, 1) == "\n...(10 characters omitted)...\n"  # not the marker + the whole text
