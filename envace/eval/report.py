@@ -15,7 +15,7 @@ from typing import Any
 
 from envace.eval.runner import TaskRecord
 
-__all__ = ["BENCHMARKS", "Benchmark", "format_table", "normalize_category", "summarize"]
+__all__ = ["BENCHMARKS", "Benchmark", "format_grid", "format_table", "normalize_category", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,22 @@ def table_rows(
     return group, header, body
 
 
+def format_grid(header: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool = False) -> str:
+    """``header`` over ``rows`` (cells already formatted): a Markdown table, or aligned text with the first
+    column left-aligned and the others right-aligned."""
+    lines = [header, *rows]
+    if markdown:
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                          *("| " + " | ".join(r) + " |" for r in rows)])
+    widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     for r in lines)
+
+
 def format_table(rows: Sequence[tuple[str, Mapping[str, Mapping[str, Any]]]], *, markdown: bool = False) -> str:
     group, header, body = table_rows(rows)
     if markdown:
-        out = ["| " + " | ".join(group) + " |", "|" + "---|" * len(group), "| " + " | ".join(header) + " |"]
-        out += ["| " + " | ".join(r) + " |" for r in body]
-        return "\n".join(out)
+        return format_grid(group, [header, *body], markdown=True)
     widths = [max(len(r[i]) for r in [group, header, *body]) for i in range(len(header))]
 
     def fmt(r: list[str]) -> str:

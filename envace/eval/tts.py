@@ -61,6 +61,7 @@ from envace.agents.engine import LoopLimits, Reply, Role, Transcript, TurnEngine
 from envace.agents.sources import RehearseSource, render_history
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict
 from envace.eval.client import ChatClient, is_context_too_long
+from envace.eval.report import format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, RunContext, TaskRecord, register_runner, to_api_messages
 from envace.rewards.llm import ConfigurationError, JudgeFormatError, LLMEndpointConfig, LLMPool
 
@@ -462,13 +463,7 @@ def format_cost_table(cost: Mapping[str, Any], *, markdown: bool = False) -> str
         tok = r["prompt_tokens"] + r["completion_tokens"]
         rows.append([role, f"{int(r['calls'])}", f"{int(r['prompt_tokens'])}", f"{int(r['completion_tokens'])}",
                      f"{r['wall_s']:.1f}", f"{r['calls'] / n:.1f}", f"{tok / n:.0f}"])
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    else:
-        widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths, strict=True)))
-                 for x in [header, *rows]]
+    lines = [format_grid(header, rows, markdown=markdown)]
     lines.append(
         f"{cost.get('tasks', 0)} task(s), {cost.get('attempts', 0)} rehearsal(s) "
         f"({cost.get('unassessed_attempts', 0)} not assessed), {cost.get('memory_failures', 0)} memory failure(s); "

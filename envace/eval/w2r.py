@@ -47,6 +47,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,7 @@ from envace.agents.sources import RealSource
 from envace.agents.worldbook import WorldbookLibrary, WorldbookSource, world_model_from_endpoint
 from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
 from envace.eval.client import ChatClient
-from envace.eval.report import Benchmark
+from envace.eval.report import Benchmark, format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, TaskRecord
 from trace2env.consistency import w2r_consistency
 from trace2env.engine import normalise
@@ -270,10 +271,7 @@ def format_w2r_table(label: str, table: Mapping[str, Any], *, markdown: bool = F
     wm = _pct(table["wm"]) + (f" ({table['wm_tasks']})" if table["wm_tasks"] != table["tasks"] else "")
     head = ["Agent", "Real (%)", "WM (%)", "W2R (%)", "CR [95% CI]", "WM-only", "Tasks"]
     row = [label, _pct(table["real"]), wm, _pct(table["w2r"]), cr, str(table["wm_only"]), str(table["tasks"])]
-    if markdown:
-        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"])
-    widths = [max(len(a), len(b)) for a, b in zip(head, row, strict=True)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in (head, row))
+    return format_grid(head, [row], markdown=markdown)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,10 +388,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tmp.replace(out_dir / "w2r.json")
     (out_dir / "w2r.md").write_text(format_w2r_table(label, table, markdown=True) + "\n", encoding="utf-8")
     print(text)
-    bases: dict[str, int] = {}
-    for r in rows:
-        if r["wm_basis"]:
-            bases[r["wm_basis"]] = bases.get(r["wm_basis"], 0) + 1
+    bases = dict(Counter(r["wm_basis"] for r in rows if r["wm_basis"]))
     print(f"WM verdicts by basis: {bases}; wm_only {table['wm_only']}, w2r_only {table['w2r_only']}"
           + (f"; without both outcomes: {len(table['dropped'])}" if table["dropped"] else ""))
     print(f"[envace.eval] results in {out_dir} (real/, simulator/, w2r.json, w2r.md)", file=sys.stderr)
