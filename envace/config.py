@@ -166,6 +166,13 @@ class EnvAceConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     # run the pre-flight checks (GPU presence, Ray resources, model path) before launching
     preflight: bool = True
+    # seconds between the sync trainer's checks that a step's rollouts are done (verl's replay buffer polls every
+    # 2 s, which rounds each generation phase up to a multiple of 2 s: about a second per step on CPU)
+    replay_poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not self.replay_poll_s > 0:
+            raise ValueError(f"envace.replay_poll_s must be > 0, got {self.replay_poll_s}")
 
 
 def validate_envace_config(cfg: DictConfig) -> EnvAceConfig:

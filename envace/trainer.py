@@ -144,7 +144,10 @@ def _register() -> type:
             # present itself as "sync", or it silently runs the async code paths.
             self.trainer_mode = "sync"
             self.parameter_sync_step = self.config.trainer.v1.get("sync", {}).get("parameter_sync_step", 1)
-            return super()._build_replay_buffer()
+            buffer = super()._build_replay_buffer()
+            # the buffer's documented constructor argument, which verl's builder does not expose
+            buffer.poll_interval = float((self.config.get("envace") or {}).get("replay_poll_s", buffer.poll_interval))
+            return buffer
 
         def _extra_fields(self, batch) -> list[Mapping[str, Any]]:
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])

@@ -513,26 +513,11 @@ def _load(model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
 
 
 def _sample(model: Any, prompt: list[int], max_new: int, temperature: float, gen: Any, stop: set[int]) -> list[int]:
-    """Plain temperature sampling (greedy at 0) over the full vocabulary, with a KV cache."""
-    import torch
+    """Temperature sampling (greedy at 0) over the full vocabulary: the ``hfcpu`` rollout's own sampler."""
+    from envace.platform.rollout import SamplingSpec, sample_tokens
 
-    out: list[int] = []
-    with torch.no_grad():
-        res = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-        past = res.past_key_values
-        for _ in range(max_new):
-            logits = res.logits[0, -1].float()
-            if temperature <= 0:
-                nxt = int(torch.argmax(logits))
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = int(torch.multinomial(probs, 1, generator=gen))
-            out.append(nxt)
-            if nxt in stop:
-                break
-            res = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-            past = res.past_key_values
-    return out
+    spec = SamplingSpec({"temperature": temperature, "max_tokens": max_new, "stop_token_ids": sorted(stop)}, max_new)
+    return sample_tokens(model, prompt, spec, eos_ids=set(), generator=gen)[0]
 
 
 def _split_test(pool: Any, n: int, seed: int) -> list[str]:

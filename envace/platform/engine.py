@@ -9,7 +9,7 @@ prompt positions included, although only response tokens enter any loss or metri
 sequence). With Qwen3's 151,936-entry vocabulary and ~400-token prompts that projection is most of a CPU step.
 verl has no option that limits it (``use_fused_kernels`` computes the same positions, chunked, and its torch
 backend is slower on CPU), and its packed layout (``use_remove_padding``) needs flash-attention's varlen kernels
-to stay linear in the micro-batch: with eager attention the packed sequence costs ``(Σ lengths)²``.
+to stay linear in the micro-batch: with torch's attention kernels the packed sequence costs ``(Σ lengths)²``.
 
 So on the padded path (``use_remove_padding: false``, what ``configs/platform/cpu.yaml`` sets) this engine lays
 each micro-batch out with the prompts right-aligned, ``[pad… prompt_i response_i pad…]``, so that every row's
@@ -18,14 +18,19 @@ response occupies the same columns, passes those columns to the model as transfo
 entropies) back into verl's nested layout. Prompt positions hold 0, which nothing reads; response positions
 hold the values verl computes (``tests/envace/platform/test_cpu_engine.py`` compares values and gradients).
 
+On CPU the engine also sizes torch's thread pool (:func:`trainer_threads`): Ray starts an actor that asks for no
+CPUs with ``OMP_NUM_THREADS=1``, so verl's trainer rank would otherwise compute on one core of an idle machine
+while the rollout server, which computes only between updates, waits.
+
 Anything else (packed inputs, sequence parallelism, fused kernels, distillation, Σπ², position ids with
-more than one row per token) falls through to verl unchanged. The class overrides two methods of verl's,
-so the test also pins the verl version it was written against.
+more than one row per token) falls through to verl unchanged. The class overrides two methods of verl's (and
+wraps ``initialize``), so the test also pins the verl version it was written against.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, ClassVar
 
 import torch
@@ -37,7 +42,7 @@ from verl.utils.model import extract_multi_modal_inputs
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "response_logit_positions"]
+__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "response_logit_positions", "trainer_threads"]
 
 #: the verl release whose ``FSDPEngineWithLMHead.prepare_model_inputs/outputs`` this engine follows
 VERL_VERSION = "0.9.1"
@@ -60,6 +65,19 @@ def response_logit_positions(prompt_lens: torch.Tensor, response_lens: torch.Ten
     return idx + torch.arange(int(counts.sum()), device=idx.device)
 
 
+def trainer_threads(env: dict[str, str] | None = None, cpus: int | None = None) -> int:
+    """torch threads of one CPU trainer rank: ``ENVACE_TRAINER_THREADS`` if set, else this machine's CPUs shared
+    evenly by the trainer ranks verl places on it (``RAY_LOCAL_WORLD_SIZE``), at least 1."""
+    env = os.environ if env is None else env
+    if env.get("ENVACE_TRAINER_THREADS"):
+        threads = int(env["ENVACE_TRAINER_THREADS"])
+        if threads < 1:
+            raise ValueError(f"ENVACE_TRAINER_THREADS must be >= 1, got {threads}")
+        return threads
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    return max(1, cpus // max(1, int(env.get("RAY_LOCAL_WORLD_SIZE", "1"))))
+
+
 def _flag(micro_batch: TensorDict, key: str, default: Any) -> Any:
     return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
 
@@ -67,6 +85,11 @@ def _flag(micro_batch: TensorDict, key: str, default: Any) -> Any:
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")
 class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     """verl's FSDP actor/ref engine; logits are computed for response positions only (see the module doc)."""
+
+    def initialize(self):
+        torch.set_num_threads(trainer_threads())
+        logger.info("envace CPU engine: %d torch threads", torch.get_num_threads())
+        return super().initialize()
 
     def _response_only(self, micro_batch: TensorDict) -> bool:
         reason = self._fallback_reason(micro_batch)

@@ -111,14 +111,30 @@ def sample_tokens(
     return sample_batch(model, [prompt_ids], [spec], eos_ids, [generator])[0]
 
 
+def sample_index(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One draw from a 1-D categorical distribution (``probs`` >= 0, summing to about 1), by inverting its CDF
+    at a single uniform from ``generator``.
+
+    The same distribution as ``torch.multinomial(probs, 1)``, which on CPU draws an exponential variate per
+    vocabulary entry (5.5 ms for Qwen's 151,936 entries on one core, against 0.2 ms here; it was a third of
+    a CPU rollout). Zero-probability entries (outside top-k / top-p) are never drawn: the search is
+    right-sided, so a draw lands on an entry whose CDF step is positive.
+    """
+    cdf = probs.cumsum(0)
+    u = torch.rand((1,), generator=generator, dtype=cdf.dtype) * cdf[-1]
+    idx = int(torch.searchsorted(cdf, u, right=True))
+    if idx >= len(probs) or probs[idx] <= 0:  # u rounded onto the CDF's last step
+        idx = int(torch.nonzero(probs).max())
+    return idx
+
+
 def _pick(logits: torch.Tensor, spec: SamplingSpec, generator: torch.Generator | None) -> tuple[int, float]:
     """Sample one token from one row of (penalised) logits; its log-prob under ``logits / temperature``."""
     if spec.temperature == 0.0:
         tok = int(torch.argmax(logits))
         return tok, float(torch.log_softmax(logits, -1)[tok])
     scaled = logits / spec.temperature
-    probs = torch.softmax(_filter_logits(scaled, spec.top_k, spec.top_p), -1)
-    tok = int(torch.multinomial(probs, 1, generator=generator))
+    tok = sample_index(torch.softmax(_filter_logits(scaled, spec.top_k, spec.top_p), -1), generator)
     return tok, float(torch.log_softmax(scaled, -1)[tok])
 
 
@@ -218,7 +234,7 @@ class HFCPUServer:
         self.replica_rank = replica_rank
         self.node_rank = node_rank
         path = self.model_config.local_path or self.model_config.path
-        attn = (self.model_config.override_config or {}).get("attn_implementation", "eager")
+        attn = (self.model_config.override_config or {}).get("attn_implementation", "sdpa")
         torch.set_num_threads(max(1, int(os.environ.get("ENVACE_ROLLOUT_THREADS", "1"))))
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False

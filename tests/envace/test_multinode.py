@@ -86,8 +86,10 @@ class Lines:
 
 
 def _env(port: int, token_path: Path) -> dict[str, str]:
+    # both "nodes" share this machine's cores: one torch thread per trainer rank, as on two real nodes each would
+    # size its pool to its own CPUs (envace.platform.engine.trainer_threads)
     env = dict(os.environ, NNODES="2", MASTER_ADDR="127.0.0.1", RAY_PORT=str(port), RAY_NUM_CPUS="16",
-               GPUS_PER_NODE="1", RAY_DEDUP_LOGS="0", RAY_AUTH_TOKEN_PATH=str(token_path))
+               GPUS_PER_NODE="1", RAY_DEDUP_LOGS="0", RAY_AUTH_TOKEN_PATH=str(token_path), ENVACE_TRAINER_THREADS="1")
     for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE"):
         env.pop(key, None)
     return env

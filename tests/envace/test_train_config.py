@@ -65,6 +65,9 @@ def test_typed_envace_keys_fail_loudly_with_the_key_name():
     cfg.envace.data.pool = ["bfcl_multi_turn"]  # typo of `pools`
     with pytest.raises(ConfigError, match=r"envace\.data\.pool"):
         validate_envace_config(cfg)
+    cfg = compose(["envace.replay_poll_s=0"])
+    with pytest.raises(ConfigError, match=r"envace\.replay_poll_s must be > 0"):
+        validate_envace_config(cfg)
 
 
 def test_cli_typo_is_a_clean_error_before_anything_starts(capsys):

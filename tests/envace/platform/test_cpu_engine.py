@@ -19,7 +19,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from envace.platform.engine import VERL_VERSION, CPUFSDPEngineWithLMHead, response_logit_positions
+from envace.platform.engine import VERL_VERSION, CPUFSDPEngineWithLMHead, response_logit_positions, trainer_threads
 
 
 def test_pins_the_verl_release_and_the_lines_it_mirrors():
@@ -81,14 +81,14 @@ def _micro_batch(prompts, responses, temperature):
     return td
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=997, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-                      attn_implementation="eager")
+                      attn_implementation=request.param)
     return Qwen3ForCausalLM(cfg).float()
 
 
@@ -154,3 +154,13 @@ def test_text_only_multi_modal_field_keeps_the_response_only_path():
     mb = _micro_batch([[1, 2, 3], [4, 5]], [[6], [7, 8]], 1.0)
     mb["multi_modal_inputs"] = NonTensorStack({}, {})
     assert _engine(CPUFSDPEngineWithLMHead, None)._fallback_reason(mb) is None
+
+
+def test_trainer_threads_share_the_machine_between_local_ranks_unless_set():
+    # Ray gives an actor that asks for no CPUs OMP_NUM_THREADS=1; the engine sizes torch's pool itself
+    assert trainer_threads({}, cpus=2) == 2
+    assert trainer_threads({"RAY_LOCAL_WORLD_SIZE": "2"}, cpus=8) == 4
+    assert trainer_threads({"RAY_LOCAL_WORLD_SIZE": "4"}, cpus=2) == 1
+    assert trainer_threads({"ENVACE_TRAINER_THREADS": "3", "RAY_LOCAL_WORLD_SIZE": "4"}, cpus=2) == 3
+    with pytest.raises(ValueError, match="ENVACE_TRAINER_THREADS"):
+        trainer_threads({"ENVACE_TRAINER_THREADS": "0"}, cpus=2)

@@ -39,7 +39,7 @@ def test_sdpa_on_a_packed_row_equals_each_sequence_alone():
     assert torch.allclose(packed, torch.cat(alone), atol=1e-5)
     # the check can fail: read as one sequence, the later sequences attend to the earlier ones
     assert not torch.allclose(one_long[lens[0]:], torch.cat(alone[1:]), atol=1e-3)
-    # and SDPA agrees with the eager kernel the CPU platform uses
+    # and SDPA agrees with the eager kernel
     eager = tiny_qwen3("eager")
     eager.load_state_dict(model.state_dict())
     with torch.no_grad():

@@ -7,12 +7,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from envace.models import ensure_tiny_model
-from envace.platform.rollout import SamplingSpec, _filter_logits, sample_batch, sample_tokens
+from envace.platform.rollout import SamplingSpec, _filter_logits, sample_batch, sample_index, sample_tokens
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), torch_dtype=torch.float32, attn_implementation="eager")
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request):
+    """The tiny Qwen3 with the CPU platform's attention kernel (sdpa) and with eager attention."""
+    m = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32, attn_implementation=request.param)
     return m.eval()
 
 
@@ -66,6 +67,26 @@ def test_filter_logits_top_k_and_top_p():
     kept = ~torch.isinf(_filter_logits(logits, -1, 0.7))
     assert kept.tolist() == [True, True, False, False]
     assert probs[0] < 0.7 < probs[:2].sum()
+
+
+def test_sample_index_draws_from_the_distribution_and_never_a_zero_probability_entry(monkeypatch):
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sample_index(probs, g) for _ in range(n)]), minlength=len(probs))
+    assert counts[probs == 0].sum() == 0
+    # within 5 standard errors of each entry's expected count
+    expected = probs * n
+    assert ((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1).all(), counts.tolist()
+    # seeded: the same generator state, the same draw
+    draws = {sample_index(probs, torch.Generator().manual_seed(5)) for _ in range(3)}
+    assert len(draws) == 1
+    # the uniform's extremes: 0 lands on the first positive entry; a value that rounds onto the CDF's top
+    # lands on the last positive entry, not past the end nor on a trailing zero
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1))
+    assert sample_index(torch.tensor([0.0, 0.5, 0.5])) == 1
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1))
+    assert sample_index(torch.tensor([0.25, 0.75, 0.0])) == 1
 
 
 def test_bad_sampling_params_are_rejected():
