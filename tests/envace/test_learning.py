@@ -20,18 +20,21 @@ control's mean by ``MARGIN``: the rise comes from the updates, not from the meas
 steps with their own first steps is weaker: the reward rises within 2-3 updates, so the first window is already
 part-trained; that comparison failed a CI run. A control in the same run costs no second trainer start-up.)
 
-Measured on a 2-core AMD EPYC (this file):
+Measured on a 2-core AMD EPYC (this file; ``RAY_worker_niceness=0 .venv/bin/python -m pytest -q -m slow
+tests/envace/test_learning.py``: 4 passed in 1,140 s, after the CPU step speed-ups of sdpa attention, inverse-CDF
+sampling and two trainer threads):
 
-* ``grpo`` (lr 2e-3, 6 learning steps): control 0.19, 0.31, 0.25, 0.12 (mean 0.219), learning 0.19, 0.34, 0.41,
-  0.41, 0.41, 0.59 (last 4: 0.453); 700 s. An earlier 10-step run: control 0.258, learning 0.34, 0.31, 0.41,
-  0.56, 0.72, 0.53, 0.75, 0.62, 0.88, 0.81. Runs are seeded but not bit-reproducible from run to run.
-* ``grpo_rolewise`` (lr 1e-3, 8 learning steps): control 0.07, 0.03, 0.02, 0.03 (mean 0.037), learning 0.15,
-  0.13, 0.17, 0.20, 0.24, 0.27, 0.28, 0.32 (last 4: 0.275); 1,082 s. Two earlier 10-step runs (the first 8 steps
-  of each pass too): control 0.14, 0.05, 0.02, 0.03 (mean 0.061), learning 0.10, 0.03, 0.10, 0.13, 0.23, 0.23,
-  0.24, 0.28, 0.25, 0.28 (1,686 s beside the fast suite); control 0.032, learning 0.10, 0.08, 0.12, 0.21, 0.17,
-  0.20, 0.22, 0.20, 0.24, 0.28. Malformed rehearsals ended 3-12 % of trajectories throughout. At lr 2e-3 it learned in one
-  of two runs: in the other, malformed rehearsals rose from 3 % to 44 % of trajectories under the updates (the
-  rehearse role's format collapsed).
+* ``grpo`` (lr 2e-3, 6 learning steps): control 0.25, 0.16, 0.25, 0.25 (mean 0.227), learning 0.13, 0.38, 0.28,
+  0.50, 0.44, 0.53 (last 4: 0.438); 31 s per learning step. Before the speed-ups (700 s): control mean 0.219,
+  last 4 0.453; an earlier 10-step run: control 0.258, learning 0.34, 0.31, 0.41, 0.56, 0.72, 0.53, 0.75, 0.62,
+  0.88, 0.81. Runs are seeded but not bit-reproducible from run to run.
+* ``grpo_rolewise`` (lr 1e-3, 8 learning steps): control 0.025, 0.05, 0.026, 0.025 (mean 0.032), learning 0.05,
+  0.05, 0.13, 0.15, 0.21, 0.21, 0.23, 0.29 (last 4: 0.232); 59 s per learning step. Before the speed-ups (1,082 s):
+  control mean 0.037, last 4 0.275; two earlier 10-step runs (the first 8 steps of each pass too): control mean
+  0.061, learning 0.10, 0.03, 0.10, 0.13, 0.23, 0.23, 0.24, 0.28, 0.25, 0.28; control 0.032, learning 0.10, 0.08,
+  0.12, 0.21, 0.17, 0.20, 0.22, 0.20, 0.24, 0.28. Malformed rehearsals ended 3-12 % of trajectories throughout. At
+  lr 2e-3 it learned in one of two runs: in the other, malformed rehearsals rose from 3 % to 44 % of trajectories
+  under the updates (the rehearse role's format collapsed).
 
 What this catches: a sign error in the advantage, a mask that trains the environment's tokens or no tokens, a
 weight sync that never reaches the rollout server, an optimizer that does not step — each leaves the reward
@@ -53,7 +56,7 @@ import pytest
 
 from envace.metrics import load_metrics
 
-# a run (its fixture set-up counts toward its first test) takes 10-30 min on 2 cores
+# a run (its fixture set-up counts toward its first test) takes 7-11 min on 2 cores (before the speed-ups 12-18)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 WINDOW = 4  # the last learning steps, averaged
