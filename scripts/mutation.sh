@@ -26,7 +26,7 @@ declare -A TARGETS=(
   [engine]="envace/agents/engine.py|tests/envace/agents/test_engine.py tests/envace/agents/test_verl_loop.py"
   [estimate]="envsched/estimate.py|tests/envsched/test_envsched_estimate.py tests/envsched/test_envsched_oracle.py tests/envsched/test_envsched_observe.py tests/envsched/test_envsched_fastpaths.py tests/envsched/test_envsched_estimate_edges.py"
   [select]="envsched/select.py|tests/envsched/test_envsched_select.py tests/envsched/test_envsched_edges.py tests/envsched/test_envsched_scheduler.py tests/envsched/test_envsched_fastpaths.py"
-  [scheduler]="envsched/scheduler.py|tests/envsched/test_envsched_scheduler.py tests/envsched/test_envsched_edges.py tests/envsched/test_envsched_oracle.py tests/envsched/test_envsched_observe.py tests/envsched/test_envsched_select.py"
+  [scheduler]="envsched/scheduler.py|tests/envsched/test_envsched_scheduler.py tests/envsched/test_envsched_edges.py tests/envsched/test_envsched_oracle.py tests/envsched/test_envsched_observe.py tests/envsched/test_envsched_select.py tests/envsched/test_envsched_scheduler_edges.py"
 )
 ORDER=(advantage toolcall engine estimate select scheduler)
 (( $# )) && ORDER=("$@")
