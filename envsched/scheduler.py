@@ -513,9 +513,11 @@ class EnvScheduler:
         saved_pred = state.get("selection_predictions") or {}  # absent in states saved before the diagnostics
         self.selection_predictions = {int(s): {k: np.asarray(a).copy() for k, a in rec.items()} for s, rec in saved_pred.items()}
         self._pred_cache = None
-        if state.get("neighbors") is not None:
+        if state.get("neighbors") is not None and saved == self.cfg:
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.load_state_dict(state["neighbors"])
             self._neighbors = nb
         else:
-            self._neighbors = None  # rebuilt from the observed set on first use
+            # rebuilt from the observed set on first use, under this config: a state saved with other neighbour
+            # counts or graph settings holds neighbour lists of another width or graph
+            self._neighbors = None

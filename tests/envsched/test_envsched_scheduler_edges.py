@@ -1,17 +1,19 @@
-"""EnvScheduler edges (issue 14, mutation testing of envsched/scheduler.py): hand-computed selection and
-observation metrics, the guards' messages and attributes, the identifier-filter bookkeeping (App. C), the
-C4 consecutive-selection block, the coverage share floor(rho * B), predict()'s default and past steps, and
-state_dict round trips (version, config warning, neighbours rebuilt from the observed set)."""
+"""EnvScheduler edges (issue 14, mutation testing of envsched/scheduler.py): constructor inputs, hand-computed
+selection and observation metrics (timings, dispersion floor, zero-variance boundary), the guards' messages and
+attributes, the identifier-filter bookkeeping (App. C), the cold start modes, the C4 consecutive-selection block,
+the coverage share floor(rho * B), predict()'s default and past steps, and state_dict round trips (version,
+config warning, neighbours rebuilt from the observed set)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import numpy as np
 import pytest
 
-from envsched import EnvSchedConfig, EnvScheduler, ObservationError, TaskPool, UnknownTaskError
+from envsched import DeterministicExtractor, EnvSchedConfig, EnvScheduler, ObservationError, TaskPool, UnknownTaskError
 from envsched.synthetic import synthetic_records
 
 K = 4
@@ -47,6 +49,27 @@ def tiny_pool() -> TaskPool:
             {"task_id": "t4", "env_id": "e2", "instruction": "w", "tools": [{"name": "x"}, {"name": "y"}, {"name": "z"}]},
         ]
     )
+
+
+# ---- construction -------------------------------------------------------------------------------------------
+def test_constructor_inputs(pool, graph):
+    """Plain records become a TaskPool; a TaskPool, a graph and an extractor are used as given; no config means
+    the defaults (batch_size 64, hence a 64-task pool); the counters start as int64 zeros (the state format)."""
+    records = synthetic_records(8, 8)
+    s = EnvScheduler(records)
+    assert s.cfg == EnvSchedConfig() and isinstance(s.pool, TaskPool)
+    assert s.pool.task_ids == [r["task_id"] for r in records] and s.pool.fingerprint() == TaskPool.from_records(records).fingerprint()
+    s = sched(pool, graph)
+    assert s.pool is pool and s.graph is graph
+    state = s.state_dict()
+    for name in ("obs_count", "sel_count"):
+        assert getattr(s, name).dtype == np.int64 and state[name].dtype == np.int64 and state[name].tolist() == [0] * len(pool)
+
+    class NamedExtractor(DeterministicExtractor):
+        name = "named"
+
+    s = EnvScheduler(records[:4], {"batch_size": 2, "scheduler": "random"}, extractor=NamedExtractor())
+    assert s.graph_report()["extractors"] == {"named": 4}
 
 
 # ---- selection metrics ------------------------------------------------------------------------------------
@@ -92,6 +115,43 @@ def test_select_again_returns_the_batch_without_counting_it_twice_and_backwards_
     assert s.selection_phases[2] == ["cold_start"] * 4
 
 
+def test_a_second_selection_before_any_observation_is_an_envsched_step(pool, graph):
+    """Only the very first selection is a cold start: select(1) with nothing observed yet fills floor(rho * B)
+    coverage slots and exploits the rest from the prior prediction."""
+    s = sched(pool, graph, rho=0.5)
+    s.select(0)
+    s.select(1)
+    assert s.selection_phases[1] == ["coverage"] * 2 + ["exploitation"] * 2  # floor(0.5 * 4) = 2
+    assert s.metrics(1)["envsched/cold_start_count"] == 0.0
+
+
+def test_cold_start_modes_draw_from_the_rng_only_when_random(pool, graph):
+    """cold_start = "random" is the seeded uniform draw of the random baseline (the same generator call on the
+    same seed); the structural cold start takes one representative per environment and leaves the rng alone."""
+    fresh = np.random.Generator(np.random.PCG64(4)).bit_generator.state
+    rnd = sched(pool, graph, cold_start="random", seed=4)
+    baseline = EnvScheduler(pool, {"batch_size": 4, "rollouts_per_task": K, "scheduler": "random", "seed": 4})
+    assert rnd.select(0) == baseline.select(0)
+    assert rnd.rng.bit_generator.state == baseline.rng.bit_generator.state != fresh
+    structural = sched(pool, graph, seed=4)
+    nodes = pool.indices(structural.select(0))
+    assert structural.rng.bit_generator.state == fresh
+    assert sorted(set(pool.env[nodes[:3]].tolist())) == [0, 1, 2]  # the 3 representatives come first
+
+
+def test_select_scores_with_the_prediction_of_its_own_step(pool, graph):
+    """A step that skips ahead is scored with predict(step), not with the prediction for the step after the
+    last one (the half-life weights, Eq. 10, depend on t)."""
+    s = sched(pool, graph)
+    s.observe(0, rewards_for(s.select(0), 0))
+    assert not np.array_equal(s.predict(30).q, s.predict(1).q)
+    seen = []
+    fill = s._fill
+    s._fill = lambda builder, step, q: (seen.append(q.copy()), fill(builder, step, q))[1]
+    s.select(30)
+    assert len(seen) == 1 and np.array_equal(seen[0], s.predict(30).q)
+
+
 @pytest.mark.parametrize("mode", ["random", "envsched"])
 def test_a_filtered_task_is_never_selected_again(mode):
     """Random mode and random cold start draw from the available tasks only; a batch as large as the pool
@@ -109,6 +169,10 @@ def test_a_filtered_task_is_never_selected_again(mode):
     full.available[pool.index["t4"]] = False
     assert sorted(full.select(0)) == ["t1", "t2", "t3"]
     assert full.metrics(0)["envsched/batch_size"] == 3.0
+    full.available[:] = False  # every task removed: an empty batch, nothing counted
+    assert full.select(1) == [] and full.sel_count.tolist() == [1, 1, 1, 0]
+    m = full.metrics(1)
+    assert (m["envsched/batch_size"], m["envsched/envs_per_batch"], m["envsched/tools_per_batch"], m["envsched/random_count"]) == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_random_cold_start_is_seeded(pool, graph):
@@ -164,6 +228,65 @@ def test_observe_metrics_by_hand(pool, graph):
     assert log["m"].tolist() == [0.5, 1.0, 0.125, 1.0] and log["v"].tolist() == pytest.approx([0.25, 0.0, 0.046875, 0.0])
 
 
+def test_observe_uses_the_configured_dispersion_floor(pool, graph):
+    """d = clip(v / max(m(1 - m), dispersion_floor)) (Eq. 9) with the configured floor, not the default 0.01."""
+    s = sched(pool, graph, dispersion_floor=0.5)
+    ids = s.select(0)
+    s.observe(0, {ids[0]: [1.0, 0.0, 1.0, 0.0], ids[1]: [1.0, 1.0, 1.0, 0.5]})
+    # ids[0]: m = 0.5, v = 0.25, d = 0.25 / max(0.25, 0.5) = 0.5 (1.0 under the default floor)
+    # ids[1]: m = 0.875, v = (3 * 0.125^2 + 0.375^2) / 4 = 0.046875, d = 0.046875 / max(0.109375, 0.5) = 0.09375
+    assert s.log.arrays()["d"].tolist() == pytest.approx([0.5, 0.09375])
+
+
+def test_timing_metrics_lie_within_the_calls_and_add_up(pool, graph):
+    """select_time_s and observe_time_s are non-negative durations no longer than the calls measured from
+    outside; schedule_time_s is their sum."""
+    s = sched(pool, graph)
+    for step in range(2):  # the cold start and an envsched step
+        t0 = time.perf_counter()
+        ids = s.select(step)
+        t1 = time.perf_counter()
+        m = s.observe(step, rewards_for(ids, step))
+        t2 = time.perf_counter()
+        select_s, observe_s = m["envsched/select_time_s"], m["envsched/observe_time_s"]
+        assert 0.0 <= select_s <= t1 - t0 and 0.0 <= observe_s <= t2 - t1
+        assert m["envsched/schedule_time_s"] == select_s + observe_s
+
+
+def test_zero_variance_means_at_most_1e_12(pool, graph):
+    """zero_var_fraction counts the groups whose variance is <= 1e-12, the boundary included."""
+    s = sched(pool, graph)
+    ids = s.select(0)
+    # v([0, 2e-6]) = (1e-6)^2 = 1e-12 exactly in float64: zero; v([0, 4e-6]) = (2e-6)^2 = 4e-12: not zero
+    m = s.observe(0, {ids[0]: [0.0, 2e-6], ids[1]: [0.0, 4e-6]})
+    assert s.log.arrays()["v"].tolist() == [1e-12, 4e-12]
+    assert m["envsched/zero_var_fraction"] == 0.5
+
+
+def test_observe_returns_the_metrics_of_the_observed_step(pool, graph):
+    """observe(t) answers with step t's metrics even when a later step has already been selected."""
+    s = sched(pool, graph, scheduler="random")
+    s.select(0)
+    s.select(1)
+    m = s.observe(0, rewards_for(s.select(0), 0))
+    assert m["envsched/step"] == 0.0 and m["envsched/observed_groups"] == 4.0
+    assert m == s.metrics(0) and "envsched/observed_groups" not in s.metrics(1)
+
+
+def test_observe_after_a_resume_without_metrics(pool, graph):
+    """A state whose metrics were dropped (they are diagnostics, not needed by select) still resumes: observing a
+    step selected before the checkpoint then reports schedule_time_s = observe_time_s (no select time known)."""
+    s = sched(pool, graph)
+    ids = s.select(0)
+    state = copy.deepcopy(s.state_dict())
+    state["metrics"] = {}
+    r = sched(pool, graph)
+    r.load_state_dict(state)
+    m = r.observe(0, rewards_for(ids, 0))
+    assert "envsched/select_time_s" not in m and "envsched/step" not in m
+    assert m["envsched/schedule_time_s"] == m["envsched/observe_time_s"] and m["envsched/observed_groups"] == 4.0
+
+
 def test_tools_used_per_batch_counts_distinct_environment_tool_pairs(pool, graph):
     s = sched(pool, graph, identifier_filter=False)
     ids = s.select(0)
@@ -180,6 +303,11 @@ def test_rewards_exactly_at_the_tolerance_are_clipped_and_the_first_bad_one_is_n
         s.observe(0, {ids[0]: [0.5, -0.5, 2.0]})
     with pytest.raises(ObservationError, match=r"reward 2\.0 outside"):
         s.observe(0, {ids[0]: [0.5, 2.0, -0.5]})
+    # values inside the range or exactly at lo - tol / hi + tol are not the offending one, whatever their position
+    for edge, bad in (([0.0, 1.0], 2.0), ([0.0 - 1e-6, 1.0 + 1e-6], 2.0), ([1.0, 0.0], -0.5), ([1.0 + 1e-6, 0.0 - 1e-6], -0.5)):
+        with pytest.raises(ObservationError, match=rf"task {ids[2]!r}: reward {bad!r} outside") as exc:
+            s.observe(0, {ids[0]: [0.5], ids[2]: [*edge, bad]})
+        assert (exc.value.task_id, exc.value.step) == (ids[2], 0)
     s.observe(0, {ids[0]: (1.0 + 1e-6, 1.0), ids[1]: np.array([0.0 - 1e-6, 0.0, 0.0, 0.0])})  # tuple and array groups
     assert s.log.arrays()["m"].tolist() == [1.0, 0.0] and s.log.arrays()["v"].tolist() == [0.0, 0.0]
 
@@ -204,8 +332,9 @@ def test_step_guards_accept_numpy_integers_and_refuse_bools(pool, graph):
     with pytest.raises(ObservationError, match=r"^observe\(step=0\): rewards must be a mapping \{task_id: \[r_1, \.\.\., r_K\]\}, got list$") as exc:
         s.observe(0, [1.0])
     assert exc.value.step == 0 and exc.value.task_id is None
-    with pytest.raises(ObservationError, match=r"^observe\(step=0\): needs at least one task's rewards$"):
+    with pytest.raises(ObservationError, match=r"^observe\(step=0\): needs at least one task's rewards$") as exc:
         s.observe(0, {})
+    assert exc.value.step == 0 and exc.value.task_id is None
     m = s.observe(np.int64(0), rewards_for(ids, 0))
     assert m["envsched/observed_groups"] == 4.0 and s.observed_steps == {0}
 
@@ -226,7 +355,7 @@ def test_never_selected_step_previews_three_task_ids(pool, graph):
     with pytest.raises(ObservationError) as exc:
         s.observe(0, rewards_for(ids[2:], 0))
     assert str(exc.value) == f"observe(step=0): step 0 was already observed; each step is observed once (rewards given for {ids[2]!r}, {ids[3]!r}, {ids[4]!r})"
-    assert exc.value.task_id == ids[2]
+    assert exc.value.task_id == ids[2] and exc.value.step == 0
 
 
 def test_non_string_task_id_is_an_unknown_task(pool, graph):
@@ -254,7 +383,7 @@ def test_trajectory_guards_name_the_task(pool, graph):
     s = sched(pool, graph)
     ids = s.select(0)
     r = rewards_for(ids, 0)
-    with pytest.raises(ObservationError, match=r"trajectories must be a mapping \{task_id: \[actions, \.\.\.\]\}, got list") as exc:
+    with pytest.raises(ObservationError, match=r"^observe\(step=0\): trajectories must be a mapping \{task_id: \[actions, \.\.\.\]\}, got list$") as exc:
         s.observe(0, r, trajectories=[[{"name": "x"}]])
     assert exc.value.task_id is None and exc.value.step == 0
     for bad in ("get_x", {"a": 1}, 3):
@@ -349,6 +478,26 @@ def test_identifier_counters_replay_mismatch_and_error_and_skip_removed_tasks(po
     assert (m["envsched/identifier_checked"], m["envsched/identifier_filtered"], m["envsched/replay_mismatch"]) == (4.0, 1.0, 1.0)
 
 
+def test_identifier_counters_add_up_within_one_step(pool):
+    """Each outcome counter adds one per check, also for several checks of one kind in the same step."""
+    s = id_sched(pool, None, batch_size=6)
+    ids = s.select(0)
+    kinds = ["filtered", "filtered", "mismatch", "mismatch", "error", "error"]
+    m = s.observe(0, {t: [1.0] for t in ids}, trajectories={t: [traj(k, 1.0)] for t, k in zip(ids, kinds)})
+    assert s.counters == {"identifier_checked": 6, "identifier_filtered": 2, "replay_mismatch": 2, "replay_error": 2}
+    assert (m["envsched/identifier_checked"], m["envsched/identifier_filtered"], m["envsched/replay_mismatch"]) == (6.0, 2.0, 2.0)
+    assert np.flatnonzero(~s.available).tolist() == sorted(pool.indices(ids[:2]).tolist())
+
+
+def test_identifier_checks_per_task_stop_at_the_limit(pool):
+    """With identifier_max_checks_per_task = 2, three kept (non-clean, not filtered) trajectories give two checks."""
+    s = id_sched(pool, None, identifier_max_checks_per_task=2)
+    ids = s.select(0)
+    s.observe(0, {ids[0]: [1.0, 0.75, 0.5]}, trajectories={ids[0]: [traj("kept", r) for r in (1.0, 0.75, 0.5)]})
+    assert s.counters == {"identifier_checked": 2, "identifier_filtered": 0, "replay_mismatch": 0, "replay_error": 0}
+    assert s.available.all()
+
+
 def test_identifier_filter_off_or_no_trajectories_checks_nothing(pool):
     s = id_sched(pool, None, identifier_filter=False)
     ids = s.select(0)
@@ -395,6 +544,18 @@ def test_predict_of_a_past_step_ignores_later_observations(pool, graph, cross_re
             assert np.allclose(getattr(past, name), getattr(same, name)), (t, name)
     assert not np.allclose(full.predict(4).q, twins[2].predict(4).q)
     assert np.allclose(full.predict(4).q, twins[4].predict(4).q)
+
+
+def test_predict_of_the_last_observed_step_uses_the_neighbours_observed_before_it(pool, graph):
+    """predict(t) at the latest observed step t also rebuilds N_t from the nodes observed before t: with
+    k_within = k_cross = 1 a node first observed at t would otherwise displace an earlier neighbour."""
+    cfg = {"k_within": 1, "k_cross": 1}
+    full = sched(pool, graph, **cfg)
+    for step in range(2):
+        full.observe(step, rewards_for(full.select(step), step))
+    before = _upto(pool, graph, cfg, full, 1)  # observed step 0 only
+    for name in ("v", "m", "d", "q"):
+        assert np.allclose(getattr(full.predict(1), name), getattr(before.predict(1), name)), name
 
 
 def _upto(pool, graph, cfg, full, steps):
@@ -476,7 +637,7 @@ def test_load_state_dict_refuses_other_versions_and_warns_about_config_changes(p
     with caplog.at_level(logging.WARNING, logger="envsched.scheduler"):
         other = sched(pool, graph, rho=0.25, seed=3)
         other.load_state_dict(copy.deepcopy(state))
-    assert len(caplog.records) == 1 and "different config values for ['rho', 'seed']" in caplog.records[0].getMessage()
+    assert [r.getMessage() for r in caplog.records] == ["envsched: loading state saved with different config values for ['rho', 'seed']"]
     assert other.cfg.rho == 0.25  # the running config stays
     old = copy.deepcopy(state)
     del old["selection_predictions"]  # states saved before the diagnostics
@@ -501,6 +662,25 @@ def test_resume_keeps_the_minimum_neighbour_similarity(pool, graph):
         assert np.array_equal(a.neighbors.idx[rel], b.neighbors.idx[rel]), rel
         assert np.array_equal(a.neighbors.sim[rel], b.neighbors.sim[rel]), rel
     assert b.neighbors.min_sim == 0.3
+
+
+def test_resume_under_other_neighbour_counts_rebuilds_the_neighbours(pool, graph):
+    """A state saved with k_within = k_cross = 1 resumed under 3 and 3: the saved one-column neighbour lists are not
+    loaded (they crashed the next observe() with a shape mismatch); the index is rebuilt from the observed set under
+    the running config, exactly what a scheduler with that config holds after observing the same tasks."""
+    from envsched.graph import NeighborIndex
+
+    a = sched(pool, graph, k_within=1, k_cross=1)
+    a.observe(0, rewards_for(a.select(0), 0))
+    b = sched(pool, graph, k_within=3, k_cross=3)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    want = NeighborIndex(graph, 3, 3, b.cfg.min_neighbor_similarity)
+    want.add_observed(np.flatnonzero(a.obs_count > 0))
+    for rel in ("in", "cross"):
+        assert b.neighbors.idx[rel].shape == (len(pool), 3), rel
+        assert np.array_equal(b.neighbors.idx[rel], want.idx[rel]) and np.array_equal(b.neighbors.sim[rel], want.sim[rel]), rel
+    b.observe(1, rewards_for(b.select(1), 1))
+    assert b.observed_steps == {0, 1}
 
 
 def test_fresh_state_round_trips(pool, graph):
