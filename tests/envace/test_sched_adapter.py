@@ -87,6 +87,17 @@ def test_collect_groups_skips_the_padding_rows_verl_appends():
         collect_groups(keys, uids, scores, [{}] * 4, {"u1": "p/t1"})
 
 
+def three_observed_steps(bfcl):
+    """(config, dataset rows, scheduler) of a 40-task BFCL envsched run that has selected and observed steps 1-3."""
+    rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
+    cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
+                            "envsched": {"scheduler": "envsched"}})
+    sched, _ = build_scheduler(cfg, rows)
+    for step in (1, 2, 3):
+        sched.observe(step, {t: [float(i % 2), 1.0] for i, t in enumerate(sched.select(step))})
+    return cfg, rows, sched
+
+
 def test_scheduler_state_file_loads_with_weights_only_and_restores_the_next_batch(bfcl, tmp_path):
     """Old behaviour: envsched.pt held pickled numpy objects and was read with torch.load(weights_only=False),
     i.e. resuming unpickled whatever the file contained."""
@@ -94,15 +105,74 @@ def test_scheduler_state_file_loads_with_weights_only_and_restores_the_next_batc
 
     from envace.sched import load_scheduler_state, save_scheduler_state
 
-    rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
-    cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
-                            "envsched": {"scheduler": "envsched"}})
-    sched, _ = build_scheduler(cfg, rows)
-    for step in (1, 2, 3):
-        sched.observe(step, {t: [float(i % 2), 1.0] for i, t in enumerate(sched.select(step))})
+    cfg, rows, sched = three_observed_steps(bfcl)
     path = tmp_path / "envsched.pt"
     save_scheduler_state(sched, path)
     torch.load(path, weights_only=True)  # no pickled objects beyond tensors and plain containers
     restored, _ = build_scheduler(cfg, rows)
     load_scheduler_state(restored, path)
     assert restored.select(4) == sched.select(4)
+
+
+@pytest.fixture
+def envsched_trainer(monkeypatch):
+    """``make(trainer_cfg, scheduler, global_steps)``: an ``envsched_sync`` trainer (the registered class, no
+    __init__: no workers, no Ray) whose checkpoint hooks run with verl's own save/load replaced by recorders.
+    The save recorder notes whether envsched.pt was already in the step's folder when verl's save began."""
+    from pathlib import Path
+
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    from envace.sched import STATE_FILE, register_envsched_trainer
+    from envace.trainer import envace_trainer_class
+
+    register_envsched_trainer()
+    cls = get_trainer_cls("envsched_sync")
+    calls: list[tuple] = []
+
+    def verl_save(self):
+        folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+        calls.append(("save", self.global_steps, (folder / STATE_FILE).is_file()))
+
+    monkeypatch.setattr(envace_trainer_class(), "_save_checkpoint", verl_save)
+    monkeypatch.setattr(envace_trainer_class(), "_load_checkpoint", lambda self: calls.append(("load", self.global_steps)))
+
+    def make(trainer_cfg, scheduler, global_steps):
+        trainer = cls.__new__(cls)
+        trainer.config = OmegaConf.create({"trainer": trainer_cfg})
+        trainer.scheduler, trainer.global_steps = scheduler, global_steps
+        return trainer
+
+    return make, calls
+
+
+def test_the_trainer_writes_envsched_pt_with_each_checkpoint_and_restores_it_on_resume(bfcl, tmp_path, envsched_trainer):
+    """The envsched_sync trainer's own glue (before: exercised only by the slow end-to-end resume test): a
+    checkpoint at step 3 writes global_step_3/envsched.pt before verl's save; a resume at step 3 (verl's load
+    sets global_steps) restores it, so the scheduler knows steps 1-3 and picks the batch of step 4 the
+    uninterrupted run picks; ``resume_mode=resume_path`` reads the file next to ``resume_from_path``; a fresh start
+    (step 0) loads nothing; a checkpoint folder without the file is refused."""
+    make, calls = envsched_trainer
+    cfg, rows, sched = three_observed_steps(bfcl)
+    ckpt = tmp_path / "ckpt"
+    auto = {"default_local_dir": str(ckpt), "resume_mode": "auto", "resume_from_path": None}
+    make(auto, sched, 3)._save_checkpoint()
+    assert calls == [("save", 3, True)]
+
+    resumed = make(auto, build_scheduler(cfg, rows)[0], 3)
+    resumed._load_checkpoint()
+    assert calls[-1] == ("load", 3) and sorted(resumed.scheduler.selections) == [1, 2, 3]
+    assert resumed.scheduler.select(4) == sched.select(4)
+
+    moved = tmp_path / "elsewhere"
+    (ckpt / "global_step_3").rename(moved)
+    by_path = make({**auto, "resume_mode": "resume_path", "resume_from_path": str(moved)}, build_scheduler(cfg, rows)[0], 3)
+    by_path._load_checkpoint()
+    assert sorted(by_path.scheduler.selections) == [1, 2, 3]
+
+    fresh = make(auto, build_scheduler(cfg, rows)[0], 0)
+    fresh._load_checkpoint()
+    assert fresh.scheduler.selections == {}
+    (ckpt / "global_step_5").mkdir()
+    with pytest.raises(FileNotFoundError, match="envsched.pt is missing"):
+        make(auto, build_scheduler(cfg, rows)[0], 5)._load_checkpoint()

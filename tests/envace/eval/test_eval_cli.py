@@ -132,3 +132,18 @@ def test_no_transcripts_keeps_the_records_without_messages(fake_openai, replies,
 def test_table_of_a_directory_without_a_run_is_an_error(tmp_path: Path):
     with pytest.raises(SystemExit, match="summary.json not found"):
         main(["table", str(tmp_path)])
+
+
+def test_the_loop_limit_flags_reach_the_run(fake_openai, replies, tmp_path):
+    """The flags are not only parsed and recorded: with ``--max-user-turns 1`` the gold policy's episode on a
+    multi-turn task ends after its first user turn, having sent one request per gold call of that turn plus
+    one for the turn's closing reply (len(turn 0) + 1), with stop reason max_user_turns and no pass."""
+    turns = get_pool("bfcl_multi_turn").gold_actions(TASK)
+    assert len(turns) > 1
+    server = fake_openai(replies.script(*[replies.chat(t) for t in gold_texts()]))
+    out = tmp_path / "run"
+    main(["bfcl", "--base-url", server.base_url, "--model", "gold", "--categories", "base", "--limit", "1",
+          "--no-progress", "--max-user-turns", "1", "--out", str(out)])
+    (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert server.n_requests == len(turns[0]) + 1
+    assert rec["stop_reason"] == "max_user_turns" and rec["turns"] == 1 and rec["passed"] is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -126,3 +128,38 @@ def test_a_row_that_stops_leaves_the_others_running(model):
     out = sample_batch(model, PROMPTS[:2], [greedy, greedy], {stop_at}, [None, None])
     assert out[0][0] == first[: first.index(stop_at) + 1] and out[0][2] == "stop"
     assert out[1][0] == sample_tokens(model, PROMPTS[1], greedy, {stop_at})[0]
+
+
+class ConstantLogits(torch.nn.Module):
+    """A stand-in decoder whose next-token logits are always ``logits``, whatever the context (no KV cache)."""
+
+    def __init__(self, logits: list[float]):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # sample_batch reads the device
+        self.fixed = torch.tensor(logits)
+        self.config = SimpleNamespace(vocab_size=len(logits))
+
+    def forward(self, input_ids, **_):
+        return SimpleNamespace(logits=self.fixed.repeat(input_ids.shape[0], 1, 1), past_key_values=None)
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [
+        # positive logits are divided by p = 2: step 1, seen {0}: [1, 1.5, -1] -> 1; step 2, seen {0, 1}:
+        # [1, 0.75, -1] -> 0; step 3: the same -> 0 (inverted, [4, 1.5, -1]: token 0 at every step)
+        [2.0, 1.5, -1.0],
+        # negative logits are multiplied by p = 2: step 1, seen {0}: [-2, -1.5, -3] -> 1; step 2, seen {0, 1}:
+        # [-2, -3, -3] -> 0; step 3: the same -> 0 (inverted, [-0.5, -1.5, -3]: token 0 at every step)
+        [-1.0, -1.5, -3.0],
+    ],
+)
+def test_repetition_penalty_pushes_greedy_decoding_off_the_tokens_already_seen(logits):
+    """HF/vLLM convention: a seen token's logit l becomes l / p when l > 0 and l * p otherwise (p > 1 always lowers
+    it); "seen" is the prompt and every token generated so far. Greedy over fixed logits whose best token is in the
+    prompt: [1, 0, 0] with p = 2, token 0 at every step without the penalty."""
+    model = ConstantLogits(logits)
+    greedy = {"temperature": 0, "max_tokens": 3}
+    assert sample_tokens(model, [0], SamplingSpec(greedy, 99), set())[0] == [0, 0, 0]
+    ids, _, finish = sample_tokens(model, [0], SamplingSpec({**greedy, "repetition_penalty": 2.0}, 99), set())
+    assert ids == [1, 0, 0] and finish == "length"
