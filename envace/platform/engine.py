@@ -22,9 +22,13 @@ On CPU the engine also sizes torch's thread pool (:func:`trainer_threads`): Ray 
 CPUs with ``OMP_NUM_THREADS=1``, so verl's trainer rank would otherwise compute on one core of an idle machine
 while the rollout server, which computes only between updates, waits.
 
+A training pass also hands verl the mini-batch's rows sorted by length before verl cuts its fixed micro-batches
+(:meth:`CPUFSDPEngineWithLMHead.forward_backward_batch`), so that rows of similar width share a micro-batch.
+
 Anything else (packed inputs, sequence parallelism, fused kernels, distillation, Σπ², position ids with
 more than one row per token) falls through to verl unchanged. The class overrides two methods of verl's (and
-wraps ``initialize``), so the test also pins the verl version it was written against.
+wraps ``initialize`` and ``forward_backward_batch``), so the test also pins the verl version it was written
+against.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from verl.utils.model import extract_multi_modal_inputs
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "response_logit_positions", "trainer_threads"]
+__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "length_order", "response_logit_positions", "trainer_threads"]
 
 #: the verl release whose ``FSDPEngineWithLMHead.prepare_model_inputs/outputs`` this engine follows
 VERL_VERSION = "0.9.1"
@@ -63,6 +67,11 @@ def response_logit_positions(prompt_lens: torch.Tensor, response_lens: torch.Ten
     counts = response_lens
     idx = torch.repeat_interleave(first - torch.cumsum(counts, 0) + counts, counts)
     return idx + torch.arange(int(counts.sum()), device=idx.device)
+
+
+def length_order(seq_lens: torch.Tensor) -> torch.Tensor:
+    """Row order by sequence length (stable: equal lengths keep their order)."""
+    return torch.argsort(seq_lens, stable=True)
 
 
 def trainer_threads(env: dict[str, str] | None = None, cpus: int | None = None) -> int:
@@ -137,6 +146,29 @@ class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             head.register_forward_pre_hook(self._gather_rows)
             self._hooked = head
         self._rows = valid
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Any, forward_only: bool = False) -> Any:
+        """verl's loop over the mini-batch's micro-batches; a training pass gets the rows sorted by length.
+
+        verl cuts fixed micro-batches (``use_dynamic_bsz: false``) in row order, and on the padded path a
+        micro-batch costs its row count times its longest prompt plus its longest response, so one long
+        rollout makes every row beside it pay its width. Sorted, rows of similar length share micro-batches.
+        The gradient is the same sum in another order: verl normalises each micro-batch's loss by the whole
+        mini-batch's token count (``batch_num_tokens``, ``dp_size``), and a training pass returns metrics only.
+        Forward-only passes (log-probs, whose outputs map back to rows) and anything off the padded path keep
+        verl's order.
+        """
+        if not forward_only and self._sorts_rows(data):
+            data = tu.index_select_tensor_dict(data, length_order(data["input_ids"].offsets().diff()))
+        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+    def _sorts_rows(self, data: TensorDict) -> bool:
+        return (
+            self._fallback_reason(data) is None
+            and not _flag(data, "use_dynamic_bsz", True)  # verl's balancer rearranges the rows itself
+            and int(_flag(data, "force_group_size", 1)) == 1  # consecutive rows that must stay together
+            and not _flag(data, "return_model_output", False)  # outputs returned row by row
+        )
 
     def prepare_model_inputs(self, micro_batch: TensorDict):
         self._rows = None

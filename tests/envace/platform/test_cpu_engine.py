@@ -19,7 +19,13 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
 
-from envace.platform.engine import VERL_VERSION, CPUFSDPEngineWithLMHead, response_logit_positions, trainer_threads
+from envace.platform.engine import (
+    VERL_VERSION,
+    CPUFSDPEngineWithLMHead,
+    length_order,
+    response_logit_positions,
+    trainer_threads,
+)
 
 
 def test_pins_the_verl_release_and_the_lines_it_mirrors():
@@ -33,6 +39,15 @@ def test_pins_the_verl_release_and_the_lines_it_mirrors():
     assert "input_ids_rmpad_rolled = torch.roll(input_ids.values(), shifts=-1, dims=0)" in inputs
     # what the loss reads of the packed outputs: the positions response_logit_positions keeps
     assert "left-shift model output by one token" in inspect.getsource(no_padding_2_padding)
+    # the sorted training pass relies on: fixed micro-batches cut in row order, each loss normalised by the whole
+    # mini-batch's token count (so the order of rows does not change the gradient)
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    assert "micro_batches = tu.chunk_tensordict(data, " in inspect.getsource(prepare_micro_batches)
+    loop = inspect.getsource(FSDPEngineWithLMHead.forward_backward_batch)
+    assert "tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())" in loop
+    assert list(inspect.signature(FSDPEngineWithLMHead.forward_backward_batch).parameters) == [
+        "self", "data", "loss_function", "forward_only"]
 
 
 def test_registered_for_the_cpu_device(monkeypatch):
@@ -164,3 +179,69 @@ def test_trainer_threads_share_the_machine_between_local_ranks_unless_set():
     assert trainer_threads({"ENVACE_TRAINER_THREADS": "3", "RAY_LOCAL_WORLD_SIZE": "4"}, cpus=2) == 3
     with pytest.raises(ValueError, match="ENVACE_TRAINER_THREADS"):
         trainer_threads({"ENVACE_TRAINER_THREADS": "0"}, cpus=2)
+
+
+def _mini_batch(lens, seed=3, **flags):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 997, (p,), generator=g).tolist() for p, _ in lens]
+    responses = [torch.randint(1, 997, (r,), generator=g).tolist() for _, r in lens]
+    mb = _micro_batch(prompts, responses, 1.0)
+    mb["temperature"] = torch.arange(1, len(lens) + 1, dtype=torch.float32)  # a per-row tensor that must follow its row
+    tu.assign_non_tensor(mb, **{"use_dynamic_bsz": False, **flags})
+    return mb
+
+
+def _rows(td):
+    return [t.tolist() for t in td["input_ids"].unbind()]
+
+
+def test_a_training_pass_hands_verl_the_rows_sorted_by_length(monkeypatch):
+    """Only a training pass on the padded path with fixed micro-batches is reordered; log-prob passes, verl's
+    length balancer, forced groups and returned outputs keep verl's row order."""
+    seen = []
+    monkeypatch.setattr(FSDPEngineWithLMHead, "forward_backward_batch",
+                        lambda self, data, loss_function, forward_only=False: seen.append(data) or "out")
+    eng = _engine(CPUFSDPEngineWithLMHead, None)
+    lens = [(5, 1), (2, 4), (9, 2), (3, 2)]  # lengths 6, 6, 11, 5 -> order 3, 0, 1, 2 (stable for the two 6s)
+    mb = _mini_batch(lens)
+    assert eng.forward_backward_batch(mb, None) == "out"
+    assert _rows(seen[-1]) == [_rows(mb)[i] for i in (3, 0, 1, 2)]
+    assert seen[-1]["temperature"].tolist() == [4.0, 1.0, 2.0, 3.0]
+    assert [t.tolist() for t in seen[-1]["responses"].unbind()] == [mb["responses"].unbind()[i].tolist() for i in (3, 0, 1, 2)]
+    eng.forward_backward_batch(mb, None, forward_only=True)
+    assert seen[-1] is mb
+    for flags in ({"use_dynamic_bsz": True}, {"force_group_size": 2}, {"return_model_output": True},
+                  {"use_remove_padding": True}):
+        other = _mini_batch(lens, **flags)
+        eng.forward_backward_batch(other, None)
+        assert seen[-1] is other, flags
+
+
+def test_sorted_micro_batches_give_the_same_gradient_in_fewer_padded_cells(model):
+    """The gradient of a mini-batch's token-mean loss accumulated over fixed micro-batches does not depend on
+    which rows share a micro-batch (verl normalises by the mini-batch's token count); sorting by length only
+    shrinks the padded grid the model runs on."""
+    lens = [(12, 2), (3, 5), (11, 1), (2, 2), (10, 3), (4, 1)]
+    mb = _mini_batch(lens, seed=4)
+    tokens = sum(r for _, r in lens)
+    eng = _engine(CPUFSDPEngineWithLMHead, model)
+
+    def accumulate(order):
+        model.zero_grad()
+        cells = 0
+        for k in range(0, len(order), 2):
+            micro = tu.index_select_tensor_dict(mb, order[k:k + 2])
+            inputs, args = eng.prepare_model_inputs(micro)
+            cells += inputs["input_ids"].numel()
+            out = eng.prepare_model_outputs(model(**inputs, use_cache=False), args, micro, None)
+            (-out["log_probs"].values().sum() / tokens).backward()
+        return cells, [p.grad.clone() for p in model.parameters()]
+
+    seq = torch.tensor([p + r for p, r in lens])
+    cells_sorted, g_sorted = accumulate(length_order(seq).tolist())
+    cells_verl, g_verl = accumulate(list(range(len(lens))))
+    # verl's order pairs (12+2, 3+5), (11+1, 2+2), (10+3, 4+1): 2 x (12+5) + 2 x (11+2) + 2 x (10+3) = 86 cells;
+    # sorted by length 4, 5, 8, 12, 13, 14 -> (2+2, 4+1), (3+5, 11+1), (10+3, 12+2): 2 x (4+2) + 2 x (11+5) + 2 x (12+3) = 74
+    assert (cells_verl, cells_sorted) == (86, 74)
+    for a, b in zip(g_sorted, g_verl, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
