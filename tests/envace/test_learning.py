@@ -31,10 +31,10 @@ sampling and two trainer threads):
 * ``grpo_rolewise`` (lr 1e-3, 10 learning steps since 2026-12-02; 8 before): with a warm start rebuilt on that day
   (held-out success 0.146 at T 1.0, against 0.229 for the earlier build) two 8-step runs gave control 0.063, learning
   0.00, 0.03, 0.10, 0.16, 0.16, 0.18, 0.16, 0.15 (last 4: 0.161, failing the 0.163 needed) and control 0.044, learning
-  0.10, 0.13, 0.15, 0.15, 0.18, 0.22, 0.25, 0.15 (last 4: 0.201), so the run got two more steps; the 10-step run then gave control 0.082, learning 0.03, 0.13,
-  0.13, 0.15, 0.25, 0.18, 0.25, 0.23, 0.26, 0.30 (last 4: 0.260). Earlier, 8 steps:
-  control 0.025, 0.05, 0.026, 0.025 (mean 0.032), learning 0.05,
-  0.05, 0.13, 0.15, 0.21, 0.21, 0.23, 0.29 (last 4: 0.232); 59 s per learning step. Before the speed-ups (1,082 s):
+  0.10, 0.13, 0.15, 0.15, 0.18, 0.22, 0.25, 0.15 (last 4: 0.201), so the run got two more steps; the 10-step run then
+  gave control 0.082, learning 0.03, 0.13, 0.13, 0.15, 0.25, 0.18, 0.25, 0.23, 0.26, 0.30 (last 4: 0.260). Earlier,
+  8 steps: control 0.025, 0.05, 0.026, 0.025 (mean 0.032), learning 0.05, 0.05, 0.13, 0.15, 0.21, 0.21, 0.23, 0.29
+  (last 4: 0.232); 59 s per learning step. Before the speed-ups (1,082 s):
   control mean 0.037, last 4 0.275; two earlier 10-step runs (the first 8 steps of each pass too): control mean
   0.061, learning 0.10, 0.03, 0.10, 0.13, 0.23, 0.23, 0.24, 0.28, 0.25, 0.28; control 0.032, learning 0.10, 0.08,
   0.12, 0.21, 0.17, 0.20, 0.22, 0.20, 0.24, 0.28. Malformed rehearsals ended 3-12 % of trajectories throughout. At

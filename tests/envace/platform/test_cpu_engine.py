@@ -186,13 +186,13 @@ def _mini_batch(lens, seed=3, **flags):
     prompts = [torch.randint(1, 997, (p,), generator=g).tolist() for p, _ in lens]
     responses = [torch.randint(1, 997, (r,), generator=g).tolist() for _, r in lens]
     mb = _micro_batch(prompts, responses, 1.0)
-    mb["temperature"] = torch.arange(1, len(lens) + 1, dtype=torch.float32)  # a per-row tensor that must follow its row
+    mb["temperature"] = torch.arange(1, len(lens) + 1, dtype=torch.float32)  # per-row: must follow its row
     tu.assign_non_tensor(mb, **{"use_dynamic_bsz": False, **flags})
     return mb
 
 
-def _rows(td):
-    return [t.tolist() for t in td["input_ids"].unbind()]
+def _rows(td, key="input_ids"):
+    return [t.tolist() for t in td[key].unbind()]
 
 
 def test_a_training_pass_hands_verl_the_rows_sorted_by_length(monkeypatch):
@@ -207,7 +207,7 @@ def test_a_training_pass_hands_verl_the_rows_sorted_by_length(monkeypatch):
     assert eng.forward_backward_batch(mb, None) == "out"
     assert _rows(seen[-1]) == [_rows(mb)[i] for i in (3, 0, 1, 2)]
     assert seen[-1]["temperature"].tolist() == [4.0, 1.0, 2.0, 3.0]
-    assert [t.tolist() for t in seen[-1]["responses"].unbind()] == [mb["responses"].unbind()[i].tolist() for i in (3, 0, 1, 2)]
+    assert _rows(seen[-1], "responses") == [_rows(mb, "responses")[i] for i in (3, 0, 1, 2)]
     eng.forward_backward_batch(mb, None, forward_only=True)
     assert seen[-1] is mb
     for flags in ({"use_dynamic_bsz": True}, {"force_group_size": 2}, {"return_model_output": True},
@@ -241,7 +241,8 @@ def test_sorted_micro_batches_give_the_same_gradient_in_fewer_padded_cells(model
     cells_sorted, g_sorted = accumulate(length_order(seq).tolist())
     cells_verl, g_verl = accumulate(list(range(len(lens))))
     # verl's order pairs (12+2, 3+5), (11+1, 2+2), (10+3, 4+1): 2 x (12+5) + 2 x (11+2) + 2 x (10+3) = 86 cells;
-    # sorted by length 4, 5, 8, 12, 13, 14 -> (2+2, 4+1), (3+5, 11+1), (10+3, 12+2): 2 x (4+2) + 2 x (11+5) + 2 x (12+3) = 74
+    # sorted by length 4, 5, 8, 12, 13, 14 -> (2+2, 4+1), (3+5, 11+1), (10+3, 12+2):
+    # 2 x (4+2) + 2 x (11+5) + 2 x (12+3) = 74
     assert (cells_verl, cells_sorted) == (86, 74)
     for a, b in zip(g_sorted, g_verl, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
