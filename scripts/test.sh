@@ -6,24 +6,61 @@
 #   scripts/test.sh --cov [--cov-files] -m "not slow"
 #                                   # line coverage of envace, envsched and trace2env (pytest-cov), then a
 #                                   # per-package table (scripts/coverage_table.py; --cov-files: per file too)
+# Tests not marked `slow` run on ENVACE_TEST_WORKERS pytest-xdist processes (default: the machine's CPUs, at most
+# 4; 1 runs them in this process). The `slow` ones (each a whole trainer or server run that uses every core) run
+# after them, one at a time. Without `-m`, both sets run, in that order; `-m EXPR` runs one pytest over EXPR
+# (on the workers only when EXPR is "not slow"); `-n` given explicitly is passed through as it is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/bootstrap.sh
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 LITELLM_LOCAL_MODEL_COST_MAP=True
-args=() cov=0 cov_files=""
-for a in "$@"; do
-  case "$a" in
+workers="${ENVACE_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+[[ "$workers" =~ ^[1-9][0-9]*$ ]] || { echo "envace: ENVACE_TEST_WORKERS must be a positive integer (got '$workers')" >&2; exit 2; }
+args=() cov=0 cov_files="" marker="" has_n=0
+while (($#)); do
+  case "$1" in
     --cov) cov=1 ;;
     --cov-files) cov=1 cov_files="--files" ;;
-    *) args+=("$a") ;;
+    -m) [[ $# -ge 2 ]] || { echo "envace: -m needs a marker expression" >&2; exit 2; }; marker="$2"; shift ;;
+    -m*) marker="${1#-m}" ;;
+    -n|--numprocesses|-n*|--numprocesses=*) has_n=1; args+=("$1") ;;
+    *) args+=("$1") ;;
   esac
+  shift
 done
-[[ $cov == 1 ]] || exec "$PY" -m pytest "${args[@]}"
-covdir="$(mktemp -d)"
-trap 'rm -rf "$covdir"' EXIT
+covdir=""
+if [[ $cov == 1 ]]; then
+  covdir="$(mktemp -d)"
+  trap 'rm -rf "$covdir"' EXIT
+  export COVERAGE_FILE="$covdir/.coverage"
+fi
+# one pytest over MARKER; the first run of a coverage session starts the data file, later ones append to it
+cov_started=0
+run() {
+  local expr="$1" extra=()
+  if [[ "$expr" == "not slow" && $has_n == 0 && $workers -gt 1 ]]; then extra+=(-n "$workers"); fi
+  if [[ $cov == 1 ]]; then
+    extra+=(--cov=envace --cov=envsched --cov=trace2env --cov-report=)
+    [[ $cov_started == 0 ]] || extra+=(--cov-append)
+    cov_started=1
+  fi
+  [[ -z "$expr" ]] || extra+=(-m "$expr")
+  "$PY" -m pytest "${extra[@]}" "${args[@]}"
+}
 rc=0
-COVERAGE_FILE="$covdir/.coverage" "$PY" -m pytest --cov=envace --cov=envsched --cov=trace2env --cov-report= "${args[@]}" || rc=$?
-"$PY" "$ROOT/scripts/coverage_table.py" "$covdir/.coverage" $cov_files
+if [[ -n "$marker" ]]; then
+  run "$marker" || rc=$?
+else
+  # pytest's exit code 5 = nothing selected (e.g. paths with no slow tests): not a failure when the other set ran
+  fast=0 slow=0
+  run "not slow" || fast=$?
+  run "slow" || slow=$?
+  if [[ $fast == 5 && $slow == 5 ]]; then rc=5
+  elif [[ $fast != 0 && $fast != 5 ]]; then rc=$fast
+  elif [[ $slow != 0 && $slow != 5 ]]; then rc=$slow
+  fi
+fi
+[[ $cov == 0 ]] || "$PY" "$ROOT/scripts/coverage_table.py" "$COVERAGE_FILE" $cov_files
 exit $rc
