@@ -7,17 +7,24 @@
 #                                   # line coverage of envace, envsched and trace2env (pytest-cov), then a
 #                                   # per-package table (scripts/coverage_table.py; --cov-files: per file too)
 # Tests not marked `slow` run on ENVACE_TEST_WORKERS pytest-xdist processes (default: the machine's CPUs, at most
-# 4; 1 runs them in this process). The `slow` ones (each a whole trainer or server run that uses every core) run
-# after them, one at a time. Without `-m`, both sets run, in that order; `-m EXPR` runs one pytest over EXPR
-# (on the workers only when EXPR is "not slow"); `-n` given explicitly is passed through as it is.
+# 4; 1 runs them in this process). The `slow` ones (trainer, server and evaluation runs of minutes, about half of
+# their time waiting on start-ups and servers) run after them on ENVACE_SLOW_WORKERS processes (default: 2, at most
+# the CPUs), a test file per worker (`--dist loadfile`: a file's runs share its module fixtures), each trainer rank
+# on ENVACE_TRAINER_THREADS torch threads (default: the CPUs over twice the slow workers, at least 1: two torch
+# threads sharing a core with another run stall). Without `-m`, both sets run, in that order; `-m EXPR` runs one
+# pytest over EXPR (on the workers when EXPR is "not slow" or "slow"); `-n` given explicitly is passed as it is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/bootstrap.sh
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 LITELLM_LOCAL_MODEL_COST_MAP=True
-workers="${ENVACE_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
-[[ "$workers" =~ ^[1-9][0-9]*$ ]] || { echo "envace: ENVACE_TEST_WORKERS must be a positive integer (got '$workers')" >&2; exit 2; }
+cpus="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
+workers="${ENVACE_TEST_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
+slow_workers="${ENVACE_SLOW_WORKERS:-$(( cpus < 2 ? cpus : 2 ))}"
+for v in "ENVACE_TEST_WORKERS=$workers" "ENVACE_SLOW_WORKERS=$slow_workers"; do
+  [[ "${v#*=}" =~ ^[1-9][0-9]*$ ]] || { echo "envace: ${v%%=*} must be a positive integer (got '${v#*=}')" >&2; exit 2; }
+done
 args=() cov=0 cov_files="" marker="" has_n=0
 while (($#)); do
   case "$1" in
@@ -40,7 +47,12 @@ fi
 cov_started=0
 run() {
   local expr="$1" extra=()
-  if [[ "$expr" == "not slow" && $has_n == 0 && $workers -gt 1 ]]; then extra+=(-n "$workers"); fi
+  if [[ $has_n == 0 && "$expr" == "not slow" && $workers -gt 1 ]]; then extra+=(-n "$workers"); fi
+  if [[ $has_n == 0 && "$expr" == "slow" && $slow_workers -gt 1 ]]; then
+    extra+=(-n "$slow_workers" --dist loadfile)
+    local threads=$(( cpus / (2 * slow_workers) ))
+    export ENVACE_TRAINER_THREADS="${ENVACE_TRAINER_THREADS:-$(( threads > 0 ? threads : 1 ))}"
+  fi
   if [[ $cov == 1 ]]; then
     extra+=(--cov=envace --cov=envsched --cov=trace2env --cov-report=)
     [[ $cov_started == 0 ]] || extra+=(--cov-append)

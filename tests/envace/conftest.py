@@ -1,5 +1,6 @@
-"""Fixtures of the envace tests: ``train_sh``, a run of ``scripts/train.sh`` for the end-to-end trainer tests, and
-``gpu_lock_resolves``, the GPU lock's resolve against PyPI started when the session starts (the fake OpenAI
+"""Fixtures of the envace tests: ``train_sh``, a run of ``scripts/train.sh`` for the end-to-end trainer tests,
+``gpu_lock_resolves``, the GPU lock's resolve against PyPI started when the session starts, and
+``warm_start_built_first``, the warm start's build before the first test that is marked to use it (the fake OpenAI
 server and its reply builders are in ``tests/conftest.py``)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -112,6 +114,27 @@ def resolve_gpu_lock(tmp: Path, python: str, procs: list[subprocess.Popen]) -> d
     return result
 
 
+def _shared_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """The temporary root every pytest-xdist worker of this run shares (each worker's own basetemp is a child of
+    it); None outside xdist."""
+    return tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
+def _wait_for_file(path: Path, fut: Future, timeout: float = 1800.0) -> None:
+    """Resolve ``fut`` from the JSON another worker writes to ``path`` (``{"error": …}`` becomes an exception)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            fut.set_exception(TimeoutError(f"no GPU-lock resolve result at {path} after {timeout:.0f} s"))
+            return
+        time.sleep(2.0)
+    result = json.loads(path.read_text())
+    if "error" in result:
+        fut.set_exception(RuntimeError(f"the GPU-lock resolve failed on another worker: {result['error']}"))
+    else:
+        fut.set_result(result)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gpu_lock_resolves(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                       ) -> Iterator[dict[str, Future]]:
@@ -119,24 +142,64 @@ def gpu_lock_resolves(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 
     The resolve waits minutes on PyPI and uses little CPU, so it starts in a background thread when the session
     starts (this fixture is autouse) and the test only waits for its result: the wait overlaps the other tests
-    instead of adding to the run. Nothing starts when that test is not selected (e.g. ``-m "not slow"``)."""
+    instead of adding to the run. Nothing starts when that test is not selected (e.g. ``-m "not slow"``).
+
+    Under pytest-xdist every worker collects every test, and any of them may be handed the test: the first worker
+    to claim the resolve (an exclusively created file in the shared temporary root) runs it and writes its result
+    there, the others wait for that file, and the claiming worker's session does not end before it is written."""
     wanted = sorted({item.callspec.params["python"] for item in request.session.items
                      if getattr(item, "originalname", None) == GPU_LOCK_TEST})
+    shared = _shared_basetemp(tmp_path_factory)
     futures: dict[str, Future] = {}
     procs: list[subprocess.Popen] = []
+    owned: list[threading.Thread] = []
     for python in wanted:
         fut: Future = Future()
+        futures[python] = fut
+        out = shared / f"gpu-lock-{python}.json" if shared else None
+        if out is not None:
+            try:
+                os.close(os.open(out.with_suffix(".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:  # another worker runs it
+                threading.Thread(target=_wait_for_file, args=(out, fut), daemon=True).start()
+                continue
         tmp = tmp_path_factory.mktemp(f"gpu-lock-{python}")
 
-        def work(fut: Future = fut, tmp: Path = tmp, python: str = python) -> None:
+        def work(fut: Future = fut, tmp: Path = tmp, python: str = python, out: Path | None = out) -> None:
             try:
-                fut.set_result(resolve_gpu_lock(tmp, python, procs))
+                result = resolve_gpu_lock(tmp, python, procs)
             except BaseException as exc:  # noqa: BLE001 - handed to the test through the future
                 fut.set_exception(exc)
+                result = {"error": repr(exc)}
+            else:
+                fut.set_result(result)
+            if out is not None:
+                part = out.with_suffix(".part")
+                part.write_text(json.dumps(result))
+                part.replace(out)
 
-        threading.Thread(target=work, name=f"gpu-lock-resolve-{python}", daemon=True).start()
-        futures[python] = fut
+        thread = threading.Thread(target=work, name=f"gpu-lock-resolve-{python}", daemon=True)
+        thread.start()
+        owned.append(thread)
     yield futures
+    if shared is not None:  # another worker may be waiting for the result
+        for thread in owned:
+            thread.join(timeout=1800)
     for proc in procs:  # a session that ends early (-x, Ctrl-C) leaves no pip behind
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start_built_first(request: pytest.FixtureRequest, gpu_lock_resolves: dict[str, Future]) -> None:
+    """Builds the warm-started tiny Qwen3 (``envace.models.warmstart.ensure_warm_model``; cached) when the session
+    starts, if a selected test is marked ``warm_start``, after the GPU lock's resolve has started.
+
+    The build's two torch threads stall when another process shares their cores (a step went from 0.26 to 2.6 s),
+    so it must not run beside other tests on pytest-xdist workers (``scripts/test.sh`` runs the slow tests on two).
+    Every worker collects the whole selection and so calls the build when its session starts: one builds, the
+    others wait on the build's file lock, idle, before any test runs."""
+    if any(item.get_closest_marker("warm_start") for item in request.session.items):
+        from envace.models.warmstart import ensure_warm_model
+
+        ensure_warm_model()

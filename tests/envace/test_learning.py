@@ -62,7 +62,7 @@ import pytest
 from envace.metrics import load_metrics
 
 # a run (its fixture set-up counts toward its first test) takes 7-11 min on 2 cores (before the speed-ups 12-18)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(3600)]
 
 WINDOW = 4  # the last learning steps, averaged
 CONTROL_STEPS = 4  # first steps, without updates, all averaged: the initial policy's reward (4 x 32 rollouts)

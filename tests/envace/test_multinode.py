@@ -158,6 +158,7 @@ def worldbooks(tmp_path_factory) -> Path:
     return books
 
 
+@pytest.mark.warm_start
 def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
     bystander_proc, bystander_port = bystander
     port = _free_port()
