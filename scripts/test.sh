@@ -23,7 +23,8 @@ cpus="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${ENVACE_TEST_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
 slow_workers="${ENVACE_SLOW_WORKERS:-$(( cpus < 2 ? cpus : 2 ))}"
 for v in "ENVACE_TEST_WORKERS=$workers" "ENVACE_SLOW_WORKERS=$slow_workers"; do
-  [[ "${v#*=}" =~ ^[1-9][0-9]*$ ]] || { echo "envace: ${v%%=*} must be a positive integer (got '${v#*=}')" >&2; exit 2; }
+  [[ "${v#*=}" =~ ^[1-9][0-9]*$ ]] ||
+    { echo "envace: ${v%%=*} must be a positive integer (got '${v#*=}')" >&2; exit 2; }
 done
 args=() cov=0 cov_files="" marker="" has_n=0
 while (($#)); do

