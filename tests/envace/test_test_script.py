@@ -23,12 +23,14 @@ SUITE = {
 
 
 def run(tmp_path: Path, *args: str, workers: str = "2", slow_workers: str = "1", files: dict[str, str] = SUITE,
-        ) -> subprocess.CompletedProcess:
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``scripts/test.sh ARGS`` on the scratch suite; the caller's ``ENVACE_TRAINER_THREADS`` is dropped unless
+    ``env`` sets it."""
     suite = tmp_path / "suite"
     suite.mkdir(exist_ok=True)
     for name, text in files.items():
         (suite / name).write_text(text)
-    env = {k: v for k, v in os.environ.items() if k != "ENVACE_TRAINER_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k != "ENVACE_TRAINER_THREADS"} | (env or {})
     env.update(ENVACE_TEST_WORKERS=workers, ENVACE_SLOW_WORKERS=slow_workers, THREADS_OUT=str(tmp_path / "threads"))
     return subprocess.run([str(REPO / "scripts" / "test.sh"), "-p", "no:cacheprovider", "-c", str(REPO / "pyproject.toml"),
                            "--rootdir", str(suite), *args, str(suite)],
@@ -56,10 +58,7 @@ def test_slow_tests_on_two_workers_get_a_file_each_and_fewer_trainer_threads(tmp
     cpus = len(os.sched_getaffinity(0))
     assert (tmp_path / "threads").read_text() == str(max(1, cpus // 4))
     # a value set by the caller is kept
-    proc = subprocess.run(["env", "ENVACE_TRAINER_THREADS=3", str(REPO / "scripts" / "test.sh"), "-p", "no:cacheprovider",
-                           "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path / "suite"), "-m", "slow",
-                           str(tmp_path / "suite")], cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-                          env=dict(os.environ, ENVACE_SLOW_WORKERS="2", THREADS_OUT=str(tmp_path / "threads")))
+    proc = run(tmp_path, "-m", "slow", slow_workers="2", env={"ENVACE_TRAINER_THREADS": "3"})
     assert proc.returncode == 0 and (tmp_path / "threads").read_text() == "3", proc.stdout + proc.stderr
 
 
