@@ -128,7 +128,11 @@ def _wait_for_file(path: Path, fut: Future, timeout: float = 1800.0) -> None:
             fut.set_exception(TimeoutError(f"no GPU-lock resolve result at {path} after {timeout:.0f} s"))
             return
         time.sleep(2.0)
-    result = json.loads(path.read_text())
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # written atomically, so this is a bug: name the file, do not hang the test
+        fut.set_exception(RuntimeError(f"unreadable GPU-lock resolve result {path}: {exc}"))
+        return
     if "error" in result:
         fut.set_exception(RuntimeError(f"the GPU-lock resolve failed on another worker: {result['error']}"))
     else:
