@@ -12,7 +12,9 @@ on the real environment's state).
   separate baselines within each task's group; the reward is the verifier on a real-environment replay of the
   calls.
 
-Each estimator (``ESTIMATORS``) runs once: its first ``CONTROL_STEPS`` steps only generate and score (verl's
+One test file per estimator (``test_grpo.py``, ``test_grpo_rolewise.py``: ``scripts/test.sh`` hands the slow tests
+to its workers a file at a time, so the two runs go to different workers); this file holds the measure. Each
+estimator (``ESTIMATORS``) runs once: its first ``CONTROL_STEPS`` steps only generate and score (verl's
 ``trainer.critic_warmup``: no actor update before that step), so their mean is the initial policy's reward, the
 control; the next ``Estimator.steps`` steps update the policy. The control's first half must not be beaten by its
 second half by more than sampling noise (the measurement does not drift), and the learning steps' last ``WINDOW`` must beat the
@@ -21,7 +23,7 @@ steps with their own first steps is weaker: the reward rises within 2-3 updates,
 part-trained; that comparison failed a CI run. A control in the same run costs no second trainer start-up.)
 
 Measured on a 2-core AMD EPYC (this file; ``RAY_worker_niceness=0 .venv/bin/python -m pytest -q -m slow
-tests/envace/test_learning.py``: 4 passed in 1,140 s, after the CPU step speed-ups of sdpa attention, inverse-CDF
+tests/envace/test_learning.py``, then a single file: 4 passed in 1,140 s, after the CPU step speed-ups of sdpa attention, inverse-CDF
 sampling and two trainer threads):
 
 * ``grpo`` (lr 2e-3, 6 learning steps): control 0.25, 0.16, 0.25, 0.25 (mean 0.227), learning 0.13, 0.38, 0.28,
@@ -63,13 +65,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
 from envace.metrics import load_metrics
-
-# a run (its fixture set-up counts toward its first test) takes 7-11 min on 2 cores (before the speed-ups 12-18)
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(3600)]
 
 WINDOW = 4  # the last learning steps, averaged
 CONTROL_STEPS = 4  # first steps, without updates, all averaged: the initial policy's reward (4 x 32 rollouts)
@@ -117,10 +117,12 @@ def mean(series: dict[int, float], steps: range) -> float:
     return sum(series[s] for s in steps) / len(steps)
 
 
-@pytest.fixture(scope="module", params=sorted(ESTIMATORS))
+@pytest.fixture(scope="module")
 def run(request, tmp_path_factory, train_sh) -> tuple[str, dict[str, dict[int, float]]]:
-    """One run per estimator: ``CONTROL_STEPS`` steps without updates, then its learning steps."""
-    name, est = request.param, ESTIMATORS[request.param]
+    """The run of the test file's estimator (its module's ``ESTIMATOR``): ``CONTROL_STEPS`` steps without updates,
+    then its learning steps."""
+    name = request.module.ESTIMATOR
+    est = ESTIMATORS[name]
     out = tmp_path_factory.mktemp(name)
     total = CONTROL_STEPS + est.steps
     train_sh(out, *COMMON, f"trainer.total_training_steps={total}", *est.overrides, timeout=3000)
@@ -132,7 +134,7 @@ def run(request, tmp_path_factory, train_sh) -> tuple[str, dict[str, dict[int, f
     return name, metrics
 
 
-def test_control_without_updates_does_not_drift(run):
+def control_does_not_drift(run: tuple[str, dict[str, dict[int, float]]]) -> None:
     """The control's second half does not beat its first by more than sampling noise explains: MARGIN, or three
     standard errors of the difference of two means of binary rewards (at the control's mean p, 0.077 at p = 0.25
     with 64 rollouts a half), whichever is larger — at MARGIN alone a GRPO control at p = 0.25 would fail one run
@@ -145,7 +147,8 @@ def test_control_without_updates_does_not_drift(run):
     assert last - first < max(MARGIN, 3 * se), (first, last, se, reward)
 
 
-def test_training_raises_the_reward_over_the_control(run):
+def training_raises_the_reward(run: tuple[str, dict[str, dict[int, float]]]) -> None:
+    """The learning steps' last ``WINDOW`` beat the control's mean by ``MARGIN``, with non-zero gradients."""
     estimator, metrics = run
     reward = metrics["critic/score/mean"]
     total = max(reward)  # the last step
@@ -153,3 +156,9 @@ def test_training_raises_the_reward_over_the_control(run):
     assert last >= control + MARGIN, (estimator, control, last, reward)
     # the updates are real: non-zero gradients on steps with reward variance
     assert max(metrics["actor/grad_norm"].values()) > 0, metrics["actor/grad_norm"]
+
+
+@pytest.fixture
+def learning() -> SimpleNamespace:
+    """The two checks every estimator's file runs on its ``run``."""
+    return SimpleNamespace(control_does_not_drift=control_does_not_drift, training_raises_the_reward=training_raises_the_reward)
