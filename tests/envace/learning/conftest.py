@@ -17,14 +17,15 @@ to its workers a file at a time, so the two runs go to different workers); this 
 estimator (``ESTIMATORS``) runs once: its first ``CONTROL_STEPS`` steps only generate and score (verl's
 ``trainer.critic_warmup``: no actor update before that step), so their mean is the initial policy's reward, the
 control; the next ``Estimator.steps`` steps update the policy. The control's first half must not be beaten by its
-second half by more than sampling noise (the measurement does not drift), and the learning steps' last ``WINDOW`` must beat the
-control's mean by ``MARGIN``: the rise comes from the updates, not from the measurement. (Comparing the learning
-steps with their own first steps is weaker: the reward rises within 2-3 updates, so the first window is already
-part-trained; that comparison failed a CI run. A control in the same run costs no second trainer start-up.)
+second half by more than sampling noise (the measurement does not drift), and the learning steps' last ``WINDOW``
+must beat the control's mean by ``MARGIN``: the rise comes from the updates, not from the measurement. (Comparing
+the learning steps with their own first steps is weaker: the reward rises within 2-3 updates, so the first window
+is already part-trained; that comparison failed a CI run. A control in the same run costs no second trainer
+start-up.)
 
-Measured on a 2-core AMD EPYC (this file; ``RAY_worker_niceness=0 .venv/bin/python -m pytest -q -m slow
-tests/envace/test_learning.py``, then a single file: 4 passed in 1,140 s, after the CPU step speed-ups of sdpa attention, inverse-CDF
-sampling and two trainer threads):
+Measured on a 2-core AMD EPYC (both runs, then in a single file: ``RAY_worker_niceness=0 .venv/bin/python -m pytest
+-q -m slow tests/envace/test_learning.py``: 4 passed in 1,140 s, after the CPU step speed-ups of sdpa attention,
+inverse-CDF sampling and two trainer threads):
 
 * ``grpo`` (lr 2e-3, 6 learning steps): control 0.25, 0.16, 0.25, 0.25 (mean 0.227), learning 0.13, 0.38, 0.28,
   0.50, 0.44, 0.53 (last 4: 0.438); 31 s per learning step. Before the speed-ups (700 s): control mean 0.219,
@@ -161,4 +162,6 @@ def training_raises_the_reward(run: tuple[str, dict[str, dict[int, float]]]) -> 
 @pytest.fixture
 def learning() -> SimpleNamespace:
     """The two checks every estimator's file runs on its ``run``."""
-    return SimpleNamespace(control_does_not_drift=control_does_not_drift, training_raises_the_reward=training_raises_the_reward)
+    return SimpleNamespace(
+        control_does_not_drift=control_does_not_drift, training_raises_the_reward=training_raises_the_reward
+    )
