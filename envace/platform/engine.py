@@ -23,16 +23,19 @@ CPUs with ``OMP_NUM_THREADS=1``, so verl's trainer rank would otherwise compute 
 while the rollout server, which computes only between updates, waits.
 
 A training pass also hands verl the mini-batch's rows sorted by length before verl cuts its fixed micro-batches
-(:meth:`CPUFSDPEngineWithLMHead.forward_backward_batch`), so that rows of similar width share a micro-batch.
+(:meth:`CPUFSDPEngineWithLMHead.forward_backward_batch`), so that rows of similar width share a micro-batch, and
+does not run the micro-batches whose rows all have zero advantage (GRPO groups whose rollouts scored alike,
+verl's padding rows) when the loss is a policy loss that is 0, with its gradient, at zero advantage.
 
 Anything else (packed inputs, sequence parallelism, fused kernels, distillation, Σπ², position ids with
 more than one row per token) falls through to verl unchanged. The class overrides two methods of verl's (and
-wraps ``initialize`` and ``forward_backward_batch``), so the test also pins the verl version it was written
-against.
+wraps ``initialize``, ``forward_backward_batch`` and ``forward_step``), so the test also pins the verl version it
+was written against.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, ClassVar
@@ -46,7 +49,8 @@ from verl.utils.model import extract_multi_modal_inputs
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "length_order", "response_logit_positions", "trainer_threads"]
+__all__ = ["VERL_VERSION", "CPUFSDPEngineWithLMHead", "inert_rows", "length_order", "response_logit_positions",
+           "trainer_threads"]
 
 #: the verl release whose ``FSDPEngineWithLMHead.prepare_model_inputs/outputs`` this engine follows
 VERL_VERSION = "0.9.1"
@@ -69,9 +73,52 @@ def response_logit_positions(prompt_lens: torch.Tensor, response_lens: torch.Ten
     return idx + torch.arange(int(counts.sum()), device=idx.device)
 
 
-def length_order(seq_lens: torch.Tensor) -> torch.Tensor:
-    """Row order by sequence length (stable: equal lengths keep their order)."""
-    return torch.argsort(seq_lens, stable=True)
+def length_order(seq_lens: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    """Row order by sequence length (stable: equal lengths keep their order); with ``first`` (a boolean per row),
+    the rows it marks come first, each part sorted by length."""
+    order = torch.argsort(seq_lens, stable=True)
+    if first is None:
+        return order
+    return order[torch.argsort((~first[order]).to(torch.int8), stable=True)]
+
+
+def inert_rows(data: TensorDict) -> torch.Tensor:
+    """Rows whose advantage is 0 at every response token the loss counts (``response_mask``): groups whose
+    rollouts all scored the same, and the padding rows verl adds to fill whole micro-batches. Under a policy
+    loss linear in the advantage (:func:`_loss_is_linear_in_advantages`) such a row adds 0 to the loss and to its
+    gradient; the loss is still normalised by the whole mini-batch's token count (``batch_num_tokens``, counted
+    by verl before the micro-batches are cut)."""
+    adv, mask = data["advantages"], data["response_mask"]
+    if not adv.is_nested:  # [rows, response columns]
+        return ((adv != 0) & (mask != 0)).sum(-1) == 0
+    live = (adv.values() != 0) & (mask.values() != 0)
+    lens = adv.offsets().diff()
+    row = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    return torch.zeros(len(lens), dtype=torch.long).index_add_(0, row, live.long()) == 0
+
+
+_LINEAR_LOSS_MODES = {"vanilla"}  # verl policy losses that are -A x (clipped) ratio per token
+_LINEAR_BYPASS_TYPES = {"ppo_clip", "reinforce"}  # loss_mode "bypass_mode": vanilla, or -A x IS weight x log-prob
+
+
+def _loss_is_linear_in_advantages(loss_function: Any, data: TensorDict) -> bool:
+    """Whether ``loss_function`` is verl's ``ppo_loss`` with nothing but a policy loss that vanishes, with its
+    gradient, where the advantage is 0: a whitelisted loss mode, no KL loss, no entropy term or metric."""
+    from verl.workers.utils.losses import ppo_loss
+
+    if not (isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss
+            and set(loss_function.keywords) == {"config"} and not loss_function.args):
+        return False
+    cfg = loss_function.keywords["config"]
+    if cfg.use_kl_loss or cfg.entropy_coeff != 0 or _flag(data, "calculate_entropy", False):
+        return False
+    if not {"advantages", "response_mask"} <= set(data.keys()):
+        return False
+    mode = cfg.policy_loss.get("loss_mode", "vanilla")
+    if mode == "bypass_mode":
+        corr = cfg.policy_loss.get("rollout_correction", None) or {}
+        return corr.get("loss_type", "ppo_clip") in _LINEAR_BYPASS_TYPES
+    return mode in _LINEAR_LOSS_MODES
 
 
 def trainer_threads(env: dict[str, str] | None = None, cpus: int | None = None) -> int:
@@ -157,10 +204,51 @@ class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         mini-batch's token count (``batch_num_tokens``, ``dp_size``), and a training pass returns metrics only.
         Forward-only passes (log-probs, whose outputs map back to rows) and anything off the padded path keep
         verl's order.
+
+        Under a policy loss that vanishes with the advantage (:func:`_loss_is_linear_in_advantages`) the inert
+        rows (:func:`inert_rows`: zero advantage everywhere) go first, and the micro-batches made of them alone are
+        not run (:meth:`forward_step`): the same gradient, without the forward and backward passes of rows that
+        add nothing to it.
         """
-        if not forward_only and self._sorts_rows(data):
-            data = tu.index_select_tensor_dict(data, length_order(data["input_ids"].offsets().diff()))
-        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if forward_only or not self._sorts_rows(data):
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        inert = inert_rows(data) if _loss_is_linear_in_advantages(loss_function, data) else None
+        data = tu.index_select_tensor_dict(data, length_order(data["input_ids"].offsets().diff(), first=inert))
+        skips, micro = 0, int(_flag(data, "micro_batch_size_per_gpu", 0))
+        if inert is not None and micro > 0:
+            # the leading micro-batches made of inert rows alone; every data-parallel rank skips as many (a forward
+            # all-gathers the parameters, a collective)
+            count = torch.tensor(int(inert.sum()) // micro)
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.get_data_parallel_group())
+            skips = int(count)
+        self._skips_left = skips
+        try:
+            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        finally:
+            self._skips_left = 0
+        if skips and skips * micro >= len(data):
+            # no micro-batch ran: verl's optimizer step still gets the mini-batch's gradient, zeros (Adam's moments
+            # move on zero gradients too)
+            for param in self.module.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        return output
+
+    _skips_left = 0  # leading inert micro-batches of the current training pass still to skip
+
+    def forward_step(self, micro_batch: TensorDict, loss_function: Any, forward_only: bool) -> Any:
+        """verl's forward step, except for a training pass's leading micro-batches of inert rows (see
+        :func:`inert_rows`): their loss and its gradient are 0, so they are not run. They report ``actor/pg_loss``
+        (0, summed like verl's) and no per-micro-batch means, so ``actor/pg_clipfrac`` and ``actor/ppo_kl`` average
+        over the micro-batches that ran."""
+        if not forward_only and self._skips_left > 0 and bool(inert_rows(micro_batch).all()):
+            from verl.utils.metric import AggregationType, Metric
+
+            self._skips_left -= 1
+            return torch.zeros((), requires_grad=True), {
+                "loss": 0.0, "metrics": {"actor/pg_loss": Metric(value=0.0, aggregation=AggregationType.SUM)}}
+        return super().forward_step(micro_batch, loss_function, forward_only)
 
     def _sorts_rows(self, data: TensorDict) -> bool:
         return (

@@ -22,6 +22,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from envace.platform.engine import (
     VERL_VERSION,
     CPUFSDPEngineWithLMHead,
+    inert_rows,
     length_order,
     response_logit_positions,
     trainer_threads,
@@ -48,6 +49,14 @@ def test_pins_the_verl_release_and_the_lines_it_mirrors():
     assert "tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())" in loop
     assert list(inspect.signature(FSDPEngineWithLMHead.forward_backward_batch).parameters) == [
         "self", "data", "loss_function", "forward_only"]
+    # the skipped micro-batches: verl calls forward_step per micro-batch, backpropagates the loss it returns and
+    # collects the metrics it reports; the actor's loss is ppo_loss bound to the actor config (nothing else)
+    assert "loss, meta_info = self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)" \
+        in loop
+    assert "loss.backward()" in loop
+    from verl.workers import engine_workers
+
+    assert "self.loss_fn = partial(ppo_loss, config=actor_config)" in inspect.getsource(engine_workers)
 
 
 def test_registered_for_the_cpu_device(monkeypatch):
@@ -245,4 +254,115 @@ def test_sorted_micro_batches_give_the_same_gradient_in_fewer_padded_cells(model
     # 2 x (4+2) + 2 x (11+5) + 2 x (12+3) = 74
     assert (cells_verl, cells_sorted) == (86, 74)
     for a, b in zip(g_sorted, g_verl, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_length_order_puts_the_marked_rows_first_each_part_by_length():
+    lens = torch.tensor([7, 3, 5, 3, 9, 1])
+    assert length_order(lens).tolist() == [5, 1, 3, 2, 0, 4]
+    first = torch.tensor([False, True, False, False, True, False])
+    assert length_order(lens, first=first).tolist() == [1, 4, 5, 3, 2, 0]
+
+
+def _nested(rows, dtype=torch.float32):
+    return torch.nested.as_nested_tensor([torch.tensor(r, dtype=dtype) for r in rows], layout=torch.jagged)
+
+
+def test_inert_rows_have_zero_advantage_at_every_counted_token():
+    td = TensorDict({"advantages": _nested([[0.0, 0.0], [0.0, 0.5, 0.0], [1.0], [0.0, -0.3]]),
+                     "response_mask": _nested([[1, 1], [1, 1, 1], [0], [1, 1]], torch.long)}, batch_size=[4])
+    # row 2's only advantage sits on a token the loss does not count (mask 0)
+    assert inert_rows(td).tolist() == [True, False, True, False]
+    dense = TensorDict({"advantages": torch.tensor([[0.0, 0.0], [0.0, 2.0]]),
+                        "response_mask": torch.tensor([[1, 1], [1, 0]])}, batch_size=[2])
+    assert inert_rows(dense).tolist() == [True, True]
+
+
+def _actor_config(**kw):
+    from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1, **kw)
+
+
+def test_only_a_policy_loss_that_vanishes_with_the_advantage_skips_rows():
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from envace.platform.engine import _loss_is_linear_in_advantages
+
+    td = TensorDict({"advantages": _nested([[0.0]]), "response_mask": _nested([[1]], torch.long)}, batch_size=[1])
+    assert _loss_is_linear_in_advantages(partial(ppo_loss, config=_actor_config()), td)
+    for cfg in (_actor_config(use_kl_loss=True), _actor_config(entropy_coeff=0.01),
+                _actor_config(policy_loss={"loss_mode": "gspo"})):
+        assert not _loss_is_linear_in_advantages(partial(ppo_loss, config=cfg), td)
+    assert _loss_is_linear_in_advantages(partial(ppo_loss, config=_actor_config(
+        policy_loss={"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce"}})), td)
+    assert not _loss_is_linear_in_advantages(lambda **kw: ppo_loss(config=_actor_config(), **kw), td)
+    tu.assign_non_tensor(td, calculate_entropy=True)  # the entropy metric reads every row
+    assert not _loss_is_linear_in_advantages(partial(ppo_loss, config=_actor_config()), td)
+
+
+@pytest.fixture
+def gloo():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
+    else:
+        yield
+
+
+@pytest.mark.parametrize("zero, forwards", [
+    ({0, 2, 3, 5, 6, 7}, 1),  # six inert rows: three micro-batches of two skipped; rows 1 and 4 carry the gradient
+    (set(range(8)), 0),  # every row inert: nothing runs, and the optimizer still gets (zero) gradients
+])
+def test_micro_batches_of_zero_advantage_rows_are_not_run_and_the_gradient_is_verls(model, gloo, zero, forwards):
+    """verl's own micro-batch loop and ``ppo_loss``, once with envace's skip and once with a loss it does not
+    recognise (so every micro-batch runs): the same gradient and summed loss, fewer forward passes."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    lens = [(6, 2), (3, 4), (8, 1), (2, 3), (5, 5), (7, 2), (4, 2), (3, 3)]
+    cfg = _actor_config()
+
+    def mini_batch():
+        mb = _mini_batch(lens, seed=5, micro_batch_size_per_gpu=2, calculate_entropy=False)
+        g = torch.Generator().manual_seed(6)
+        mb["advantages"] = _nested([[0.0] * r if i in zero else torch.randn(r, generator=g).tolist()
+                                    for i, (_, r) in enumerate(lens)])
+        mb["response_mask"] = _nested([[1] * r for _, r in lens], torch.long)
+        mb["loss_mask"] = mb["response_mask"]
+        mb["old_log_probs"] = _nested([(-torch.rand(r, generator=g)).tolist() for _, r in lens])
+        tu.assign_non_tensor(mb, global_batch_size=len(lens))
+        return mb
+
+    eng = _engine(CPUFSDPEngineWithLMHead, model)
+    eng.engine_config.use_no_sync_for_gradient_accumulation = True
+    eng.ulysses_sequence_parallel_size = 1
+    eng._autocast_dtype = torch.float32
+    eng.get_data_parallel_group = lambda: None
+    eng.get_data_parallel_size = lambda: 1
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        runs = {}
+        for name, loss in (("skip", partial(ppo_loss, config=cfg)),
+                           ("verl", lambda **kw: ppo_loss(config=cfg, **kw))):
+            model.zero_grad(set_to_none=True)
+            seen.clear()
+            out = eng.forward_backward_batch(mini_batch(), loss)
+            runs[name] = (len(seen), sum(out["loss"]), [p.grad.clone() for p in model.parameters()],
+                          float(sum(out["metrics"]["actor/pg_loss"].values)))
+    finally:
+        hook.remove()
+    assert (runs["skip"][0], runs["verl"][0]) == (forwards, 4)
+    assert eng._skips_left == 0
+    torch.testing.assert_close(runs["skip"][1], runs["verl"][1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(runs["skip"][3], runs["verl"][3], rtol=1e-5, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in runs["skip"][2]) == (len(zero) < len(lens))
+    for a, b in zip(runs["skip"][2], runs["verl"][2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
