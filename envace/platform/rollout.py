@@ -7,11 +7,13 @@ loops call through ``LLMServerClient``; inside every trainer worker a ``BaseRoll
 pushes new weights to its server after each actor update. vLLM, SGLang and TensorRT-LLM fill
 these roles on GPUs. This module fills them on CPU:
 
-* :class:`HFCPUServer` — Ray actor holding a transformers causal LM; a decode thread batches the
-  requests that are waiting (up to ``max_num_seqs``: the agent loops of a step arrive together) into
-  one left-padded decode with a shared KV cache, rows leaving as they finish; temperature / top-k /
-  top-p / repetition-penalty sampling per request with its own seeded generator; log-probs of the sampled tokens under ``logits / temperature`` (what verl's actor
-  computes, so ``training/rollout_probs_diff_max`` measures a real agreement).
+* :class:`HFCPUServer` — Ray actor holding a transformers causal LM; a decode thread runs continuous
+  batching (:class:`DecodeBatch`): requests join the running left-padded decode, with its shared KV cache,
+  between decode steps (up to ``max_num_seqs`` rows) and leave as they finish, so the act and rehearse turns
+  of a step's agent loops, which arrive at different times, share decode passes; temperature / top-k / top-p /
+  repetition-penalty sampling per request with its own seeded generator; log-probs of the sampled tokens under
+  ``logits / temperature`` (what verl's actor computes, so ``training/rollout_probs_diff_max`` measures a real
+  agreement).
 * :class:`HFCPUReplica` — registered in ``RolloutReplicaRegistry`` as ``hfcpu``; places one
   server on the node of its replica's first worker.
 * :class:`HFCPUServerAdapter` — registered in ``_ROLLOUT_REGISTRY[("hfcpu", "async")]``; drains
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -145,70 +148,173 @@ def sample_batch(
     eos_ids: set[int],
     generators: list[torch.Generator | None],
 ) -> list[tuple[list[int], list[float], str]]:
-    """Decode several requests together with one KV cache; per request (token_ids, log_probs, finish_reason).
+    """Decode several requests together (one :class:`DecodeBatch`); per request (token_ids, log_probs,
+    finish_reason)."""
+    batch = DecodeBatch(model, eos_ids)
+    batch.add(list(range(len(prompts))), prompts, specs, generators)
+    results: dict[Any, tuple[list[int], list[float], str]] = {}
+    while batch:
+        results.update(batch.step())
+    return [results[i] for i in range(len(prompts))]
 
-    Prompts are left-padded (attention mask + explicit positions, so a row's tokens see exactly what they
-    would see alone); each row keeps its own sampling parameters, repetition-penalty history, seeded
-    generator, stop set and token budget. Finished rows leave the batch (and the cache) at once.
+
+@dataclasses.dataclass
+class _Row:
+    """One request decoding in a :class:`DecodeBatch`."""
+
+    key: Any
+    spec: SamplingSpec
+    generator: torch.Generator | None
+    stops: set[int]
+    seen: torch.Tensor | None  # [vocab] bool: the prompt's and the generated tokens (repetition penalty only)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+
+
+class DecodeBatch:
+    """Requests decoding together with one KV cache (continuous batching): requests join between decode steps and
+    leave as soon as they finish.
+
+    Every row is left-padded to the cache's width (attention mask + explicit positions), so a row's tokens see
+    exactly what they would see alone; each row keeps its own sampling parameters, repetition-penalty history,
+    seeded generator, stop set and token budget. :meth:`add` prefills the new prompts (their own forward pass) and
+    merges their cache into the batch's, left-padding whichever is narrower; :meth:`step` samples one token for
+    every row, retires the finished rows and runs one decode forward pass for the others. Cache columns that are
+    padding in every row (left behind by rows that left) are dropped.
     """
-    device = next(model.parameters()).device
-    n = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((n, width), dtype=torch.long, device=device)
-    mask = torch.zeros((n, width), dtype=torch.long, device=device)
-    seen = torch.zeros((n, model.config.vocab_size), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-        seen[i, torch.tensor(p, dtype=torch.long)] = True
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    stops = [set(s.stop_token_ids) | (set() if s.ignore_eos else eos_ids) for s in specs]
-    results: list[tuple[list[int], list[float], str]] = [([], [], "length") for _ in range(n)]
-    live = list(range(n))  # request index of each cache row
-    next_pos = mask.sum(-1)
-    with torch.inference_mode():
+
+    def __init__(self, model: torch.nn.Module, eos_ids: set[int]):
+        self.model = model
+        self.eos_ids = set(eos_ids)
+        self.device = next(model.parameters()).device
+        self.rows: list[_Row] = []
+        self.past: Any = None  # the transformers cache: [rows, kv heads, columns, head dim] per layer
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [rows, columns]
+        self.next_pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # each row's next position
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: each row's next-token logits
+        self.steps = 0  # decode forward passes run
+        self.row_steps = 0  # rows they decoded (row_steps / steps: the mean batch)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, keys: list[Any], prompts: list[list[int]], specs: list[SamplingSpec],
+            generators: list[torch.Generator | None]) -> None:
+        """Prefill ``prompts`` and add them as rows (``keys`` name them in :meth:`step`'s results)."""
+        if not prompts:
+            return
+        n, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((n, width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
+        rows = []
+        for i, (key, p, spec, gen) in enumerate(zip(keys, prompts, specs, generators, strict=True)):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+            seen = None
+            if spec.repetition_penalty != 1.0:
+                seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
+                seen[torch.tensor(p, dtype=torch.long)] = True
+            stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else self.eos_ids)
+            rows.append(_Row(key, spec, gen, stops, seen))
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # logits of the last position only: a prefill of thousands of tokens would otherwise
         # materialise a [rows, seq, vocab] tensor (151,936 columns for Qwen)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        past = out.past_key_values
-        while True:
-            logits = out.logits[:, -1].float()
-            keep: list[int] = []
-            chosen: list[int] = []
-            for row, r in enumerate(live):
-                spec, row_logits = specs[r], logits[row]
-                if spec.repetition_penalty != 1.0:
-                    pen = row_logits[seen[r]]
-                    row_logits[seen[r]] = torch.where(pen > 0, pen / spec.repetition_penalty,
-                                                      pen * spec.repetition_penalty)
-                tok, lp = _pick(row_logits, spec, generators[r])
-                toks, lps, _ = results[r]
-                toks.append(tok)
-                lps.append(lp)
-                seen[r, tok] = True
-                if tok in stops[r]:
-                    results[r] = (toks, lps, "stop")
-                elif len(toks) < spec.max_tokens:
-                    keep.append(row)
-                    chosen.append(tok)
-            if not keep:
-                break
-            if len(keep) < len(live):
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                past.batch_select_indices(index)
-                mask, next_pos = mask[index], next_pos[index]
-                live = [live[row] for row in keep]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
-            out = model(
-                input_ids=torch.tensor(chosen, dtype=torch.long, device=device)[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
-            next_pos = next_pos + 1
-    return results
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].float()
+        if not self.rows:
+            self.past, self.mask, self.logits = out.past_key_values, mask, logits
+            self.next_pos = mask.sum(-1)
+        else:
+            old, new = self.mask.shape[1], width
+            cols = max(old, new)
+            for mine, theirs in zip(self.past.layers, out.past_key_values.layers, strict=True):
+                mine.keys = torch.cat([_pad_left(mine.keys, cols - old, 2), _pad_left(theirs.keys, cols - new, 2)])
+                mine.values = torch.cat([_pad_left(mine.values, cols - old, 2),
+                                         _pad_left(theirs.values, cols - new, 2)])
+            self.mask = torch.cat([_pad_left(self.mask, cols - old, 1), _pad_left(mask, cols - new, 1)])
+            self.next_pos = torch.cat([self.next_pos, mask.sum(-1)])
+            self.logits = torch.cat([self.logits, logits])
+        self.rows += rows
+
+    @torch.inference_mode()
+    def step(self) -> dict[Any, tuple[list[int], list[float], str]]:
+        """Sample every row's next token; returns the rows that finished (key -> (token_ids, log_probs,
+        finish_reason)) and decodes the others one position further."""
+        done: dict[Any, tuple[list[int], list[float], str]] = {}
+        keep: list[int] = []
+        chosen: list[int] = []
+        for i, row in enumerate(self.rows):
+            row_logits = self.logits[i]
+            spec = row.spec
+            if row.seen is not None:
+                pen = row_logits[row.seen]
+                row_logits[row.seen] = torch.where(pen > 0, pen / spec.repetition_penalty,
+                                                   pen * spec.repetition_penalty)
+            tok, lp = _pick(row_logits, spec, row.generator)
+            row.tokens.append(tok)
+            row.log_probs.append(lp)
+            if row.seen is not None:
+                row.seen[tok] = True
+            if tok in row.stops:
+                done[row.key] = (row.tokens, row.log_probs, "stop")
+            elif len(row.tokens) >= spec.max_tokens:
+                done[row.key] = (row.tokens, row.log_probs, "length")
+            else:
+                keep.append(i)
+                chosen.append(tok)
+        if len(keep) < len(self.rows):
+            self._select(keep)
+        if not keep:
+            return done
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(keep), 1))], dim=-1)
+        out = self.model(
+            input_ids=torch.tensor(chosen, dtype=torch.long, device=self.device)[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_pos[:, None],
+            past_key_values=self.past,
+            use_cache=True,
+        )
+        self.past, self.logits = out.past_key_values, out.logits[:, -1].float()
+        self.next_pos = self.next_pos + 1
+        self.steps += 1
+        self.row_steps += len(keep)
+        return done
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep``; drop the cache columns that are padding in all of them."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.past, self.logits = None, None
+            self.mask = self.mask[:0, :0]
+            self.next_pos = self.next_pos[:0]
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.past.batch_select_indices(index)
+        self.mask, self.next_pos, self.logits = self.mask[index], self.next_pos[index], self.logits[index]
+        first = int(self.mask.any(0).int().argmax())  # the first column some row attends to
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self.past.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+
+
+@contextlib.contextmanager
+def _held(lock: threading.Lock) -> Generator[None, None, None]:
+    """Release ``lock`` (already acquired) on leaving the block."""
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``t`` with ``n`` zero slices prepended along ``dim``."""
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 _BATCH_WAIT_S = 0.005  # how long the decode thread waits for company once a lone request arrives
@@ -251,14 +357,17 @@ class HFCPUServer:
             eos.add(self.model.config.eos_token_id)
         self.eos_ids = eos
         self.global_steps: int | None = None
-        self._lock = threading.Lock()  # held by the decode thread per batch, and by weight loads
+        self._lock = threading.Lock()  # held by the decode thread while its batch has rows, and by weight loads
         self._seed_lock = threading.Lock()
         self._requests = 0
-        # concurrent requests (the agent loops of a step arrive together) are decoded as one batch
+        # requests waiting for the decode thread (it admits them into its running batch between decode steps)
         self._queue: queue.Queue[_Request] = queue.Queue()
         self._max_batch = max(1, int(getattr(self.config, "max_num_seqs", 0) or 64))
-        self.batches = 0  # decode batches run
+        self._weights_waiting = threading.Event()  # set while a weight load waits for the batch to drain
+        self.batches = 0  # decode batches started (from an idle server)
         self.batched_requests = 0  # requests they served
+        self.decode_steps = 0  # decode forward passes
+        self.decode_rows = 0  # rows those passes decoded (decode_rows / decode_steps: the mean batch)
         self.seed = int(self.config.seed or 0)
         threading.Thread(target=self._serve, name="hfcpu-decode", daemon=True).start()
         logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, eos)
@@ -286,31 +395,51 @@ class HFCPUServer:
         return req.future
 
     def _serve(self) -> None:
-        """The decode thread: takes every queued request (up to ``max_num_seqs``) and decodes them as one batch."""
+        """The decode thread: continuous batching. Requests join the running :class:`DecodeBatch` between decode
+        steps (up to ``max_num_seqs`` rows) and are answered as soon as they finish. A weight load waits until the
+        batch has drained; while one waits, no request joins."""
+        batch = DecodeBatch(self.model, self.eos_ids)
+        requests: dict[int, _Request] = {}
         while True:
-            batch = [self._queue.get()]
-            deadline = time.monotonic() + _BATCH_WAIT_S
-            while len(batch) < self._max_batch:
-                wait = deadline - time.monotonic()
-                try:
-                    batch.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            new: list[_Request] = []
+            if not batch:
+                new.append(self._queue.get())  # idle: wait for a request, then briefly for company
+                deadline = time.monotonic() + _BATCH_WAIT_S
+                while len(new) < self._max_batch:
+                    wait = deadline - time.monotonic()
+                    try:
+                        new.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                self._lock.acquire()  # held while the batch has rows: weights never change under a live row
+                self.batches += 1
+            elif not self._weights_waiting.is_set():
+                while len(batch) + len(new) < self._max_batch:
+                    try:
+                        new.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
             try:
-                with self._lock:
-                    results = sample_batch(
-                        self.model, [r.prompt for r in batch], [r.spec for r in batch], self.eos_ids,
-                        [r.generator for r in batch],
-                    )
-                    steps = self.global_steps
+                if new:
+                    batch.add([id(r) for r in new], [r.prompt for r in new], [r.spec for r in new],
+                              [r.generator for r in new])
+                    requests.update((id(r), r) for r in new)
+                    self.batched_requests += len(new)
+                done = batch.step()
             except Exception as exc:  # noqa: BLE001 - re-raised in every caller of the batch; the server lives on
-                for r in batch:
+                for r in [*requests.values(), *(r for r in new if id(r) not in requests)]:
                     r.future.set_exception(exc)
-                continue
-            self.batches += 1
-            self.batched_requests += len(batch)
-            for r, (ids, lps, finish) in zip(batch, results):
+                requests.clear()
+                batch = DecodeBatch(self.model, self.eos_ids)
+                done = {}
+            self.decode_steps, self.decode_rows = self.decode_steps + batch.steps, self.decode_rows + batch.row_steps
+            batch.steps = batch.row_steps = 0
+            steps = self.global_steps
+            for key, (ids, lps, finish) in done.items():
+                r = requests.pop(key)
                 r.future.set_result((ids, lps if r.spec.logprobs else None, finish, steps))
+            if not batch:
+                self._lock.release()
 
     @staticmethod
     def _token_output(ids: list[int], log_probs: list[float] | None, finish: str, global_steps: int | None):
@@ -343,7 +472,12 @@ class HFCPUServer:
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: int | None = None) -> int:
         """Load (a subset of) the policy's weights; returns the number of tensors loaded."""
-        with self._lock:
+        self._weights_waiting.set()  # no request joins the running batch; it drains, then the load goes in
+        try:
+            self._lock.acquire()
+        finally:
+            self._weights_waiting.clear()
+        with _held(self._lock):
             _missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             if unexpected:
                 raise KeyError(f"hfcpu: weights not in the rollout model: {unexpected[:5]}")

@@ -9,7 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from envace.models import ensure_tiny_model
-from envace.platform.rollout import SamplingSpec, _filter_logits, sample_batch, sample_index, sample_tokens
+from envace.platform.rollout import (
+    DecodeBatch,
+    SamplingSpec,
+    _filter_logits,
+    sample_batch,
+    sample_index,
+    sample_tokens,
+)
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
@@ -119,6 +126,37 @@ def test_a_batch_decodes_each_request_as_it_would_alone(model):
     for p, s, (ids, lps, _) in zip(PROMPTS, specs, together):
         ref = full_forward_logprobs(model, p, ids, s.temperature)
         assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_rows_that_join_a_running_batch_decode_as_they_would_alone(model):
+    """Continuous batching: rows added between decode steps (a longer prompt than the batch's cache, a shorter
+    one) sample what they would alone, and once the rows that held the oldest cache columns leave, the columns
+    that are padding in every remaining row are dropped."""
+    specs = [
+        SamplingSpec({"temperature": 0.8, "max_tokens": 4, "ignore_eos": True}, 99),  # leaves first
+        SamplingSpec({"temperature": 1.0, "max_tokens": 9, "ignore_eos": True, "repetition_penalty": 1.3}, 99),
+        SamplingSpec({"temperature": 0, "max_tokens": 14, "ignore_eos": True}, 99),  # outlives the others
+    ]
+    prompts = [PROMPTS[1][-5:], PROMPTS[0], PROMPTS[2]]  # 5, 7 and 2 tokens
+    alone = [sample_tokens(model, p, s, set(), torch.Generator().manual_seed(i))
+             for i, (p, s) in enumerate(zip(prompts, specs))]
+    batch = DecodeBatch(model, set())
+    batch.add([0], prompts[:1], specs[:1], [torch.Generator().manual_seed(0)])
+    results = batch.step()
+    batch.add([1], prompts[1:2], specs[1:2], [torch.Generator().manual_seed(1)])  # 7 > 6 columns: cache padded
+    results |= batch.step()
+    batch.add([2], prompts[2:], specs[2:], [torch.Generator().manual_seed(2)])  # 2 < 8 columns: this row padded
+    widths = []
+    while batch:
+        results |= batch.step()
+        widths.append(batch.mask.shape[1])
+    assert [results[i][0] for i in range(3)] == [a[0] for a in alone]
+    for i in range(3):
+        assert results[i][2] == "length"
+        torch.testing.assert_close(torch.tensor(results[i][1]), torch.tensor(alone[i][1]), atol=1e-4, rtol=0)
+    # alone at the end, row 2 attends to its 2 prompt tokens and the 13 it fed back: its left padding is gone
+    assert widths[-2] == 2 + 13
+    assert batch.steps == 15 and batch.row_steps == 3 + 8 + 13
 
 
 def test_a_row_that_stops_leaves_the_others_running(model):

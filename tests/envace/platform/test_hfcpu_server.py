@@ -70,3 +70,65 @@ def test_load_weights_changes_what_is_generated_and_rejects_foreign_tensors(serv
         server.load_weights(state)
     assert server.state_checksum() == pytest.approx(checksum)
     assert asyncio.run(server.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 6}, "c")).token_ids == before
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a thread; returns a zero-argument function that joins it and returns its result."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return lambda: future.result(timeout=120)
+
+
+def _wait_for_decoding(server, steps_before):
+    import time
+
+    deadline = time.monotonic() + 60
+    while server.decode_steps <= steps_before:
+        assert time.monotonic() < deadline, "the decode thread never started"
+        time.sleep(0.001)
+
+
+def test_a_request_joins_the_running_batch_and_gets_its_own_answer(server):
+    """Continuous batching: a request that arrives while another decodes joins that batch (no new batch starts)
+    and both get what they would get alone, a longer prompt (the batch's cache is left-padded) and a shorter one."""
+    long_run = {"temperature": 0, "max_tokens": 30, "ignore_eos": True, "logprobs": True}
+    alone = {i: sample_tokens(server.model, PROMPTS[i], SamplingSpec(long_run, 99), set()) for i in (1, 2, 3)}
+    first = [9707, 11, 1879]  # shorter than PROMPTS[1], longer than PROMPTS[2]
+    first_alone = sample_tokens(server.model, first, SamplingSpec(long_run, 99), set())
+    batches, steps = server.batches, server.decode_steps
+    running = _in_thread(lambda: asyncio.run(server.generate(first, long_run, "first")))
+    _wait_for_decoding(server, steps)
+    joined = asyncio.run(_gather(server, [PROMPTS[1], PROMPTS[2]], long_run))
+    assert server.batches - batches == 1
+    out = running()
+    assert out.token_ids == first_alone[0]
+    assert torch.allclose(torch.tensor(out.log_probs), torch.tensor(first_alone[1]), atol=1e-4)
+    for i, o in zip((1, 2), joined):
+        assert o.token_ids == alone[i][0]
+        assert torch.allclose(torch.tensor(o.log_probs), torch.tensor(alone[i][1]), atol=1e-4)
+    # the two joined rows decoded beside the first: fewer decode passes than three requests one after another
+    assert server.decode_steps - steps < 3 * 29
+
+
+async def _gather(server, prompts, params):
+    return await asyncio.gather(*[server.generate(p, params, f"j{i}") for i, p in enumerate(prompts)])
+
+
+def test_a_weight_load_waits_for_the_running_batch_to_drain(server):
+    """Weights never change under a live row: the load waits, the running request finishes on the old weights."""
+    params = {"temperature": 0, "max_tokens": 30, "ignore_eos": True}
+    state = {k: v.clone() for k, v in server.model.state_dict().items()}
+    before = asyncio.run(server.generate(PROMPTS[0], params, "before")).token_ids
+    norm = "model.norm.weight"
+    steps = server.decode_steps
+    try:
+        running = _in_thread(lambda: asyncio.run(server.generate(PROMPTS[0], params, "running")))
+        _wait_for_decoding(server, steps)
+        assert server.load_weights({norm: -state[norm]}) == 1
+        assert running().token_ids == before
+        assert asyncio.run(server.generate(PROMPTS[0], params, "after")).token_ids[0] != before[0]
+    finally:
+        server.load_weights(state)
