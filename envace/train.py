@@ -505,7 +505,9 @@ def report_learning(run_dir: Path) -> None:
         line = (f"envace: validation success {summary['first']:.3f} (step {summary['first_step']}) -> "
                 f"{summary['last']:.3f} (step {summary['last_step']}) [mean over {summary['sources']} validation sources]")
         if "train_reward_first" in summary:
-            line += f"; training reward {summary['train_reward_first']:.3f} -> {summary['train_reward_last']:.3f}"
+            (a, b), (c, d) = summary["train_steps_first"], summary["train_steps_last"]
+            line += (f"; training reward {summary['train_reward_first']:.3f} (mean of steps {a}-{b}) -> "
+                     f"{summary['train_reward_last']:.3f} (steps {c}-{d})")
         print(line, flush=True)
     print(f"envace: reward curve {reward_curve(series, run_dir / 'plots' / 'reward_curve.png')}", flush=True)
 

@@ -29,3 +29,19 @@ def test_missing_metrics_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_metrics.py"), str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "no metrics/*.jsonl" in out.stderr
+
+
+def test_learning_summary_averages_the_first_and_last_training_steps():
+    from envace.metrics import learning_summary
+
+    reward = {s: r for s, r in enumerate([0.0, 0.2, 0.1, 0.3, 0.5, 0.4, 0.6, 0.8, 0.7, 0.9, 0.5, 1.0], start=1)}
+    series = {"critic/score/mean": reward, "val-core/synthetic/act/acc/mean@1": {0: 0.25, 12: 0.5},
+              "val-core/synthetic/query/acc/mean@1": {0: 0.75, 12: 0.5}}
+    out = learning_summary(series)
+    assert (out["first"], out["last"], out["first_step"], out["last_step"], out["sources"]) == (0.5, 0.5, 0, 12, 2)
+    # 12 steps: windows of 3 (a quarter of the run), not single steps
+    assert out["train_steps_first"] == (1, 3) and out["train_steps_last"] == (10, 12)
+    assert abs(out["train_reward_first"] - 0.1) < 1e-9 and abs(out["train_reward_last"] - 0.8) < 1e-9
+    long = {"critic/score/mean": {s: 0.1 for s in range(1, 41)}, **{k: v for k, v in series.items() if "val" in k}}
+    assert learning_summary(long)["train_steps_last"] == (36, 40)  # at most 5 steps a side
+    assert learning_summary({"critic/score/mean": reward}) is None  # no validation: nothing to report
