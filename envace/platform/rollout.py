@@ -225,14 +225,16 @@ class DecodeBatch:
         if not self.rows:
             self.past, self.mask, self.logits = out.past_key_values, mask, logits
             self.next_pos = mask.sum(-1)
-        else:
+        else:  # merged tensors first, then assigned: a failure leaves the running rows as they were
             old, new = self.mask.shape[1], width
             cols = max(old, new)
-            for mine, theirs in zip(self.past.layers, out.past_key_values.layers, strict=True):
-                mine.keys = torch.cat([_pad_left(mine.keys, cols - old, 2), _pad_left(theirs.keys, cols - new, 2)])
-                mine.values = torch.cat([_pad_left(mine.values, cols - old, 2),
-                                         _pad_left(theirs.values, cols - new, 2)])
-            self.mask = torch.cat([_pad_left(self.mask, cols - old, 1), _pad_left(mask, cols - new, 1)])
+            merged = [tuple(torch.cat([_pad_left(a, cols - old, 2), _pad_left(b, cols - new, 2)])
+                            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)))
+                      for mine, theirs in zip(self.past.layers, out.past_key_values.layers, strict=True)]
+            batch_mask = torch.cat([_pad_left(self.mask, cols - old, 1), _pad_left(mask, cols - new, 1)])
+            for layer, (layer_keys, layer_values) in zip(self.past.layers, merged, strict=True):
+                layer.keys, layer.values = layer_keys, layer_values
+            self.mask = batch_mask
             self.next_pos = torch.cat([self.next_pos, mask.sum(-1)])
             self.logits = torch.cat([self.logits, logits])
         self.rows += rows
@@ -419,15 +421,19 @@ class HFCPUServer:
                         new.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-            try:
-                if new:
+            if new:
+                try:
                     batch.add([id(r) for r in new], [r.prompt for r in new], [r.spec for r in new],
                               [r.generator for r in new])
                     requests.update((id(r), r) for r in new)
                     self.batched_requests += len(new)
-                done = batch.step()
+                except Exception as exc:  # noqa: BLE001 - re-raised in the new requests' callers; the rows go on
+                    for r in new:
+                        r.future.set_exception(exc)
+            try:
+                done = batch.step() if batch else {}
             except Exception as exc:  # noqa: BLE001 - re-raised in every caller of the batch; the server lives on
-                for r in [*requests.values(), *(r for r in new if id(r) not in requests)]:
+                for r in requests.values():
                     r.future.set_exception(exc)
                 requests.clear()
                 batch = DecodeBatch(self.model, self.eos_ids)

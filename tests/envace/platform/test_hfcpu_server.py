@@ -132,3 +132,15 @@ def test_a_weight_load_waits_for_the_running_batch_to_drain(server):
         assert asyncio.run(server.generate(PROMPTS[0], params, "after")).token_ids[0] != before[0]
     finally:
         server.load_weights(state)
+
+
+def test_a_request_that_fails_to_join_loses_nothing_of_the_running_batch(server):
+    """A prompt the model cannot embed fails its own caller; the request already decoding finishes unharmed."""
+    params = {"temperature": 0, "max_tokens": 30, "ignore_eos": True}
+    alone = sample_tokens(server.model, PROMPTS[0], SamplingSpec(params, 99), set())[0]
+    steps = server.decode_steps
+    running = _in_thread(lambda: asyncio.run(server.generate(PROMPTS[0], params, "running")))
+    _wait_for_decoding(server, steps)
+    with pytest.raises(IndexError):
+        asyncio.run(server.generate([9707, 10**9], params, "bad"))
+    assert running().token_ids == alone
