@@ -220,7 +220,8 @@ class CPUFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             # all-gathers the parameters, a collective)
             count = torch.tensor(int(inert.sum()) // micro)
             if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.get_data_parallel_group())
+                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN,
+                                             group=self.get_data_parallel_group())
             skips = int(count)
         self._skips_left = skips
         try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -283,6 +282,10 @@ class DecodeBatch:
         self.row_steps += len(keep)
         return done
 
+    def clear(self) -> None:
+        """Drop every row (the counters stay)."""
+        self._select([])
+
     def _select(self, keep: list[int]) -> None:
         """Keep only the rows ``keep``; drop the cache columns that are padding in all of them."""
         self.rows = [self.rows[i] for i in keep]
@@ -299,15 +302,6 @@ class DecodeBatch:
             self.mask = self.mask[:, first:]
             for layer in self.past.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-
-
-@contextlib.contextmanager
-def _held(lock: threading.Lock) -> Generator[None, None, None]:
-    """Release ``lock`` (already acquired) on leaving the block."""
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -368,8 +362,7 @@ class HFCPUServer:
         self._weights_waiting = threading.Event()  # set while a weight load waits for the batch to drain
         self.batches = 0  # decode batches started (from an idle server)
         self.batched_requests = 0  # requests they served
-        self.decode_steps = 0  # decode forward passes
-        self.decode_rows = 0  # rows those passes decoded (decode_rows / decode_steps: the mean batch)
+        self._batch = DecodeBatch(self.model, self.eos_ids)  # the decode thread's running batch
         self.seed = int(self.config.seed or 0)
         threading.Thread(target=self._serve, name="hfcpu-decode", daemon=True).start()
         logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, eos)
@@ -396,11 +389,21 @@ class HFCPUServer:
         self._queue.put(req)
         return req.future
 
+    @property
+    def decode_steps(self) -> int:
+        """Decode forward passes run so far."""
+        return self._batch.steps
+
+    @property
+    def decode_rows(self) -> int:
+        """Rows those passes decoded (``decode_rows / decode_steps``: the mean batch)."""
+        return self._batch.row_steps
+
     def _serve(self) -> None:
         """The decode thread: continuous batching. Requests join the running :class:`DecodeBatch` between decode
         steps (up to ``max_num_seqs`` rows) and are answered as soon as they finish. A weight load waits until the
         batch has drained; while one waits, no request joins."""
-        batch = DecodeBatch(self.model, self.eos_ids)
+        batch = self._batch
         requests: dict[int, _Request] = {}
         while True:
             new: list[_Request] = []
@@ -436,10 +439,8 @@ class HFCPUServer:
                 for r in requests.values():
                     r.future.set_exception(exc)
                 requests.clear()
-                batch = DecodeBatch(self.model, self.eos_ids)
+                batch.clear()
                 done = {}
-            self.decode_steps, self.decode_rows = self.decode_steps + batch.steps, self.decode_rows + batch.row_steps
-            batch.steps = batch.row_steps = 0
             steps = self.global_steps
             for key, (ids, lps, finish) in done.items():
                 r = requests.pop(key)
@@ -483,12 +484,14 @@ class HFCPUServer:
             self._lock.acquire()
         finally:
             self._weights_waiting.clear()
-        with _held(self._lock):
+        try:
             _missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             if unexpected:
                 raise KeyError(f"hfcpu: weights not in the rollout model: {unexpected[:5]}")
             if global_steps is not None:
                 self.global_steps = global_steps
+        finally:
+            self._lock.release()
         return len(state_dict)
 
     def set_global_steps(self, global_steps: int) -> None:
