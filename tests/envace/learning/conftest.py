@@ -31,7 +31,8 @@ inverse-CDF sampling and two trainer threads):
   0.50, 0.44, 0.53 (last 4: 0.438); 31 s per learning step. Before the speed-ups (700 s): control mean 0.219,
   last 4 0.453; an earlier 10-step run: control 0.258, learning 0.34, 0.31, 0.41, 0.56, 0.72, 0.53, 0.75, 0.62,
   0.88, 0.81. Runs are seeded but not bit-reproducible from run to run.
-* ``grpo_rolewise`` (lr 1e-3, 14 learning steps since the fourth session of 2026-12-02, 10 in the third, 8 before).
+* ``grpo_rolewise`` (lr 1e-3, 16 learning steps since 2026-12-03, 14 since the fourth session of 2026-12-02, 10 in
+  the third, 8 before).
   On an AVX-512 EPYC with its own build (drill loss 0.03), 10 steps gave control 0.045, last 4 0.228 run alone with
   two trainer threads; on one trainer thread beside the other slow tests (``scripts/test.sh``'s two slow workers)
   they gave control 0.048, last 4 0.168, and in a fresh-clone run of ``.ci/run`` control 0.058, learning 0.03, 0.09,
@@ -56,6 +57,12 @@ EPYC, ``scripts/test.sh -m slow``: 20 passed in 1,123 s against 1,245 s before):
 0.188, 0.156 (mean 0.180), learning 0.28, 0.38, 0.50, 0.44, 0.50, 0.41 (last 4: 0.461), 27 s per learning step;
 ``grpo_rolewise`` control 0.027, 0.051, 0.0, 0.0 (mean 0.020), learning 0.03, 0.11, 0.13, 0.17, 0.22, 0.20, 0.22,
 0.22, 0.20, 0.20, 0.17, 0.19, 0.22, 0.24 (last 4: 0.207), 23 s per learning step.
+
+With the warm start built on 1,024-token drill batches (build 593 s, held-out success 0.146 on 48 tasks, 0.156 on
+96; 2026-12-03, same machine, ``scripts/test.sh -m slow``: 20 passed in 1,098 s): ``grpo`` control 0.203, learning
+0.19, 0.25, 0.38, 0.47, 0.47, 0.47 (last 4: 0.445); ``grpo_rolewise`` control 0.020, learning 0.0, 0.02, 0.05, 0.03,
+0.14, 0.11, 0.11, 0.10, 0.07, 0.16, 0.11, 0.16, 0.13, 0.20 (last 4: 0.150, 0.03 above the 0.12 needed, still
+rising), so the run got two more steps (16).
 
 What this catches: a sign error in the advantage, a mask that trains the environment's tokens or no tokens, a
 weight sync that never reaches the rollout server, an optimizer that does not step — each leaves the reward
@@ -112,7 +119,7 @@ ESTIMATORS = {
         "actor_rollout_ref.actor.optim.lr=2e-3",
     )),
     # EnvACE as cpu_default runs it: act + rehearse, one sample per generation, role-wise advantages
-    "grpo_rolewise": Estimator(14, (
+    "grpo_rolewise": Estimator(16, (
         "envace.agent.rehearse_temperature=0.6",
         "actor_rollout_ref.actor.optim.lr=1e-3",
     )),
