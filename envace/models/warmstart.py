@@ -37,10 +37,11 @@ from the start the same budget leaves the model guessing values (held-out succes
 
 Phase 1 runs on batches of ``drill_batch_tokens`` = 1,024 padded tokens, half of phase 2's: the circuit forms after
 about as many steps either way (3,413 against 3,512 at 2,048 tokens, same phase-2 loss, 0.163 against 0.161), and a
-step costs 0.09-0.10 s instead of 0.125 s on the AVX-512 EPYC, which brought the build from 766 s to 593 s. Tried
-and not taken (same machine): 512 tokens (the drill loss was still 0.13 at step 4,300), 768 tokens (0.067 at step
-3,500), a drill rate of 2e-2 (the circuit formed at step 2,867, but phase 2 then learned less: final loss 0.25
-against 0.16, held-out success 0.06 on 96 tasks against 0.18) and of 3e-2 (slower to form: 0.18 at step 2,750).
+step costs 0.09-0.10 s instead of 0.125 s on the AVX-512 EPYC; with the batched evaluation (:func:`run_episodes`)
+that brought the build from 766 s to 593 s, held-out success 0.146 on 48 tasks (0.156 on 96) at temperature 1.0.
+Tried and not taken (same machine): 512 tokens (the drill loss was still 0.13 at step 4,300), 768 tokens (0.067 at
+step 3,500), a drill rate of 2e-2 (the circuit formed at step 2,867, but phase 2 then learned less: final loss 0.25
+against 0.16, held-out success 0.06 on 96 tasks) and of 3e-2 (slower to form: 0.18 at step 2,750).
 
 The tasks are the train split of :data:`LEARNING_POOL_KWARGS` (the ``synthetic`` pool restricted to
 one-call tasks and two-call lookup chains, canonical names), the pool the default RL run also draws its tasks
