@@ -62,7 +62,9 @@ With the warm start built on 1,024-token drill batches (build 593 s, held-out su
 96; 2026-12-03, same machine, ``scripts/test.sh -m slow``: 20 passed in 1,098 s): ``grpo`` control 0.203, learning
 0.19, 0.25, 0.38, 0.47, 0.47, 0.47 (last 4: 0.445); ``grpo_rolewise`` control 0.020, learning 0.0, 0.02, 0.05, 0.03,
 0.14, 0.11, 0.11, 0.10, 0.07, 0.16, 0.11, 0.16, 0.13, 0.20 (last 4: 0.150, 0.03 above the 0.12 needed, still
-rising), so the run got two more steps (16).
+rising), so the run got two more steps (16). A fresh-clone ``.ci/run`` then gave ``grpo`` control 0.203, last 4
+0.398, and ``grpo_rolewise`` (16 steps) control 0.033, learning 0.03, 0.05, 0.05, 0.11, 0.13, 0.10, 0.16, 0.11, 0.14,
+0.19, 0.18, 0.20, 0.11, 0.15, 0.20, 0.18 (last 4: 0.160 against the 0.133 needed: a thin margin on this warm start).
 
 What this catches: a sign error in the advantage, a mask that trains the environment's tokens or no tokens, a
 weight sync that never reaches the rollout server, an optimizer that does not step — each leaves the reward
