@@ -534,12 +534,23 @@ def _load(model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
     return model, tok
 
 
-def _sample(model: Any, prompt: list[int], max_new: int, temperature: float, gen: Any, stop: set[int]) -> list[int]:
-    """Temperature sampling (greedy at 0) over the full vocabulary: the ``hfcpu`` rollout's own sampler."""
-    from envace.platform.rollout import SamplingSpec, sample_tokens
+def _stop_ids(tok: Any) -> set[int]:
+    """The tokens that end a generation: ``<|im_end|>`` and ``<|endoftext|>``."""
+    return {_ids_of(tok, _tok.EOS_TOKEN), _tok.QWEN3_SPECIAL_START_ID}
 
-    spec = SamplingSpec({"temperature": temperature, "max_tokens": max_new, "stop_token_ids": sorted(stop)}, max_new)
-    return sample_tokens(model, prompt, spec, eos_ids=set(), generator=gen)[0]
+
+def _sampling_spec(temperature: float, max_new: int, stop: set[int]) -> Any:
+    """Temperature sampling (greedy at 0) over the full vocabulary, at most ``max_new`` tokens, ending at ``stop``."""
+    from envace.platform.rollout import SamplingSpec
+
+    return SamplingSpec({"temperature": temperature, "max_tokens": max_new, "stop_token_ids": sorted(stop)}, max_new)
+
+
+def _sample(model: Any, prompt: list[int], max_new: int, temperature: float, gen: Any, stop: set[int]) -> list[int]:
+    """One generation with the ``hfcpu`` rollout's own sampler."""
+    from envace.platform.rollout import sample_tokens
+
+    return sample_tokens(model, prompt, _sampling_spec(temperature, max_new, stop), eos_ids=set(), generator=gen)[0]
 
 
 def _split_test(pool: Any, n: int, seed: int) -> list[str]:
@@ -603,11 +614,9 @@ def run_episodes(model: Any, tok: Any, pool: Any, task_ids: Sequence[str], tempe
     id, so a task's rollout does not depend on which others run beside it."""
     import torch
 
-    from envace.platform.rollout import DecodeBatch, SamplingSpec
+    from envace.platform.rollout import DecodeBatch
 
-    stop = {_ids_of(tok, _tok.EOS_TOKEN), _tok.QWEN3_SPECIAL_START_ID}
-    spec = SamplingSpec({"temperature": temperature, "max_tokens": max_new_tokens, "stop_token_ids": sorted(stop)},
-                        max_new_tokens)
+    spec = _sampling_spec(temperature, max_new_tokens, _stop_ids(tok))
     batch = DecodeBatch(model, eos_ids=set())
     episodes: dict[int, tuple[Generator[list[int], list[int], dict[str, Any]], Any]] = {}
     results: list[dict[str, Any]] = [{} for _ in task_ids]
@@ -686,7 +695,7 @@ def evaluate_rehearsal(model_dir: str | os.PathLike[str] | None = None, n_tasks:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed)
-    stop = {_ids_of(tok, _tok.EOS_TOKEN), _tok.QWEN3_SPECIAL_START_ID}
+    stop = _stop_ids(tok)
     counts = [0, 0, 0]  # calls, format-valid, exact
     try:
         _rehearse_eval(model, tok, pool, n_tasks, temperature, seed, max_history_chars, gen, stop, counts)
@@ -775,19 +784,20 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
     print(f"warm start: {len(examples)} examples from {len(tids)} train tasks "
           f"({sum(len(e.ids) for e in examples)} tokens, {sum(sum(e.labels) for e in examples)} targets) in {t_data:.0f}s",
           flush=True)
-    common: dict[str, Any] = {"batch_tokens": cfg.batch_tokens, "warmup_steps": cfg.warmup_steps,
-                              "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip, "negatives": cfg.negatives,
-                              "log_every": log_every, "threads": cfg.threads}
+    common: dict[str, Any] = {"warmup_steps": cfg.warmup_steps, "weight_decay": cfg.weight_decay,
+                              "grad_clip": cfg.grad_clip, "negatives": cfg.negatives, "log_every": log_every,
+                              "threads": cfg.threads}
     drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1,
                              decay=False, stop_below=cfg.drill_target_loss, stop_window=cfg.drill_window,
-                             **{**common, "batch_tokens": cfg.drill_batch_tokens}) if drills else []
+                             batch_tokens=cfg.drill_batch_tokens, **common) if drills else []
     drill_final = _window_mean(drill_losses, cfg.drill_window) if drill_losses else None
     drill_formed = drill_final <= cfg.drill_target_loss if drill_final is not None else None
     if drill_formed is False:
         print(f"warm start: WARNING the drill loss is still {drill_final:.3f} after "
               f"{len(drill_losses)} steps (target {cfg.drill_target_loss}): the copying circuit did not form and the "
               f"model will guess argument values", flush=True)
-    losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed, **common)
+    losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed,
+                       batch_tokens=cfg.batch_tokens, **common)
     t_train = time.time() - t0 - t_data
     with _tiny._no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
