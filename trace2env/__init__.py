@@ -22,7 +22,14 @@ A standalone library: it never imports ``envace`` or ``verl`` (tests/test_depend
 
 from .build import build_worldbook
 from .ingest import align, load_traces, make_split_manifest, parse_trace
-from .package import Worldbook, WorldbookIntegrityError, check_worldbook, compile_worldbook, load_worldbook
+from .package import (
+    Worldbook,
+    WorldbookIntegrityError,
+    check_worldbook,
+    compile_worldbook,
+    load_worldbook,
+    load_worldbooks,
+)
 from .providers import Provider, ScriptedProvider
 from .runtime import Session, TransitionProposal, WorldbookEnv, validation_gate
 
@@ -40,6 +47,7 @@ __all__ = [
     "compile_worldbook",
     "load_traces",
     "load_worldbook",
+    "load_worldbooks",
     "make_split_manifest",
     "parse_trace",
     "validation_gate",

@@ -1,8 +1,14 @@
 """Command line: ``python -m trace2env check|build|eval``.
 
-``check WORLDBOOK_DIR`` verifies a package (paper §4.1: the worldbook is an immutable package): every
-file's sha256 against the manifest, then that every artifact parses. Exit 0 when it verifies; 1 with one
-line per problem, each starting with the offending file.
+``check WORLDBOOK_DIR`` verifies a package (paper §4.1: the worldbook is an immutable package): the manifest's
+own digest, every file's sha256 against it, then that every artifact parses and validates; ``check BOOKS_DIR``
+(a folder of packages, as the simulator accepts) checks every book. Exit 0 when all verify; 1 with one line per
+problem, each starting with the offending file (``BOOK/FILE`` in a folder).
+
+Exit 2 with one line (``python -m trace2env: error: ...``) for a usage or input mistake: a missing, empty or
+malformed traces file (named with its line), an existing ``--out``, traces of several pools under one book, a
+path that is not a worldbook, an out-of-range number (:mod:`trace2env.cliargs`). ``eval`` warns on stderr when
+the traces come from another pool than the book's.
 
 ``build TRACES... --out DIR`` runs construction (:func:`trace2env.build.build_worldbook`) over JSON/JSONL
 trace files: the deterministic path, plus the model stages with ``--base-url URL --model NAME`` (an
@@ -25,10 +31,15 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pathlib import Path
+
+from pydantic import ValidationError
+
 from .build import build_worldbook
-from .ingest import load_traces
+from .cliargs import ArgumentParser, UsageError, number, one_line, run_cli
+from .ingest import TraceFormatError, load_traces
 from .models import SplitManifest
-from .package import check_worldbook, load_worldbook
+from .package import WorldbookIntegrityError, check_worldbook, load_worldbook
 
 
 def _endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -36,12 +47,13 @@ def _endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="served model name")
     p.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
     p.add_argument("--cache-dir", default=None, help="content-addressed cache of model answers")
-    p.add_argument("--usd-per-m-prompt", type=float, default=0.0)
-    p.add_argument("--usd-per-m-completion", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--usd-per-m-prompt", type=number(float, min=0), default=0.0)
+    p.add_argument("--usd-per-m-completion", type=number(float, min=0), default=0.0)
+    p.add_argument("--max-tokens", type=number(int, min=1), default=None,
                    help="completion-token budget of one request, and its cap (no doubling on truncation)")
-    p.add_argument("--repair-rounds", type=int, default=None, help="follow-ups showing the model its invalid reply")
-    p.add_argument("--max-payload-chars", type=int, default=None, help="characters of JSON payload sent")
+    p.add_argument("--repair-rounds", type=number(int, min=0), default=None,
+                   help="follow-ups showing the model its invalid reply")
+    p.add_argument("--max-payload-chars", type=number(int, min=1), default=None, help="characters of JSON payload sent")
 
 
 def _limits(args: argparse.Namespace) -> dict[str, int]:
@@ -60,7 +72,7 @@ def _provider(args: argparse.Namespace):
     if not args.base_url and not args.model:
         return None
     if not (args.base_url and args.model):
-        raise SystemExit("--base-url and --model go together")
+        raise UsageError("--base-url and --model go together")
     from .llm import OpenAIProvider, OpenAIProviderConfig
 
     return OpenAIProvider(OpenAIProviderConfig(base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
@@ -79,7 +91,7 @@ def _judge_provider(args: argparse.Namespace):
     if not args.judge_base_url and not args.judge_model:
         return None
     if not (args.judge_base_url and args.judge_model):
-        raise SystemExit("--judge-base-url and --judge-model go together")
+        raise UsageError("--judge-base-url and --judge-model go together")
     from .llm import OpenAIProvider, OpenAIProviderConfig
 
     return OpenAIProvider(OpenAIProviderConfig(base_url=args.judge_base_url, model=args.judge_model,
@@ -93,14 +105,19 @@ def _eval(args: argparse.Namespace, split: SplitManifest | None, provider, judge
     from .judge import LLMJudge
 
     if args.systems and args.mode:
-        raise SystemExit("give --mode or --systems, not both")
+        raise UsageError("give --mode or --systems, not both")
+    wb = _worldbook(args.worldbook)
     traces = load_traces(args.traces)
     if split is not None:
         keep = set(split.ids(args.split))
         traces = [t for t in traces if t.trace_id in keep]
     if not traces:
-        raise SystemExit("no traces to evaluate (check --split-manifest/--split)")
-    wb = load_worldbook(args.worldbook)
+        raise UsageError(f"no traces to evaluate in split {args.split!r} of {args.split_manifest}")
+    pools = sorted({str(t.metadata.get("pool")) for t in traces} - {str(wb.manifest.source_pool)})
+    if wb.manifest.source_pool is not None and pools:
+        print(f"python -m trace2env: warning: {args.worldbook} was built from traces of pool "
+              f"{wb.manifest.source_pool!r}, but these traces come from {', '.join(pools)}: agreement with "
+              "another pool's recordings measures nothing", file=sys.stderr)
     judge = LLMJudge(judge_provider, prompt_version=args.judge_prompt) if judge_provider is not None else None
     proposer = WorldModelAgent(provider) if provider is not None else None
     try:
@@ -116,7 +133,7 @@ def _eval(args: argparse.Namespace, split: SplitManifest | None, provider, judge
                            environment=args.environment, n_boot=args.n_boot, seed=args.seed)
             print(json.dumps(out["summary"], indent=1))
     except ValueError as e:
-        raise SystemExit(f"eval: {e}") from None
+        raise UsageError(f"eval: {e}") from None
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(out, f)
@@ -125,10 +142,30 @@ def _eval(args: argparse.Namespace, split: SplitManifest | None, provider, judge
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trace2env")
+def _worldbook(path: str):
+    try:
+        return load_worldbook(path)
+    except WorldbookIntegrityError as e:
+        if e.path == ".":
+            raise UsageError(e.reason) from None
+        if e.path == "manifest.json" and e.reason == "missing":
+            raise UsageError(f"{path}: not a worldbook package (no manifest.json)") from None
+        raise UsageError(f"{path}/{e}") from None
+
+
+def _split_manifest(path: str) -> SplitManifest:
+    try:
+        return SplitManifest.model_validate_json(Path(path).read_bytes())
+    except OSError as e:
+        raise UsageError(f"--split-manifest {path}: cannot read: {e.strerror or e}") from None
+    except ValidationError as e:
+        raise UsageError(f"--split-manifest {path}: not a split manifest: {one_line(e.errors()[0]['msg'])}") from None
+
+
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m trace2env")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="verify a worldbook package")
+    c = sub.add_parser("check", help="verify a worldbook package, or every package of a folder")
     c.add_argument("worldbook")
     b = sub.add_parser("build", help="build a worldbook from traces (deterministic path)")
     b.add_argument("traces", nargs="+")
@@ -147,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma-separated systems compared in one table, the first is the reference of the paired "
                         "differences: rules, evidence, agent, direct, trace_rag, worldbook_prompt, harness_only")
     e.add_argument("--out", help="JSON file with the summary and every step")
-    e.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples of trajectories")
+    e.add_argument("--n-boot", type=number(int, min=1), default=10000, help="bootstrap resamples of trajectories")
     e.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     e.add_argument("--environment", default="", help="environment description sent to every model system and the judge")
     _endpoint_args(e)
@@ -155,26 +192,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--judge-model", help="served name of the judge model")
     e.add_argument("--judge-api-key-env", default=None, help="environment variable holding the judge's API key")
     e.add_argument("--judge-prompt", default="judge_v1", help="judge rubric version")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd == "check":
+        if not Path(args.worldbook).is_dir():
+            raise UsageError(f"{args.worldbook}: " + ("not a directory" if Path(args.worldbook).exists()
+                                                       else "does not exist"))
         problems = check_worldbook(args.worldbook)
         for p in problems:
             print(p, file=sys.stderr)
         if not problems:
             print(f"ok: {args.worldbook}")
         return 1 if problems else 0
-    split = None
-    if args.split_manifest:
-        with open(args.split_manifest, encoding="utf-8") as f:
-            split = SplitManifest.model_validate(json.load(f))
-    provider = _provider(args)
+    split = _split_manifest(args.split_manifest) if args.split_manifest else None
     if args.cmd == "eval":
-        return _eval(args, split, provider, _judge_provider(args))
-    out = build_worldbook(load_traces(args.traces), args.out, split=split, environment_id=args.environment_id,
-                          provider=provider)
+        if args.out and Path(args.out).is_dir():
+            raise UsageError(f"--out {args.out}: a directory, expected a JSON file")
+        return _eval(args, split, _provider(args), _judge_provider(args))
+    if Path(args.out).exists():
+        raise UsageError(f"--out {args.out} exists; worldbooks are immutable, build into a new directory")
+    traces = load_traces(args.traces)
+    provider = _provider(args)
+    try:
+        out = build_worldbook(traces, args.out, split=split, environment_id=args.environment_id, provider=provider)
+    except (ValueError, FileExistsError) as e:
+        raise UsageError(f"build: {e}") from None
     _report_usage(provider)
     print(out)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; user mistakes exit 2 with one line (:mod:`trace2env.cliargs`)."""
+    return run_cli("python -m trace2env", _main, argv, user_errors=(TraceFormatError,))
 
 
 if __name__ == "__main__":

@@ -156,21 +156,44 @@ def parse_trace(obj: Mapping[str, Any]) -> Trace:
 
 
 def load_traces(paths: Iterable[str | Path]) -> list[Trace]:
-    """Read ``.json`` (one trace or a list) and ``.jsonl`` (one trace a line) files; deduplicated."""
+    """Read ``.json`` (one trace or a list) and ``.jsonl`` (one trace a line) files; deduplicated.
+
+    Raises :class:`TraceFormatError` naming the file (and the line of a JSONL file) for an unreadable,
+    non-UTF-8, malformed or empty file: a file that holds no trace is a mistake, not an empty contribution."""
     out: list[Trace] = []
     for p in paths:
         p = Path(p)
-        text = p.read_text(encoding="utf-8")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except IsADirectoryError:
+            raise TraceFormatError(f"{p}: a directory, not a traces file") from None
+        except OSError as e:
+            raise TraceFormatError(f"{p}: cannot read: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start})") from None
         if p.suffix == ".jsonl":
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            items, where = [], []
+            for n, line in enumerate(text.split("\n"), 1):
+                if line.strip():
+                    try:
+                        items.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise TraceFormatError(f"{p}:{n}: not valid JSON: {e.msg} (column {e.colno})") from None
+                    where.append(f"{p}:{n}")
         else:
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(f"{p}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
             items = data if isinstance(data, list) else [data]
-        for i, item in enumerate(items):
+            where = [f"{p}: trace {i}" for i in range(len(items))]
+        if not items:
+            raise TraceFormatError(f"{p}: holds no trace")
+        for at, item in zip(where, items):
             try:
                 out.append(parse_trace(item))
             except TraceFormatError as e:
-                raise TraceFormatError(f"{p}: trace {i}: {e}") from e
+                raise TraceFormatError(f"{at}: {e}") from e
     return dedupe(out)
 
 

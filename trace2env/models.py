@@ -261,3 +261,10 @@ class WorldbookManifest(Frozen):
     transition_count: int = 0
     files: dict[str, str]
     metadata: dict[str, Any] = Field(default_factory=dict)
+    #: ``metadata["pool"]`` of the traces the book was built from (None: traces without one)
+    source_pool: str | None = None
+    #: the distinct ``metadata["env_id"]`` of those traces
+    source_environments: tuple[str, ...] = ()
+    #: sha256 of every other field (:func:`trace2env.package.manifest_digest`): an edit of the manifest itself,
+    #: not only of the files it lists, fails verification; also the book's identity
+    digest: str = ""

@@ -38,7 +38,7 @@ from envace.agents.engine import CallContext, Observation
 from envace.agents.sources import RealSource, _looks_like_error, fidelity
 from envace.envs.base import ToolCall
 from envace.envs.traces import initial_state_id
-from trace2env import Session, Worldbook, load_worldbook
+from trace2env import Session, Worldbook, load_worldbooks
 from trace2env.agent import WorldModelAgent
 from trace2env.runtime import Proposer
 
@@ -55,24 +55,14 @@ class WorldbookLibrary:
     _lock = threading.Lock()
 
     def __init__(self, path: str | Path) -> None:
+        """All or nothing (:func:`trace2env.load_worldbooks`): a folder with any broken or unexpected entry, or two
+        books for one environment, raises :class:`trace2env.WorldbookIntegrityError` naming the entry."""
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(f"worldbook path {root} does not exist (build one with scripts/build_worldbook.sh)")
         self.path = root
-        if (root / "manifest.json").is_file():
-            wb = load_worldbook(root)
-            self.single: Worldbook | None = wb
-            self.by_env = {wb.manifest.environment_id: wb}
-        else:
-            self.single = None
-            self.by_env = {}
-            for sub in sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()):
-                wb = load_worldbook(sub)
-                if wb.manifest.environment_id in self.by_env:
-                    raise ValueError(f"{root}: two worldbooks for environment {wb.manifest.environment_id!r}")
-                self.by_env[wb.manifest.environment_id] = wb
-            if not self.by_env:
-                raise ValueError(f"{root} holds no worldbook package (no */manifest.json)")
+        single, self.by_env = load_worldbooks(root)
+        self.single: Worldbook | None = next(iter(self.by_env.values())) if single else None
 
     @classmethod
     def shared(cls, path: str | Path) -> WorldbookLibrary:

@@ -60,6 +60,7 @@ from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
 from envace.eval.client import ChatClient
 from envace.eval.report import Benchmark, format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, TaskRecord
+from trace2env import WorldbookIntegrityError
 from trace2env.consistency import w2r_consistency
 from trace2env.engine import normalise
 from trace2env.models import Condition, Operand
@@ -302,12 +303,8 @@ def add_w2r_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _worldbook_identity(library: WorldbookLibrary, envs: Sequence[str]) -> dict[str, str]:
-    """Environment id → sha256 of its package's file hashes (the package's content)."""
-    out = {}
-    for env in sorted(envs):
-        wb = library.for_env(env)
-        out[env] = hashlib.sha256(json.dumps(wb.manifest.files, sort_keys=True).encode()).hexdigest()[:16]
-    return out
+    """Environment id → the package's manifest digest (which covers every file's hash and the manifest)."""
+    return {env: library.for_env(env).manifest.digest[:16] for env in sorted(envs)}
 
 
 def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -328,6 +325,9 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         library = WorldbookLibrary.shared(args.worldbook)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
+    except WorldbookIntegrityError as exc:  # one broken book refuses the folder: no environment drops out
+        where = exc.reason if exc.path == "." else f"{Path(args.worldbook) / exc.path}: {exc.reason}"
+        raise ValueError(f"--worldbook: {where}") from None
     pool = get_pool(args.pool, **args.pool_kwargs)
     selected = select_w2r_tasks(pool, library, split=args.split, envs=args.envs, tasks_per_env=args.tasks_per_env,
                                 limit=args.limit)
