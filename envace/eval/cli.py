@@ -15,7 +15,10 @@ Examples::
     python -m envace.eval table runs/q8b-tau2 runs/q8b-bfcl
 
 Runs are resumable: every finished task is appended to ``OUT/results.jsonl`` at once and a rerun with
-the same ``--out`` skips those tasks. Outputs: ``results.jsonl`` (per-task records with transcripts),
+the same ``--out`` skips those tasks. Nothing is written before pre-flight passes (flags, pool, task selection,
+a previous run's settings, the endpoint serving the model): a refused command leaves ``--out`` as it was.
+Usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`: numbers range-checked at parse
+time, flags without effect in the chosen mode refused). Outputs: ``results.jsonl`` (per-task records with transcripts),
 ``summary.json``, ``report.json`` (summary + records without transcripts), ``table.md``.
 """
 
@@ -35,6 +38,7 @@ from typing import Any
 
 from envace.agents.engine import LoopLimits
 from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
+from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, one_line, run_cli
 
 if typing.TYPE_CHECKING:
     from envace.eval.client import EndpointConfig
@@ -51,7 +55,9 @@ def add_limit_arguments(group: Any) -> None:
         if choices:
             group.add_argument(flag, choices=choices, default=f.default, help=f"default: {f.default}")
         else:
-            group.add_argument(flag, type=hints[f.name], default=f.default, help=f"default: {f.default}")
+            kind = hints[f.name]
+            group.add_argument(flag, type=number(kind) if kind in (int, float) else kind, default=f.default,
+                               help=f"default: {f.default}")
 
 
 def add_tts_arguments(group: Any) -> None:
@@ -68,7 +74,8 @@ def add_tts_arguments(group: Any) -> None:
         elif base is bool:
             group.add_argument(flag, dest=dest, action="store_true", help=f"default: {f.default}")
         else:
-            group.add_argument(flag, dest=dest, type=base, default=f.default, help=f"default: {f.default}")
+            group.add_argument(flag, dest=dest, type=number(base) if base in (int, float) else base,
+                               default=f.default, help=f"default: {f.default}")
 
 
 def tts_from_args(args: argparse.Namespace) -> Any:
@@ -100,7 +107,7 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
         default="vllm",
         help="server for --checkpoint: vLLM (GPU) or `transformers serve` (CPU)",
     )
-    ep.add_argument("--server-port", type=int, default=None, help="port for --checkpoint (default: a free one)")
+    ep.add_argument("--server-port", type=number(int, min=1, max=65535), default=None, help="port for --checkpoint (default: a free one)")
     ep.add_argument(
         "--server-arg",
         action="append",
@@ -108,17 +115,18 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
         metavar="ARG",
         help="extra argument for the server command (repeatable), e.g. --server-arg=--tensor-parallel-size=2",
     )
-    ep.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
-    ep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per chat request")
+    ep.add_argument("--server-timeout", type=number(float, min=0, min_open=True), default=900.0, help="seconds to wait for the server to come up")
+    ep.add_argument("--request-timeout", type=number(float, min=0, min_open=True), default=600.0, help="seconds per chat request")
 
     gen = p.add_argument_group("generation (defaults: the paper's acting temperature 0.6, top-p 0.95)")
-    gen.add_argument("--temperature", type=float, default=0.6)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--max-tokens", type=int, default=None, help="max new tokens per completion (server default)")
+    gen.add_argument("--temperature", type=number(float, min=0), default=0.6)
+    gen.add_argument("--top-p", type=number(float, min=0, max=1, min_open=True), default=0.95)
+    gen.add_argument("--max-tokens", type=number(int, min=1), default=None,
+                     help="max new tokens per completion (server default)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(
         "--chat-template-kwargs",
-        type=json.loads,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="forwarded to the chat template, e.g. '{\"enable_thinking\": false}'",
@@ -127,7 +135,7 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
     loop = p.add_argument_group("agent loop (the training loop's limits: envace.agents.engine.LoopLimits)")
     add_limit_arguments(loop)
     loop.add_argument(
-        "--env-timeout", type=float, default=60.0,
+        "--env-timeout", type=number(float, min=0, min_open=True), default=60.0,
         help="seconds one real tool execution or the verification may take before the task counts as an "
         "infrastructure failure (retried on the next run); compute-heavy calls hit --tool-timeout-s first",
     )
@@ -142,19 +150,19 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
 
     sel = p.add_argument_group("task selection")
     sel.add_argument("--split", choices=("train", "test"), default=None, help="only this split (default: all tasks)")
-    sel.add_argument("--limit", type=int, default=None, help="at most N tasks per category (the first N)")
+    sel.add_argument("--limit", type=number(int, min=1), default=None, help="at most N tasks per category (the first N)")
 
     run = p.add_argument_group("run")
     run.add_argument("--out", default=None, help=f"output directory (default: results/eval/{bench.name}/<label>)")
     run.add_argument("--label", default=None, help="row label in the table (default: the model name)")
-    run.add_argument("--concurrency", type=int, default=1, help="tasks in flight at once")
+    run.add_argument("--concurrency", type=number(int, min=1), default=1, help="tasks in flight at once")
     run.add_argument("--no-transcripts", action="store_true", help="do not store conversations in results.jsonl")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--force-resume", action="store_true", help="resume even if OUT/run.json differs")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m envace.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,15 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     us.add_argument("--user-base-url", default=None)
     us.add_argument("--user-model", default=None)
     us.add_argument("--user-api-key", default=None)
-    us.add_argument("--user-temperature", type=float, default=0.0, help="τ²'s default is 0.0")
-    us.add_argument("--user-max-tokens", type=int, default=None)
+    us.add_argument("--user-temperature", type=number(float, min=0), default=0.0, help="τ²'s default is 0.0")
+    us.add_argument("--user-max-tokens", type=number(int, min=1), default=None)
     jg = tau2.add_argument_group("NL-assertion judge (only tasks whose reward basis has NL_ASSERTION need one)")
     jg.add_argument("--judge-base-url", default=None)
     jg.add_argument("--judge-model", default=None)
     jg.add_argument("--judge-api-key", default=None)
     tl = tau2.add_argument_group("τ² orchestrator limits")
-    tl.add_argument("--tau2-max-steps", type=int, default=200, help="τ²'s max_steps (messages)")
-    tl.add_argument("--tau2-max-errors", type=int, default=10, help="τ²'s max_errors (failed tool calls)")
+    tl.add_argument("--tau2-max-steps", type=number(int, min=1), default=200, help="τ²'s max_steps (messages)")
+    tl.add_argument("--tau2-max-errors", type=number(int, min=1), default=10, help="τ²'s max_errors (failed tool calls)")
 
     w2r = sub.add_parser("w2r", help="Trace2Env W2R (Table 2): the same tasks in the real environment and in the "
                          "simulator over a worldbook; Real / WM / W2R / CR (envace/eval/w2r.py)")
@@ -206,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("benchmark", choices=sorted(BENCHMARKS))
     sweep.add_argument("--out", required=True, help="sweep directory (runs go to OUT/<mode>-n<N>)")
     sweep.add_argument("--modes", nargs="+", choices=("parallel", "sequential"), default=["parallel", "sequential"])
-    sweep.add_argument("--budgets", nargs="+", type=int, default=[1, 2, 3, 4, 5], metavar="N")
+    sweep.add_argument("--budgets", nargs="+", type=number(int, min=1), default=[1, 2, 3, 4, 5], metavar="N")
     sweep.add_argument("--baseline", action="store_true", help="also run Non-TTS (OUT/non-tts)")
     sweep.set_defaults(eval_args=[])  # everything after "--": the evaluation arguments (endpoint, limits, ...)
     return parser
@@ -225,7 +233,7 @@ def _runner_options(pairs: Sequence[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"--runner-arg expects KEY=VALUE, got {pair!r}")
+            raise UsageError(f"--runner-arg expects KEY=VALUE, got {pair!r}")
         key, value = pair.split("=", 1)
         out[key.strip()] = value
     return out
@@ -288,25 +296,29 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("give either --checkpoint or --base-url, not both")
     if not args.checkpoint and not (args.base_url and args.model):
         parser.error("give --base-url and --model (an OpenAI-compatible endpoint), or --checkpoint PATH")
-    if args.concurrency < 1:
-        parser.error("--concurrency must be >= 1")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file, not an output directory")
     try:
         limits_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit must be >= 1")
     try:
         tts = tts_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if tts.mode == "none":  # a rehearsal setting without rehearsals would be silently ignored
+        from envace.eval.tts import TTSConfig
+
+        unused = [flag for flag, f in TTSConfig.flag_fields()
+                  if f.name != "mode" and getattr(args, "tts_" + f.name) != f.default]
+        if unused:
+            parser.error(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
+                         "--tts parallel|sequential")
     if tts.mode != "none":  # --tts X --rehearsals N ... is --runner tts with the config as its options
         if args.runner != "agent_loop" or args.runner_arg:
             parser.error("--tts parallel/sequential is a runner of its own; drop --runner / --runner-arg")
         args.runner = "tts"
         args.runner_arg = [f"{k}={v}" for k, v in tts.to_options().items()]
-    if args.env_timeout <= 0:
-        parser.error("--env-timeout must be > 0")
     if args.checkpoint:
         from envace.eval.server import server_command
 
@@ -353,7 +365,7 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     _validate(args, parser)
     label = args.label or _default_label(args)
     out_dir = Path(args.out or Path("results") / "eval" / bench.name / _slug(label))
-    store = ResultStore(out_dir)
+    store = ResultStore(out_dir, create=False)  # nothing is written before pre-flight passes
     api_key, extra_body = _api_key(args), _extra_body(args)
 
     if bench.name == "tau2":
@@ -368,8 +380,8 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         pool = get_pool(bench.pool)
         categories = args.categories
     selected = select_tasks(pool, bench, split=args.split, categories=categories, limit=args.limit)
-    store.check_run_config(_identity(args, bench, args.model or ""), force=args.force_resume)
-    store.repair()
+    identity = _identity(args, bench, args.model or "")
+    store.check_run_config(identity, force=args.force_resume, record=False)  # refuses a mismatch, writes nothing
     todo = [t for t in selected if t not in store.completed()]
     print(
         f"[envace.eval] {bench.name}: {len(selected)} task(s) selected, {len(selected) - len(todo)} already "
@@ -379,6 +391,8 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     outcome = None
     with contextlib.ExitStack() as stack:
+        if todo and args.checkpoint:
+            out_dir.mkdir(parents=True, exist_ok=True)  # the server's log; run.json is written only once it serves
         agent_cfg = agent_endpoint(args, stack, out_dir, serve=bool(todo))
         base_url, model = agent_cfg.base_url, agent_cfg.model
         start_kwargs: dict[str, Any] = {}
@@ -429,6 +443,8 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             print(f"[envace.eval] checking the rehearsal endpoint {rehearsal_client.config.base_url} "
                   f"(model {rehearsal_client.config.model!r})", file=sys.stderr)
             check_model_served(rehearsal_client.config)
+        store.check_run_config(identity, force=args.force_resume)  # pre-flight passed: the run starts here
+        store.repair()
         outcome = evaluate(
             pool, bench, selected, runner, store, concurrency=args.concurrency, progress=not args.no_progress
         )
@@ -466,19 +482,30 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0 if summary["complete"] else 1
 
 
+def _read_summary(path: Path) -> dict[str, Any]:
+    """A run's summary.json; unreadable or malformed: a one-line error naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable summary.json ({exc})") from None
+    if not isinstance(data, dict) or not {"label", "benchmark", "summary"} <= set(data):
+        raise UsageError(f"{path}: not an envace.eval summary.json (needs label, benchmark, summary)")
+    return data
+
+
 def run_table(args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for run in args.runs:
         path = Path(run) / "summary.json"
         if not path.exists():
-            raise SystemExit(f"{path} not found (is {run} an envace.eval output directory?)")
-        data = json.loads(path.read_text())
+            raise UsageError(f"{path} not found (is {run} an envace.eval output directory?)")
+        data = _read_summary(path)
         rows.setdefault(data["label"], {})[data["benchmark"]] = data["summary"]
     print(format_table(list(rows.items()), markdown=args.markdown))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     eval_args: list[str] = []
@@ -514,13 +541,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigurationError as exc:
         if os.environ.get("ENVACE_DEBUG"):
             raise
-        print(f"envace.eval: configuration error: {exc}", file=sys.stderr)
+        print(f"envace.eval: configuration error: {one_line(exc)}", file=sys.stderr)
         return 2
     except (EvalAborted, ServerLaunchError, RunConfigMismatch, InfrastructureError, ValueError, KeyError) as exc:
         if os.environ.get("ENVACE_DEBUG"):
             raise
-        print(f"envace.eval: error: {exc}", file=sys.stderr)
+        print(f"envace.eval: error: {one_line(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nenvace.eval: interrupted; finished tasks are saved, rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`)."""
+    return run_cli("python -m envace.eval", _main, argv)

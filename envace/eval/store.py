@@ -9,7 +9,9 @@ line (the process died mid-write) is ignored and the task simply runs again.
 tasks are *not* considered finished; the next run retries them.
 
 ``OUT/run.json``: the settings that determine results. Resuming into a directory written with
-different settings is refused (mixing them would make the table meaningless).
+different settings is refused (mixing them would make the table meaningless). A run's pre-flight checks
+with ``record=False`` (nothing written) and records only once the run can start, so a refused command
+never blocks the corrected one; ``ResultStore(out, create=False)`` leaves a missing directory missing until then.
 """
 
 from __future__ import annotations
@@ -37,17 +39,19 @@ class ResultStore:
     ERRORS = "errors.jsonl"
     RUN = "run.json"
 
-    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, out_dir: str | os.PathLike[str], *, create: bool = True) -> None:
         self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.results_path = self.dir / self.RESULTS
         self.errors_path = self.dir / self.ERRORS
         self._lock = threading.Lock()
 
     # -- run identity ----------------------------------------------------------------------
 
-    def check_run_config(self, identity: dict[str, Any], *, force: bool = False) -> None:
-        """Record ``identity`` on the first run; on later runs require it to match."""
+    def check_run_config(self, identity: dict[str, Any], *, force: bool = False, record: bool = True) -> None:
+        """Record ``identity`` on the first run; on later runs require it to match. ``record=False``: only
+        check (raises on a mismatch, writes nothing)."""
         path = self.dir / self.RUN
         if path.exists():
             previous = json.loads(path.read_text())
@@ -60,6 +64,9 @@ class ResultStore:
                 )
             if not diff:
                 return
+        if not record:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(identity, indent=2, sort_keys=True))
         tmp.replace(path)

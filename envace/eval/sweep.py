@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from envace.eval.report import format_table
+from trace2env.cliargs import UsageError
 
 __all__ = ["plot_sweep", "run_sweep", "tts_row_label", "tts_table"]
 
@@ -43,12 +44,14 @@ def tts_row_label(summary: dict[str, Any]) -> str:
 
 def tts_table(runs: Sequence[str | Path], *, markdown: bool = False) -> str:
     """The Table-3 layout over run directories (τ² and BFCL runs of one configuration share a row)."""
+    from envace.eval.cli import _read_summary
+
     rows: dict[str, dict[str, Any]] = {}
     for run in runs:
         path = Path(run) / "summary.json"
         if not path.exists():
-            raise SystemExit(f"{path} not found (is {run} an envace.eval output directory?)")
-        data = json.loads(path.read_text())
+            raise UsageError(f"{path} not found (is {run} an envace.eval output directory?)")
+        data = _read_summary(path)
         rows.setdefault(tts_row_label(data), {})[data["benchmark"]] = data["summary"]
     order = sorted(rows, key=lambda r: (0 if r == "Non-TTS" else 1 if r.startswith("Par.") else 2, r))
     return format_table([(r, rows[r]) for r in order], markdown=markdown)
@@ -60,9 +63,9 @@ def run_sweep(bench: str, out: Path, modes: Sequence[str], budgets: Sequence[int
     from envace.eval.cli import main as eval_main
 
     if any("--tts" == a or "--rehearsals" == a or a == "--out" for a in eval_args):
-        raise SystemExit("sweep sets --tts, --rehearsals and --out itself; drop them from EVAL_ARGS")
-    if any(n < 1 for n in budgets):
-        raise SystemExit("--budgets must be >= 1")
+        raise UsageError("sweep sets --tts, --rehearsals and --out itself; drop them from EVAL_ARGS")
+    if any(n < 1 for n in budgets):  # the CLI's parser refuses them first
+        raise UsageError("--budgets must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, int, Path]] = [(m, n, out / f"{m}-n{n}") for m in modes for n in budgets]
     if baseline:

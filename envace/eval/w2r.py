@@ -61,6 +61,7 @@ from envace.eval.client import ChatClient
 from envace.eval.report import Benchmark, format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, TaskRecord
 from trace2env import WorldbookIntegrityError
+from trace2env.cliargs import json_object, number
 from trace2env.consistency import w2r_consistency
 from trace2env.engine import normalise
 from trace2env.models import Condition, Operand
@@ -284,17 +285,17 @@ def add_w2r_arguments(p: argparse.ArgumentParser) -> None:
     """The ``w2r`` subcommand's own flags (the endpoint, generation, loop and run flags are the others')."""
     g = p.add_argument_group("W2R (Trace2Env §5: the same tasks in the real environment and in the simulator)")
     g.add_argument("--pool", required=True, help="environment pool (synthetic, bfcl_multi_turn, ...)")
-    g.add_argument("--pool-kwargs", type=json.loads, default={}, metavar="JSON",
+    g.add_argument("--pool-kwargs", type=json_object, default={}, metavar="JSON",
                    help="pool constructor arguments, as for scripts/build_worldbook.sh")
     g.add_argument("--worldbook", required=True,
                    help="a worldbook package, or a directory of them (scripts/build_worldbook.sh OUT/books)")
     g.add_argument("--envs", nargs="+", default=None, metavar="ENV",
                    help="only these environments (default: those the worldbooks are for)")
-    g.add_argument("--tasks-per-env", type=int, default=None, help="at most N tasks per environment (the first N)")
+    g.add_argument("--tasks-per-env", type=number(int, min=1), default=None, help="at most N tasks per environment (the first N)")
     g.add_argument("--wm", choices=("gold", "none"), default="gold",
                    help="gold: the simulator's verdict against the gold actions replayed in it; none: no WM column")
-    g.add_argument("--success-at", type=float, default=1.0, help="a task succeeds at reward >= this")
-    g.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples of CR's 95%% interval")
+    g.add_argument("--success-at", type=number(float, min=0, max=1, min_open=True), default=1.0, help="a task succeeds at reward >= this")
+    g.add_argument("--n-boot", type=number(int, min=1), default=2000, help="bootstrap resamples of CR's 95%% interval")
     g.add_argument("--simulator-base-url", default=None,
                    help="world-model agent endpoint for steps without a rule or supporting evidence (default: none)")
     g.add_argument("--simulator-model", default=None)
@@ -317,8 +318,6 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _validate(args, parser)
     if args.runner != "agent_loop" or args.runner_arg:
         parser.error("w2r runs the agent loop in both arms; drop --runner / --runner-arg / --tts")
-    if args.tasks_per_env is not None and args.tasks_per_env < 1:
-        parser.error("--tasks-per-env must be >= 1")
     if bool(args.simulator_base_url) != bool(args.simulator_model):
         parser.error("give both --simulator-base-url and --simulator-model, or neither")
     try:
@@ -336,7 +335,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         selected.values())), labels=tuple(dict.fromkeys(selected.values())))
     label = args.label or _default_label(args)
     out_dir = Path(args.out or Path("results") / "eval" / "w2r" / _slug(label))
-    stores = {arm: ResultStore(out_dir / arm) for arm in ARMS}
+    stores = {arm: ResultStore(out_dir / arm, create=False) for arm in ARMS}  # nothing written before pre-flight
     base = {**_identity(args, bench, args.model or ""), "pool": args.pool, "pool_kwargs": args.pool_kwargs}
     sim_endpoint = ({"base_urls": args.simulator_base_url, "model": args.simulator_model,
                      "api_key": args.simulator_api_key} if args.simulator_base_url else {})
@@ -347,8 +346,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     }
     todo = 0
     for arm, store in stores.items():
-        store.check_run_config(identities[arm], force=args.force_resume)
-        store.repair()
+        store.check_run_config(identities[arm], force=args.force_resume, record=False)
         done = store.completed()
         todo += sum(t not in done for t in selected)
     print(f"[envace.eval] w2r: {len(selected)} task(s) of {args.pool} ({', '.join(envs)}), "
@@ -357,9 +355,14 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     records: dict[str, dict[str, TaskRecord]] = {}
     incomplete = False
     with contextlib.ExitStack() as stack:
+        if todo and args.checkpoint:
+            out_dir.mkdir(parents=True, exist_ok=True)  # the server's log
         client = ChatClient(agent_endpoint(args, stack, out_dir, serve=bool(todo)))
         if todo and not args.checkpoint:
             check_model_served(client.config)
+        for arm, store in stores.items():  # pre-flight passed: the run starts here
+            store.check_run_config(identities[arm], force=args.force_resume)
+            store.repair()
         proposer = world_model_from_endpoint(sim_endpoint)
         common: dict[str, Any] = {"keep_transcript": not args.no_transcripts, "env_timeout_s": args.env_timeout}
         runners = {

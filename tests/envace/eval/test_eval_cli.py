@@ -46,9 +46,20 @@ def test_every_loop_limit_has_a_flag_with_the_loop_default():
         (["bfcl"], "give --base-url and --model"),
         (["bfcl", "--base-url", "http://x/v1"], "give --base-url and --model"),
         (["bfcl", *ENDPOINT, "--checkpoint", "/ckpt"], "not both"),
-        (["bfcl", *ENDPOINT, "--concurrency", "0"], "--concurrency must be >= 1"),
-        (["bfcl", *ENDPOINT, "--limit", "0"], "--limit must be >= 1"),
-        (["bfcl", *ENDPOINT, "--env-timeout", "0"], "--env-timeout must be > 0"),
+        (["bfcl", *ENDPOINT, "--concurrency", "0"], "argument --concurrency: expected an integer >= 1, got '0'"),
+        (["bfcl", *ENDPOINT, "--limit", "0"], "argument --limit: expected an integer >= 1"),
+        (["bfcl", *ENDPOINT, "--env-timeout", "0"], "argument --env-timeout: expected a number > 0"),
+        # issue 33 finding 10: NaN would make every task an infrastructure error that no rerun can finish
+        (["bfcl", *ENDPOINT, "--env-timeout", "nan"], "argument --env-timeout: expected a number > 0, got 'nan'"),
+        (["bfcl", *ENDPOINT, "--temperature", "nan"], "argument --temperature: expected a number >= 0, got 'nan'"),
+        (["bfcl", *ENDPOINT, "--temperature", "-1"], "argument --temperature: expected a number >= 0"),
+        (["bfcl", *ENDPOINT, "--top-p", "2"], "argument --top-p: expected a number > 0 and <= 1"),
+        (["bfcl", *ENDPOINT, "--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1"),
+        (["bfcl", *ENDPOINT, "--tool-timeout-s", "inf"], "argument --tool-timeout-s: expected a number"),
+        (["bfcl", *ENDPOINT, "--rehearsals", "5"], "--rehearsals has no effect without --tts"),
+        (["tau2", *ENDPOINT, "--rehearsal-model", "x"], "--rehearsal-model has no effect without --tts"),
+        (["sweep", "bfcl", "--out", "s", "--budgets", "0"], "argument --budgets: expected an integer >= 1"),
+        (["bfcl", *ENDPOINT, "--chat-template-kwargs", "[1]"], "expected a JSON object"),
         (["bfcl", *ENDPOINT, "--max-user-turns", "0"], "limits.max_user_turns must be >= 1"),
         (["bfcl", *ENDPOINT, "--max-calls-per-message", "0"], "limits.max_calls_per_message must be >= 1"),
         (["bfcl", *ENDPOINT, "--tool-timeout-s", "-1"], "limits.tool_timeout_s must be >= 0"),
@@ -63,6 +74,31 @@ def test_bad_arguments_exit_2_before_anything_runs(argv, message, capsys, tmp_pa
         main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no output directory, no request
+
+
+def test_out_naming_a_file_is_a_clean_error(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main(["bfcl", *ENDPOINT, "--out", str(tmp_path / "f")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--out {tmp_path / 'f'} is a file" in err and len(err.splitlines()) == 1
+
+
+def test_a_refused_endpoint_writes_nothing_so_the_corrected_command_runs(fake_openai, replies, tmp_path, capsys):
+    """Finding 12: a wrong --model exits 2 before run.json exists; the corrected command is not refused."""
+    server = fake_openai(lambda body, n: replies.chat("Done."))
+    server.models = ["m"]
+    out = tmp_path / "o"
+    argv = ["bfcl", "--base-url", server.base_url, "--categories", "base", "--limit", "1", "--no-progress",
+            "--out", str(out)]
+    assert main([*argv, "--model", "not-served"]) == 2
+    assert "not-served" in capsys.readouterr().err
+    assert not out.exists()
+    (out).mkdir()  # an existing, empty --out (e.g. made by the user) is left as it was too
+    assert main([*argv, "--model", "not-served"]) == 2
+    assert list(out.iterdir()) == []
+    assert main([*argv, "--model", "m"]) in (0, 1)  # runs (the reply scores 0, so 1 is fine): not refused
+    assert "different settings" not in capsys.readouterr().err and (out / "run.json").exists()
 
 
 def test_unknown_category_is_a_clean_error(tmp_path, capsys):
@@ -129,9 +165,13 @@ def test_no_transcripts_keeps_the_records_without_messages(fake_openai, replies,
     assert rec["messages"] is None and rec["reward"] == 1.0
 
 
-def test_table_of_a_directory_without_a_run_is_an_error(tmp_path: Path):
-    with pytest.raises(SystemExit, match="summary.json not found"):
-        main(["table", str(tmp_path)])
+def test_table_of_a_directory_without_a_run_is_an_error(tmp_path: Path, capsys):
+    assert main(["table", str(tmp_path)]) == 2
+    assert "summary.json not found" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_bytes(b"\xff{")
+    assert main(["tts-table", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "summary.json: not a readable summary.json" in err and len(err.splitlines()) == 1
 
 
 def test_the_loop_limit_flags_reach_the_run(fake_openai, replies, tmp_path):

@@ -10,6 +10,7 @@ and an environment without one."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,15 @@ from envace.envs.traces import record_gold_trace
 from envace.eval.cli import main
 from envace.eval.w2r import select_w2r_tasks, simulator_verdict
 from envace.toolcall import render_tool_call
-from trace2env import ScriptedProvider, Session, build_worldbook, load_traces, load_worldbook, parse_trace
+from trace2env import (
+    ScriptedProvider,
+    Session,
+    WorldbookIntegrityError,
+    build_worldbook,
+    load_traces,
+    load_worldbook,
+    parse_trace,
+)
 
 KW = {"n_envs": 2, "tasks_per_env": 40, "seed": 3}
 ENV = "syn-bank-00"
@@ -152,6 +161,24 @@ def test_missing_worldbook_and_environment_without_one_are_clean_errors(books, f
     assert server.n_requests == 0
 
 
+def test_a_books_folder_with_a_broken_book_is_refused_whole(books, fake_openai, replies, tmp_path, capsys):
+    """Finding 1: a book that lost its manifest.json no longer drops out of the run silently; nothing is
+    written (finding 12) and no request is sent."""
+    pool, test, true_book, _ = books
+    folder = tmp_path / "books"
+    shutil.copytree(true_book, folder)
+    shutil.copytree(true_book / "bank", folder / "shop")
+    (folder / "shop" / "manifest.json").unlink()
+    server = fake_openai(reporting_agent(pool, test, replies))
+    server.models = ["m"]
+    assert run(server, folder, tmp_path / "o") == 2
+    err = capsys.readouterr().err
+    assert f"--worldbook: {folder / 'shop' / 'manifest.json'}: missing" in err and len(err.splitlines()) == 1
+    assert server.n_requests == 0 and not (tmp_path / "o").exists()
+    with pytest.raises(WorldbookIntegrityError, match="^shop/manifest.json: missing"):
+        WorldbookLibrary(folder)
+
+
 def test_task_selection_follows_the_worldbooks(books, tmp_path):
     pool, test, true_book, _ = books
     both = pool.task_ids("test")
@@ -213,7 +240,10 @@ def test_simulator_verdict_on_a_worldbook_with_state_is_the_state_predicate(tmp_
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--tts", "parallel"], "w2r runs the agent loop in both arms"),
-    (["--tasks-per-env", "0"], "--tasks-per-env must be >= 1"),
+    (["--tasks-per-env", "0"], "argument --tasks-per-env: expected an integer >= 1"),
+    (["--n-boot", "0"], "argument --n-boot: expected an integer >= 1"),
+    (["--success-at", "nan"], "argument --success-at: expected a number > 0 and <= 1"),
+    (["--pool-kwargs", "{"], "argument --pool-kwargs: not valid JSON"),
     (["--simulator-model", "wm"], "give both --simulator-base-url and --simulator-model"),
 ])
 def test_bad_w2r_arguments_exit_2_before_anything_runs(extra, message, capsys, tmp_path):
