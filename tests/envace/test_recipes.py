@@ -59,6 +59,9 @@ def test_envace_recipes_rehearse_with_rolewise_grpo_and_validate_at_the_paper_sa
     cfg = compose([f"experiment={name}"])
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     assert (val.temperature, val.top_p, val.do_sample) == (0.6, 0.95, True)
+    # training samples both roles at 1.0 / 1.0 (the reference code; the recipe's comment weighs §5.1)
+    rollout = cfg.actor_rollout_ref.rollout
+    assert (rollout.temperature, rollout.top_p, cfg.envace.agent.rehearse_temperature) == (1.0, 1.0, None)
     if name.startswith("envace_"):
         assert cfg.envace.agent.observation_source == "rehearse"
         assert cfg.algorithm.adv_estimator == "grpo_rolewise"
