@@ -12,6 +12,10 @@
     exactly the Ray processes it started (never ``ray stop``, which stops every Ray cluster of the machine).
 ``wait-head --address HOST:PORT [--timeout S]``
     Waits until the head's GCS port accepts connections (a worker started before its head retries).
+``cuda-check``
+    Exits 2 with the fix when this node's NVIDIA driver is too old for the CUDA build of the installed torch.
+``node-ip --head HOST``
+    Prints this node's address on the interface that routes to the head (the worker's ``ray start`` uses it).
 ``wait-nodes --address HOST:PORT --nodes N [--timeout S]``
     Waits until the cluster has N alive nodes (connection attempts retried while the head starts).
 
@@ -113,6 +117,111 @@ def gpus_here() -> int:
     if not parse_nvidia_smi(out):
         return 1
     return count_gpus(out, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+# -- the NVIDIA driver against the installed torch -------------------------------------------------------------
+#: the oldest Linux driver each CUDA major version runs on without NVIDIA's forward-compatibility package
+#: (minor-version compatibility: any 12.x runtime on a >= 525.60.13 driver; CUDA 13.x needs the R580 branch)
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+#: the highest CUDA version of each driver branch (what ``nvidia-smi`` prints as "CUDA Version"), for messages
+_BRANCH_CUDA = ((580, "13.0"), (575, "12.9"), (570, "12.8"), (560, "12.6"), (555, "12.5"), (550, "12.4"),
+                (545, "12.3"), (535, "12.2"), (530, "12.1"), (525, "12.0"), (520, "11.8"), (450, "11.0"))
+
+
+def driver_version(exe: str | None = None) -> str | None:
+    """The NVIDIA driver version (``nvidia-smi --query-gpu=driver_version``), None without a driver."""
+    exe = exe or shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = next((ln.strip() for ln in out.splitlines() if ln.strip()), "")
+    return first if re.fullmatch(r"\d+(\.\d+)*", first) else None
+
+
+def torch_cuda_version() -> tuple[str | None, str | None]:
+    """``(torch version, CUDA version it was built for)`` of the torch this interpreter would import, read from
+    ``torch/version.py`` without importing torch (seconds, and CUDA initialisation, saved); CUDA None for a CPU
+    build, both None without torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None, None
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return None, None
+    version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", text, re.MULTILINE)
+    cuda = re.search(r"^cuda(?:\s*:[^=]*)?=\s*['\"]([^'\"]+)", text, re.MULTILINE)
+    return (version.group(1) if version else None), (cuda.group(1) if cuda else None)
+
+
+def _vtuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def cuda_mismatch(driver: str | None, torch_version: str | None, torch_cuda: str | None) -> str | None:
+    """Why this node's driver cannot run the installed torch's CUDA build (one line naming the fix), or None.
+
+    None when there is no driver (a CPU node), torch is a CPU build, or the driver is new enough."""
+    if driver is None or torch_cuda is None:
+        return None
+    major = _vtuple(torch_cuda)[0]
+    need = MIN_DRIVER.get(major)
+    have = _vtuple(driver)
+    if need is None or have >= _vtuple(need):
+        return None
+    branch_cuda = next((cuda for branch, cuda in _BRANCH_CUDA if have[0] >= branch), "older than 11.0")
+    compat = f"cuda-compat-{torch_cuda.replace('.', '-')}"
+    return (f"this node's NVIDIA driver {driver} supports CUDA up to {branch_cuda}, but the installed torch "
+            f"{torch_version} (requirements/gpu.lock) is built for CUDA {torch_cuda} and needs driver >= "
+            f"{need}: upgrade the driver to the R{need.split('.')[0]} branch or newer, or, on data-centre "
+            f"GPUs (H100, H200, H20, A100, L40S...) with an R535 or newer driver, install NVIDIA's forward-compatibility "
+            f"package ({compat}, from NVIDIA's CUDA repository) on every node and export "
+            f"LD_LIBRARY_PATH=/usr/local/cuda-{torch_cuda}/compat:$LD_LIBRARY_PATH before scripts/train.sh "
+            f"(docs/gpu.md)")
+
+
+def _cuda_usable() -> bool:
+    """Does the installed torch reach a CUDA device (e.g. through the forward-compatibility package)? Run in a
+    child interpreter: CUDA initialisation must not happen in the launcher."""
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300,
+                              check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def cuda_check() -> int:
+    """``scripts/train.sh``'s pre-flight on every node, before any Ray start: 0 when the installed torch can run
+    on this node's driver (or the node has none), else 2 with the reason and the fix on one line."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    driver = driver_version(exe)
+    torch_version, torch_cuda = torch_cuda_version()
+    problem = cuda_mismatch(driver, torch_version, torch_cuda)
+    if problem is None:
+        return 0
+    if _cuda_usable():  # the forward-compatibility libraries are on the library path: CUDA works regardless
+        print(f"envace: driver {driver} is older than CUDA {torch_cuda} needs, but torch reaches the GPUs "
+              "(CUDA forward compatibility)", file=sys.stderr)
+        return 0
+    print(f"envace: {problem}", file=sys.stderr)
+    return 2
+
+
+def node_ip(head: str) -> str:
+    """The address of this node's interface that routes to ``head`` (a UDP socket's source address: nothing is
+    sent). Ray's own guess may pick another interface on a multi-NIC node, one the head cannot reach."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((head, 9))
+        return s.getsockname()[0]
 
 
 # -- Ray nodes ------------------------------------------------------------------------------------------------
@@ -288,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--address", required=True)
     h.add_argument("--timeout", type=float, default=600.0)
     sub.add_parser("gpus", help="print the CUDA devices of this node (1 logical slot without a driver)")
+    sub.add_parser("cuda-check", help="stop (exit 2, with the fix) when the driver cannot run the installed torch")
+    ip = sub.add_parser("node-ip", help="print this node's address on the interface that routes to --head")
+    ip.add_argument("--head", required=True)
     r = sub.add_parser("bound-exec", help="exec COMMAND, terminated when --parent ends")
     r.add_argument("--parent", type=int, required=True)
     r.add_argument("command", nargs=argparse.REMAINDER)
@@ -298,6 +410,15 @@ def main(argv: list[str] | None = None) -> int:
         return wait_head(args.address, args.timeout)
     if args.cmd == "gpus":
         print(gpus_here())
+        return 0
+    if args.cmd == "cuda-check":
+        return cuda_check()
+    if args.cmd == "node-ip":
+        try:
+            print(node_ip(args.head))
+        except OSError as exc:
+            print(f"envace: no route from this node to the head {args.head} ({exc})", file=sys.stderr)
+            return 2
         return 0
     if args.cmd == "bound-exec":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -9,7 +9,8 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/train.sh                  # worker: joins, then waits
 # or, on an existing Ray cluster: RAY_ADDRESS=10.0.0.1:6379 scripts/train.sh experiment=...
 #
-# Environment: RAY_PORT (6379), GPUS_PER_NODE (auto: the CUDA devices this node offers, honouring
+# Environment: RAY_PORT (6379), NODE_IP_ADDRESS (a worker's own address; default: its interface that routes to
+# MASTER_ADDR), GPUS_PER_NODE (auto: the CUDA devices this node offers, honouring
 # CUDA_VISIBLE_DEVICES and MIG; 1 logical slot without an NVIDIA driver), RAY_NUM_CPUS (auto),
 # RAY_JOIN_TIMEOUT (600: how long a worker waits for its head, and the head for its workers).
 # Multi-node Ray is token-authenticated: RAY_AUTH_TOKEN (the same secret on every node) or
@@ -26,6 +27,10 @@ source "$ROOT/scripts/bootstrap.sh"
 
 # No network at run time: models, tokenizers and data come from local paths and the envace cache.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+# Pre-flight on every node, before any Ray start: a driver too old for the installed torch's CUDA build
+# (requirements/gpu.lock is CUDA 13: driver R580+, or NVIDIA's forward-compatibility package) stops here with the fix.
+"$PY" -m envace.launch cuda-check
 
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
@@ -81,8 +86,6 @@ if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
   : "${MASTER_ADDR:?MASTER_ADDR (the head node address) is required when NNODES > 1}"
   ray_auth
   GPUS_PER_NODE="${GPUS_PER_NODE:-$("$PY" -m envace.launch gpus)}"
-  CPUS_ARG=()
-  [[ -n "${RAY_NUM_CPUS:-}" ]] && CPUS_ARG=(--num-cpus="$RAY_NUM_CPUS")
   RAY_NODE_PID=""
   TRAIN_PID=""
   # On exit, stop the training driver (if still running), then only the Ray node this script started
@@ -104,13 +107,12 @@ if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
     echo "envace: starting Ray head on ${MASTER_ADDR}:${RAY_PORT} (${GPUS_PER_NODE} device slot(s)," \
       "auth: ${RAY_AUTH_MODE})"
     "$PY" -m envace.launch bound-exec --parent $$ -- "$PY" -m ray.scripts.scripts start --head \
-      --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" --num-gpus="$GPUS_PER_NODE" "${CPUS_ARG[@]}" \
-      --disable-usage-stats --block &
+      --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT" --num-gpus="$GPUS_PER_NODE" \
+      ${RAY_NUM_CPUS:+"--num-cpus=$RAY_NUM_CPUS"} --disable-usage-stats --block &
     RAY_NODE_PID=$!
     export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
     "$PY" -m envace.launch wait-nodes --address "$RAY_ADDRESS" --nodes "$NNODES" --timeout "$RAY_JOIN_TIMEOUT"
-    exec_args=(trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@")
-    "$PY" -m envace.train "${exec_args[@]}" &
+    "$PY" -m envace.train trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@" &
     TRAIN_PID=$!
     rc=0
     wait "$TRAIN_PID" || rc=$?
@@ -119,12 +121,24 @@ if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
   else
     echo "envace: node ${NODE_RANK} joining Ray head ${MASTER_ADDR}:${RAY_PORT} (${GPUS_PER_NODE} device slot(s))"
     "$PY" -m envace.launch wait-head --address "${MASTER_ADDR}:${RAY_PORT}" --timeout "$RAY_JOIN_TIMEOUT"
+    # this node's address on the interface that reaches the head (Ray's own guess may pick another NIC)
+    NODE_IP="${NODE_IP_ADDRESS:-$("$PY" -m envace.launch node-ip --head "$MASTER_ADDR")}"
     "$PY" -m envace.launch bound-exec --parent $$ -- "$PY" -m ray.scripts.scripts start \
-      --address="${MASTER_ADDR}:${RAY_PORT}" --num-gpus="$GPUS_PER_NODE" "${CPUS_ARG[@]}" --block &
+      --address="${MASTER_ADDR}:${RAY_PORT}" --node-ip-address="$NODE_IP" --num-gpus="$GPUS_PER_NODE" \
+      ${RAY_NUM_CPUS:+"--num-cpus=$RAY_NUM_CPUS"} --block &
     RAY_NODE_PID=$!
     rc=0
     wait "$RAY_NODE_PID" || rc=$?
     RAY_NODE_PID=""
+    # The head stops the cluster when the run ends, and this node's Ray then exits non-zero: that is this
+    # node's normal end (the run's result is the head's exit status). A node that fails while its head is
+    # still up keeps its error.
+    if [[ "$rc" -ne 0 ]] && ! "$PY" -m envace.launch wait-head --address "${MASTER_ADDR}:${RAY_PORT}" \
+        --timeout 0 2>/dev/null; then
+      echo "envace: the Ray head ${MASTER_ADDR}:${RAY_PORT} has closed the cluster: node ${NODE_RANK} is done" \
+        "(the run's result is the head's exit status)"
+      rc=0
+    fi
     exit "$rc"
   fi
 fi

@@ -171,3 +171,25 @@ def test_worker_counts_mig_devices_runs_offline_and_times_out_joining(tmp_path):
     env = dict(line.split("=", 1) for line in (tmp_path / "env.txt").read_text().splitlines() if "=" in line)
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
     assert env["RAY_AUTH_MODE"] == "token"
+
+
+def test_node_ip_is_the_interface_that_routes_to_the_head():
+    """The worker's ``ray start --node-ip-address``: on a multi-NIC node Ray's own guess may be an interface the
+    head cannot reach; the source address of a route to the head is one it can."""
+    from envace.launch import node_ip
+
+    assert node_ip("127.0.0.1") == "127.0.0.1"
+    out = subprocess.run([sys.executable, "-m", "envace.launch", "node-ip", "--head", "127.0.0.1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "127.0.0.1"
+
+
+def test_train_sh_expands_no_possibly_empty_array_under_set_u():
+    """bash < 4.4 (e.g. CentOS 7's 4.2) treats ``"${EMPTY[@]}"`` as an unbound variable under ``set -u``, and
+    train.sh stopped there when RAY_NUM_CPUS was unset. No bash < 4.4 is installable here, so this reads the
+    script: it expands no array at all (optional flags use ``${VAR:+"--flag=$VAR"}``, which every bash accepts)."""
+    text = (REPO / "scripts" / "train.sh").read_text()
+    assert "set -euo pipefail" in text
+    code = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    assert not [ln for ln in code if "[@]" in ln or "[*]" in ln or "=(" in ln]
+    assert '${RAY_NUM_CPUS:+"--num-cpus=$RAY_NUM_CPUS"}' in text

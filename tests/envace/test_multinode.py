@@ -255,3 +255,45 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_training(
     assert "worker node " in failure and "cannot read" in failure and "head node" not in failure, failure
     assert "step:1 - " not in text
     assert _ray_processes_gone(port) == []
+
+
+def test_a_worker_joins_on_its_route_to_the_head_and_ends_with_0_when_the_head_closes_the_cluster(tmp_path):
+    """A train.sh worker node (RAY_NUM_CPUS unset: no empty-array expansion) joins a head on 127.0.0.1 with
+    ``--node-ip-address`` of its interface that routes there (old: no flag, Ray's own guess), and once the head has closed the cluster, as it does after a finished run, the worker ends with
+    status 0 (old: its ``ray start`` failed and the worker reported 1 after a successful run)."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_NUM_CPUS")}
+    # the worker's raylet gives up on a vanished head after 10 s instead of Ray's 60
+    env.update(RAY_AUTH_MODE="disabled", RAY_gcs_rpc_server_reconnect_timeout_s="10")
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
+                             f"--port={port}", "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats",
+                             "--include-dashboard=false", "--block"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO,
+                              env=dict(env, NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", RAY_PORT=str(port),
+                                       GPUS_PER_NODE="0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = Lines(worker)
+    try:
+        joined = subprocess.run([sys.executable, "-m", "envace.launch", "wait-nodes", "--address",
+                                 f"127.0.0.1:{port}", "--nodes", "2", "--timeout", "300"], env=env, cwd=REPO,
+                                capture_output=True, text=True, timeout=360, check=False)
+        assert joined.returncode == 0, joined.stdout + joined.stderr + out.text[-3000:]
+        # Ray itself maps a loopback address to this machine's outward one (one NIC here), so the test reads the
+        # flag off the worker's `ray start` command line: the address envace.launch node-ip found for the head
+        import psutil
+
+        starts = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
+                  if f"--address=127.0.0.1:{port}" in " ".join(p.info["cmdline"] or [])]
+        assert starts and all("--node-ip-address=127.0.0.1" in cmd for cmd in starts), starts
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes: the cluster closes
+        head.wait(timeout=120)
+        worker.wait(timeout=240)
+    finally:
+        _stop(worker)
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGKILL)
+    assert worker.returncode == 0, out.text[-4000:]
+    assert "has closed the cluster: node 1 is done" in out.text
+    assert _ray_processes_gone(port) == []

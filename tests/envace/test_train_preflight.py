@@ -1,16 +1,21 @@
 """envace/train.py before and at the start of Ray: verl's typed config is validated before any Ray work, a
 single-node run starts its own cluster (never the one Ray's "current cluster" file names), and the
-network-interface variables reach every Ray worker."""
+network-interface variables reach every Ray worker; and scripts/train.sh's check, on every node before any Ray
+start, that the NVIDIA driver can run the installed torch's CUDA build (a stand-in nvidia-smi and torch/version.py
+simulate a CUDA 12 driver under the CUDA 13 lock)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from envace.launch import cuda_mismatch
 from envace.train import compose, init_ray, main
 
 TINY = ["actor_rollout_ref.model.path=builtin:tiny-qwen3", "envace.data.max_tasks_per_pool=4", "data.max_prompt_length=8192"]
@@ -80,3 +85,97 @@ def test_single_node_training_starts_its_own_cluster_despite_a_stale_current_clu
     finally:
         ray.shutdown()
     assert os.environ.get("RAY_ADDRESS") in (None, "")
+
+
+# -- the NVIDIA driver against the installed torch's CUDA build (scripts/train.sh, every node, before Ray) ------------
+REPO = Path(__file__).resolve().parents[2]
+H100 = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)"
+
+
+@pytest.mark.parametrize(("driver", "cuda", "refused"), [
+    ("550.54.15", "13.0", True),  # R550 (CUDA 12.4) under the CUDA 13 lock: the issue's case
+    ("535.230.02", "13.0", True),
+    ("580.65.06", "13.0", False),  # the first CUDA 13.0 driver
+    ("590.44.01", "13.0", False),
+    ("535.230.02", "12.8", False),  # minor-version compatibility within CUDA 12
+    ("470.256.02", "12.8", True),
+    (None, "13.0", False),  # no driver: a CPU node
+    ("550.54.15", None, False),  # CPU torch: nothing to check
+])
+def test_driver_against_torch_cuda(driver, cuda, refused):
+    problem = cuda_mismatch(driver, "2.11.0", cuda)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"NVIDIA driver {driver}" in problem and f"CUDA {cuda}" in problem and "\n" not in problem
+        assert "upgrade the driver to the R" in problem and f"cuda-compat-{cuda.replace('.', '-')}" in problem
+
+
+def _cuda12_node(tmp_path: Path, cuda_works: bool = False) -> dict[str, str]:
+    """The environment of a node whose nvidia-smi reports an H100 on driver 550.54.15 (CUDA 12.4) and whose
+    torch is the CUDA 13.0 build: a stand-in ``torch`` package (its ``version.py`` as a real wheel writes it) put
+    first on PYTHONPATH; ``torch.cuda.is_available()`` answers ``cuda_works`` (forward compatibility)."""
+    bindir, fake = tmp_path / "bin", tmp_path / "faketorch" / "torch"
+    bindir.mkdir()
+    fake.mkdir(parents=True)
+    (bindir / "nvidia-smi").write_text(
+        "#!/usr/bin/env bash\n"
+        f"echo \"$@\" >> {tmp_path / 'smi_calls'}\n"
+        f'case "$*" in *driver_version*) echo 550.54.15 ;; *-L*) echo "{H100}" ;; *) echo "CUDA Version: 12.4" ;; esac\n')
+    (bindir / "nvidia-smi").chmod(0o755)
+    (fake / "version.py").write_text("from typing import Optional\n__version__ = '2.11.0+cu130'\n"
+                                     "cuda: Optional[str] = '13.0'\n")
+    (fake / "__init__.py").write_text("from . import version\n__version__ = version.__version__\n"
+                                      f"class cuda:\n    @staticmethod\n    def is_available():\n"
+                                      f"        return {cuda_works}\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "GPUS_PER_NODE", "PYTHONPATH")}
+    import torch
+
+    # the stand-in nvidia-smi must not make scripts/bootstrap.sh reinstall this virtualenv for another platform
+    env.update(PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(fake.parent),
+               ENVACE_PLATFORM="gpu" if torch.version.cuda else "cpu")
+    return env
+
+
+def _train_sh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(REPO / "scripts" / "train.sh"), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_train_sh_stops_on_a_cuda_12_driver_before_ray_on_one_node(tmp_path):
+    """Old behaviour: no check; train.py's "no CUDA device" came after the config and data work (and pip had
+    installed the CUDA 13 torch without a word)."""
+    run = tmp_path / "run"
+    proc = _train_sh(_cuda12_node(tmp_path), f"trainer.default_local_dir={run}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "driver" in ln]
+    assert len(lines) == 1 and "driver 550.54.15 supports CUDA up to 12.4" in lines[0], proc.stderr
+    assert "cuda-compat-13-0" in lines[0] and "R580" in lines[0]
+    assert "Traceback" not in proc.stderr and not run.exists()  # nothing written, no Ray, no trainer
+    assert "--query-gpu=driver_version" in (tmp_path / "smi_calls").read_text()
+
+
+def test_train_sh_stops_on_a_cuda_12_driver_before_ray_on_every_node_of_two(tmp_path):
+    """Old behaviour: with NNODES > 1 train.py's CUDA check was skipped (RAY_ADDRESS set) and the run died later,
+    inside Ray workers; both the head and the worker now stop before their ``ray start``."""
+    env = _cuda12_node(tmp_path)
+    env.update(NNODES="2", MASTER_ADDR="127.0.0.1", RAY_PORT="1", RAY_AUTH_TOKEN="t" * 32, RAY_JOIN_TIMEOUT="2")
+    for rank in ("0", "1"):
+        proc = _train_sh(dict(env, NODE_RANK=rank), "trainer.total_training_steps=1")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "driver 550.54.15 supports CUDA up to 12.4" in proc.stderr
+        assert "Ray head" not in proc.stdout  # neither "starting Ray head" nor "joining Ray head"
+
+
+def test_forward_compatibility_passes_the_check(tmp_path):
+    """With NVIDIA's compat libraries on the library path torch reaches the GPUs on the old driver: the check
+    says so and lets the run go on."""
+    env = _cuda12_node(tmp_path, cuda_works=True)
+    proc = subprocess.run([sys.executable, "-m", "envace.launch", "cuda-check"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "CUDA forward compatibility" in proc.stderr, proc.stderr
+    (tmp_path / "b").mkdir()
+    broken = subprocess.run([sys.executable, "-m", "envace.launch", "cuda-check"], cwd=REPO,
+                            env=_cuda12_node(tmp_path / "b", cuda_works=False), capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert broken.returncode == 2 and "needs driver >= 580.65.06" in broken.stderr, broken.stderr
