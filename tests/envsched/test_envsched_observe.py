@@ -173,6 +173,28 @@ def test_bad_step_and_container_types_are_refused(pool, graph):
     assert_same_state(before, s.state_dict())
 
 
+@pytest.mark.parametrize("step", [1.5, "2", True, 1.0, None])
+def test_select_refuses_a_step_that_is_not_an_integer_as_observe_does(pool, graph, step):
+    """Issue 33 finding 11: select(1.5) / select("2") silently became steps 1 and 2."""
+    s = _sched(pool, graph)
+    before = copy.deepcopy(s.state_dict())
+    with pytest.raises(ValueError, match="select\\(\\): step must be an integer"):
+        s.select(step)
+    assert_same_state(before, s.state_dict())
+    assert s.select(np.int64(0)) == s.select(0)  # numpy integers are integers
+
+
+def test_a_missing_reward_is_named_as_missing(pool, graph):
+    """Issue 33 finding 11: observe([None]) was refused as "non-finite reward in [nan]"."""
+    s = _sched(pool, graph)
+    ids = s.select(0)
+    before = copy.deepcopy(s.state_dict())
+    with pytest.raises(ObservationError, match=f"task {ids[0]!r}: reward 1 is missing \\(None\\)") as exc:
+        s.observe(0, {ids[0]: [1.0, None]})
+    assert exc.value.task_id == ids[0] and "nan" not in str(exc.value)
+    assert_same_state(before, s.state_dict())
+
+
 def test_trajectories_of_a_task_without_rewards_are_refused(pool, graph):
     s = _sched(pool, graph)
     ids = s.select(0)
