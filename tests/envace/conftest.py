@@ -44,10 +44,14 @@ def train_sh() -> Callable[..., str]:
 # -- the GPU lock's PyPI resolve (test_install.py::test_gpu_lock_resolves_for_linux_x86_64_cuda) --------------------
 GPU_LOCK_TEST = "test_gpu_lock_resolves_for_linux_x86_64_cuda"
 PYPI_INDEX = os.environ.get("ENVACE_PYPI_INDEX", "https://pypi.org/simple")
-#: pure-Python distributions PyPI has only as sdists; built locally into wheels for the platform resolve
+#: the resolver: uv evaluates environment markers for the target Python (``--python-version``); pip's
+#: ``--python-version`` changes only wheel tags and Requires-Python checks and evaluates markers with the running
+#: interpreter, so a pip resolve "for 3.12" on 3.11 passed a lock that cannot install on 3.12
+UV = "uv==0.13.9"
+#: pure-Python distributions PyPI has only as sdists; built locally into wheels for the binary-only resolve
 SDIST_ONLY = ("antlr4-python3-runtime==4.9.3",)
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
-                                                                  "manylinux1_x86_64", "linux_x86_64"]
+#: the oldest glibc the lock supports (Ubuntu 22.04); wheels must exist for it
+PLATFORM = "x86_64-manylinux_2_35"
 
 
 def pypi_unreachable() -> str | None:
@@ -59,23 +63,26 @@ def pypi_unreachable() -> str | None:
 
 
 def clean_pip_env() -> dict[str, str]:
-    """This machine's pip config (local wheel folders, a CPU torch) must not stand in for PyPI."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    """This machine's pip/uv config (local wheel folders, a CPU torch) must not stand in for PyPI."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
     env["PIP_CONFIG_FILE"] = os.devnull
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
 
 
 def resolve_gpu_lock(tmp: Path, python: str, procs: list[subprocess.Popen]) -> dict[str, Any]:
-    """pip's resolve of requirements/gpu.lock (and no-deps.txt) for CPython ``python`` on manylinux x86-64, binary
-    wheels only, reading metadata with HTTP range requests (--dry-run --use-feature=fast-deps).
+    """uv's resolve of requirements/gpu.lock (and no-deps.txt) for CPython ``python`` (a full version: markers such
+    as ``python_full_version < "3.11.3"`` are evaluated for it) on manylinux x86-64, binary wheels only, reading
+    package metadata only (PyPI serves it beside each wheel).
 
     Returns ``{"skip": reason}`` when PyPI is unreachable, else each step's return code and output tail and the
-    resolved ``{name: version}``. Every pip it starts is added to ``procs`` (so the session can stop them)."""
+    resolved ``{name: version}``. Every process it starts is added to ``procs`` (so the session can stop them)."""
     reason = pypi_unreachable()
     if reason:
         return {"skip": reason}
     env, pip = clean_pip_env(), [sys.executable, "-m", "pip"]
+    # uv must not fetch an interpreter of the target version: the resolve builds nothing (binary wheels only)
+    env.update(UV_CACHE_DIR=str(tmp / "uv-cache"), UV_PYTHON_DOWNLOADS="never")
 
     def run(cmd: list[str], timeout: int) -> tuple[int, str]:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -88,28 +95,29 @@ def resolve_gpu_lock(tmp: Path, python: str, procs: list[subprocess.Popen]) -> d
             return -9, f"timed out after {timeout} s\n{out[-3000:]}"
         return proc.returncode, out
 
-    wheels = tmp / "wheels"
-    rc, out = run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--index-url", PYPI_INDEX,
-                   "-w", str(wheels), *SDIST_ONLY], 300)
+    rc, out = run([*pip, "install", "--no-cache-dir", "--index-url", PYPI_INDEX, "--target", str(tmp / "uv"), UV], 300)
     result: dict[str, Any] = {"wheel_rc": rc, "wheel_out": out[-3000:]}
     if rc:
         return result
-    report = tmp / "report.json"
-    cmd = [*pip, "install", "--dry-run", "--ignore-installed", "--no-cache-dir", "--use-feature=fast-deps",
-           "--report", str(report), "--target", str(tmp / "target"), "--index-url", PYPI_INDEX,
-           "--find-links", str(wheels), "--only-binary=:all:", "--python-version", python,
-           "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}", "--abi", "abi3", "--abi", "none",
-           *[a for p in PLATFORMS for a in ("--platform", p)], "-r", str(REPO / "requirements" / "gpu.lock")]
-    rc, out = run(cmd, 840)
+    wheels = tmp / "wheels"
+    rc, out = run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--index-url", PYPI_INDEX,
+                   "-w", str(wheels), *SDIST_ONLY], 300)
+    result.update(wheel_rc=rc, wheel_out=out[-3000:])
+    if rc:
+        return result
+    resolved = tmp / "resolved.txt"
+    cmd = [str(tmp / "uv" / "bin" / "uv"), "pip", "compile", "--no-config", "--python", sys.executable, "--python-version", python,
+           "--python-platform", PLATFORM, "--index-url", PYPI_INDEX, "--find-links", str(wheels),
+           "--only-binary", ":all:", "--no-header", "--no-annotate", "-o", str(resolved)]
+    rc, out = run([*cmd, str(REPO / "requirements" / "gpu.lock")], 840)
     result.update(resolve_rc=rc, resolve_out=out)
     if rc:
         return result
-    result["resolved"] = {i["metadata"]["name"]: i["metadata"]["version"]
-                          for i in json.loads(report.read_text())["install"]}
+    lines = [ln.split(";")[0].strip() for ln in resolved.read_text().splitlines()]
+    result["resolved"] = dict(ln.split("==", 1) for ln in lines if "==" in ln and not ln.startswith("#"))
     # bfcl-eval goes in with --no-deps (requirements/no-deps.txt): it needs a wheel for the platform too
-    nodeps = [*cmd[: cmd.index("-r")], "--no-deps", "-r", str(REPO / "requirements" / "no-deps.txt")]
-    nodeps[nodeps.index(str(report))] = str(tmp / "nodeps.json")
-    result["nodeps_rc"], out = run(nodeps, 300)
+    cmd[cmd.index(str(resolved))] = str(tmp / "nodeps.txt")
+    result["nodeps_rc"], out = run([*cmd, "--no-deps", str(REPO / "requirements" / "no-deps.txt")], 300)
     result["nodeps_out"] = out[-3000:]
     return result
 

@@ -260,26 +260,28 @@ def test_envace_is_a_verl_plugin_entry_point():
     assert [ep.value for ep in eps] == ["envace.verl_plugin"]
 
 
-# -- the GPU lock resolves for Linux x86-64 CUDA (network) ----------------------------------------------
+# -- the GPU lock resolves for Linux x86-64 CUDA on every supported Python (network) -----------------------------
+#: the supported Python versions, each at its oldest supported release (markers such as ``python_full_version <
+#: "3.11.3"`` are evaluated for it); Python 3.10 is refused by scripts/bootstrap.sh (pins need >= 3.11)
+SUPPORTED_PYTHONS = ["3.11.3", "3.12.0"]
 
 
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("python", ["3.11"])  # the CI interpreter; 3.12 resolves the same lock (checked by hand, 2026-12-01)
+@pytest.mark.parametrize("python", SUPPORTED_PYTHONS)
 def test_gpu_lock_resolves_for_linux_x86_64_cuda(gpu_lock_resolves, python):
-    """pip resolves the whole GPU lock, with dependencies, for CPython on manylinux x86-64, binary wheels only.
-
-    --dry-run with --use-feature=fast-deps reads each wheel's metadata with HTTP range requests: no wheel is
-    downloaded. The resolved set must equal the lock (nothing missing, nothing extra, the same versions). The
-    resolve itself (``resolve_gpu_lock`` in tests/envace/conftest.py) started with the session, in the background.
-    """
+    """uv resolves the whole GPU lock, with dependencies, for CPython ``python`` on manylinux x86-64, binary wheels
+    only, with environment markers evaluated for that version, and the resolved set equals the lock (nothing
+    missing, nothing extra, the same versions). Old behaviour: pip's ``--python-version 3.12`` evaluated markers
+    for the running 3.11 and passed a lock (setuptools 81.0.0) that vLLM 0.24.0's ``setuptools<81; python_version >
+    "3.11"`` makes unresolvable on 3.12. The resolve (``resolve_gpu_lock`` in tests/envace/conftest.py) started
+    with the session, in the background."""
     result = gpu_lock_resolves[python].result(timeout=880)
     if "skip" in result:
         pytest.skip(result["skip"])
     assert result["wheel_rc"] == 0, result["wheel_out"]
     assert result["resolve_rc"] == 0, result["resolve_out"][-6000:]
-    assert not re.search(r"^\s*Downloading \S+\.whl", result["resolve_out"], re.MULTILINE), "a wheel was downloaded"
     assert {canonicalize_name(k): v for k, v in result["resolved"].items()} == lock_pins("gpu.lock")
     # bfcl-eval goes in with --no-deps (requirements/no-deps.txt): it needs a wheel for the platform too
     assert result["nodeps_rc"] == 0, result["nodeps_out"]
