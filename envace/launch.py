@@ -180,8 +180,8 @@ def cuda_mismatch(driver: str | None, torch_version: str | None, torch_cuda: str
     return (f"this node's NVIDIA driver {driver} supports CUDA up to {branch_cuda}, but the installed torch "
             f"{torch_version} (requirements/gpu.lock) is built for CUDA {torch_cuda} and needs driver >= "
             f"{need}: upgrade the driver to the R{need.split('.')[0]} branch or newer, or, on data-centre "
-            f"GPUs (H100, H200, H20, A100, L40S...) with an R535 or newer driver, install NVIDIA's forward-compatibility "
-            f"package ({compat}, from NVIDIA's CUDA repository) on every node and export "
+            f"GPUs (H100, H200, H20, A100, L40S...) with an R535 or newer driver, install NVIDIA's "
+            f"forward-compatibility package ({compat}, from NVIDIA's CUDA repository) on every node and export "
             f"LD_LIBRARY_PATH=/usr/local/cuda-{torch_cuda}/compat:$LD_LIBRARY_PATH before scripts/train.sh "
             f"(docs/gpu.md)")
 

@@ -106,8 +106,9 @@ def resolve_gpu_lock(tmp: Path, python: str, procs: list[subprocess.Popen]) -> d
     if rc:
         return result
     resolved = tmp / "resolved.txt"
-    cmd = [str(tmp / "uv" / "bin" / "uv"), "pip", "compile", "--no-config", "--python", sys.executable, "--python-version", python,
-           "--python-platform", PLATFORM, "--index-url", PYPI_INDEX, "--find-links", str(wheels),
+    cmd = [str(tmp / "uv" / "bin" / "uv"), "pip", "compile", "--no-config", "--python", sys.executable,
+           "--python-version", python, "--python-platform", PLATFORM, "--index-url", PYPI_INDEX,
+           "--find-links", str(wheels),
            "--only-binary", ":all:", "--no-header", "--no-annotate", "-o", str(resolved)]
     rc, out = run([*cmd, str(REPO / "requirements" / "gpu.lock")], 840)
     result.update(resolve_rc=rc, resolve_out=out)

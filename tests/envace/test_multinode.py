@@ -259,16 +259,17 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_training(
 
 def test_a_worker_joins_on_its_route_to_the_head_and_ends_with_0_when_the_head_closes_the_cluster(tmp_path):
     """A train.sh worker node (RAY_NUM_CPUS unset: no empty-array expansion) joins a head on 127.0.0.1 with
-    ``--node-ip-address`` of its interface that routes there (old: no flag, Ray's own guess), and once the head has closed the cluster, as it does after a finished run, the worker ends with
-    status 0 (old: its ``ray start`` failed and the worker reported 1 after a successful run)."""
+    ``--node-ip-address`` of its interface that routes there (old: no flag, Ray's own guess), and once the head has
+    closed the cluster, as it does after a finished run, the worker ends with status 0 (old: its ``ray start``
+    failed and the worker reported 1 after a successful run)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_NUM_CPUS")}
     # the worker's raylet gives up on a vanished head after 10 s instead of Ray's 60
     env.update(RAY_AUTH_MODE="disabled", RAY_gcs_rpc_server_reconnect_timeout_s="10")
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--node-ip-address=127.0.0.1",
-                             f"--port={port}", "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats",
-                             "--include-dashboard=false", "--block"],
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+                             "--disable-usage-stats", "--include-dashboard=false", "--block"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO,
                               env=dict(env, NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", RAY_PORT=str(port),

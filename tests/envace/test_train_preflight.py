@@ -120,7 +120,8 @@ def _cuda12_node(tmp_path: Path, cuda_works: bool = False) -> dict[str, str]:
     (bindir / "nvidia-smi").write_text(
         "#!/usr/bin/env bash\n"
         f"echo \"$@\" >> {tmp_path / 'smi_calls'}\n"
-        f'case "$*" in *driver_version*) echo 550.54.15 ;; *-L*) echo "{H100}" ;; *) echo "CUDA Version: 12.4" ;; esac\n')
+        f'case "$*" in *driver_version*) echo 550.54.15 ;; *-L*) echo "{H100}" ;;\n'
+        '  *) echo "CUDA Version: 12.4" ;; esac\n')
     (bindir / "nvidia-smi").chmod(0o755)
     (fake / "version.py").write_text("from typing import Optional\n__version__ = '2.11.0+cu130'\n"
                                      "cuda: Optional[str] = '13.0'\n")
