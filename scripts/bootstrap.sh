@@ -2,7 +2,8 @@
 # Sourced by scripts/*.sh: make sure the project's virtualenv exists and matches the lock file,
 # then export PY (its python). Idempotent: a second run costs one hash comparison.
 #   ENVACE_VENV       where the virtualenv lives (default: <repo>/.venv)
-#   ENVACE_PYTHON     interpreter used to create it (default: python3)
+#   ENVACE_PYTHON     interpreter used to create it (default: python3; CPython 3.11 or 3.12, others are refused)
+# Nodes sharing the checkout (and $ENVACE_VENV) install once: the first takes $ENVACE_VENV.lock, the others wait.
 #   ENVACE_PLATFORM   cpu | gpu | auto (default): which lock to install; auto = gpu when nvidia-smi lists a GPU
 #   ENVACE_FLASH_ATTN 1: on gpu, also build flash-attn (optional; README "GPU install")
 set -euo pipefail
@@ -28,23 +29,60 @@ FLASH_ATTN=""
 STAMP="$VENV/.envace-installed"
 want="$( { echo "$ENVACE_PLATFORM $FLASH_ATTN"; cat "$LOCK" "$_ROOT/pyproject.toml" "$_ROOT/requirements/"*.txt; } 2>/dev/null \
   | sha256sum | cut -d' ' -f1)"
-if [[ ! -x "$VENV/bin/python" || ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
+_envace_stale() { [[ ! -x "$VENV/bin/python" || ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; }
+if _envace_stale; then
+  # One install at a time per virtualenv, across processes and nodes sharing the checkout: an exclusive lock on
+  # $VENV.lock (flock; on NFS v4 the server arbitrates it), the others wait and then find the install done. The
+  # install goes into a temporary directory beside $VENV, renamed into place only when complete, so no node ever
+  # runs from a half-installed tree (a killed install leaves only the temporary directory, removed by the next one).
+  mkdir -p "$(dirname "$VENV")"
+  exec {_envace_lock_fd}>>"$VENV.lock"
+  if ! flock -n "$_envace_lock_fd"; then
+    echo "envace: waiting for another install into $VENV (lock $VENV.lock)" >&2
+    flock "$_envace_lock_fd"
+  fi
+fi
+if _envace_stale; then
   echo "envace: installing requirements/$ENVACE_PLATFORM.lock into $VENV (first run takes a few minutes)" >&2
-  [[ -x "$VENV/bin/python" ]] || "${ENVACE_PYTHON:-python3}" -m venv "$VENV"
-  log="$VENV/.envace-install.log"
+  # pyproject.toml's requires-python, refused before anything is installed: several pins of both locks need
+  # Python >= 3.11, and vLLM 0.24.0 (requirements/gpu.lock) has wheels up to 3.12
+  _envace_pyv="$("${ENVACE_PYTHON:-python3}" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)" ||
+    { echo "envace: ENVACE_PYTHON=${ENVACE_PYTHON:-python3} is not a working Python interpreter" >&2; exit 2; }
+  if [[ ! "$_envace_pyv" =~ ^3\.1[12]\. ]]; then
+    echo "envace: Python $_envace_pyv (${ENVACE_PYTHON:-python3}) is not supported: the locks need CPython 3.11 or" \
+      "3.12 (pyproject.toml requires-python; docs/gpu.md): install one and set ENVACE_PYTHON=python3.12" >&2
+    exit 2
+  fi
+  rm -rf "$VENV".tmp.* "$VENV".old.*  # left by an install that was killed (we hold the lock: none is running)
+  _envace_new="$(mktemp -d "$VENV.tmp.XXXXXX")"
+  "${ENVACE_PYTHON:-python3}" -m venv "$_envace_new"
+  log="$_envace_new/.envace-install.log"
   {
-    "$VENV/bin/python" -m pip install --upgrade "pip>=24" &&
+    "$_envace_new/bin/python" -m pip install --upgrade "pip>=24" &&
     # cpu.lock: torch 2.13.0 (CPU wheel), never vLLM or CUDA. gpu.lock: verl 0.9.1's vLLM 0.24.0 tree
     # (CUDA 13 torch 2.11.0, transformers 5.9.0).
-    "$VENV/bin/python" -m pip install -r "$LOCK" &&
+    "$_envace_new/bin/python" -m pip install -r "$LOCK" &&
     # bfcl-eval pins numpy 1.26 (clashes with verl): install it without its dependency pins;
     # its environments and checker need only what the lock already holds.
-    "$VENV/bin/python" -m pip install --no-deps -r "$_ROOT/requirements/no-deps.txt" &&
-    "$VENV/bin/python" -m pip install --no-deps -e "$_ROOT[test]" &&
+    "$_envace_new/bin/python" -m pip install --no-deps -r "$_ROOT/requirements/no-deps.txt" &&
+    "$_envace_new/bin/python" -m pip install --no-deps -e "$_ROOT[test]" &&
     # flash-attn compiles against the installed torch (needs nvcc; minutes): only when asked for
-    { [[ -z "$FLASH_ATTN" ]] || "$VENV/bin/python" -m pip install --no-build-isolation "$FLASH_ATTN"; }
-  } >"$log" 2>&1 || { tail -n 40 "$log" >&2; echo "envace: install failed; full log: $log" >&2; exit 1; }
-  echo "$want" > "$STAMP"
+    { [[ -z "$FLASH_ATTN" ]] || "$_envace_new/bin/python" -m pip install --no-build-isolation "$FLASH_ATTN"; }
+  } >"$log" 2>&1 || {
+    tail -n 40 "$log" >&2
+    mv "$log" "$VENV.install-failed.log" && rm -rf "$_envace_new"
+    echo "envace: install failed (nothing changed at $VENV); full log: $VENV.install-failed.log" >&2
+    exit 1
+  }
+  # console scripts and pyvenv.cfg name the interpreter by its absolute path: point them at the final place
+  { grep -rlIZ -F "$_envace_new" "$_envace_new/bin" "$_envace_new/pyvenv.cfg" || true; } |
+    xargs -0 -r sed -i "s|$_envace_new|$VENV|g"
+  echo "$want" > "$_envace_new/.envace-installed"
+  # swap: the old tree steps aside, the new one takes its name (one rename each), the old one is deleted
+  [[ ! -e "$VENV" ]] || mv "$VENV" "$VENV.old.$$"
+  mv "$_envace_new" "$VENV"
+  rm -rf "$VENV.old.$$" "$VENV.install-failed.log"
 fi
+[[ -z "${_envace_lock_fd:-}" ]] || { exec {_envace_lock_fd}>&-; unset _envace_lock_fd; }
 export PY="$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"

@@ -164,7 +164,7 @@ def test_this_test_and_bootstrap_pick_the_same_platform(tmp_path, listing, statu
     with a PATH whose nvidia-smi prints ``listing`` (or that has none), and with ENVACE_PLATFORM overriding it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("dirname", "cat", "sha256sum", "cut", "grep", "tail", "mkdir"):
+    for tool in ("dirname", "cat", "sha256sum", "cut", "grep", "tail", "mkdir", "flock", "mktemp", "rm"):
         found = shutil.which(tool)
         assert found, tool
         (bin_dir / tool).symlink_to(found)
@@ -258,6 +258,76 @@ def test_bootstrap_picks_the_lock_by_platform(tmp_path):
 def test_envace_is_a_verl_plugin_entry_point():
     eps = [ep for ep in md.entry_points(group="verl.plugins") if ep.name == "envace"]
     assert [ep.value for ep in eps] == ["envace.verl_plugin"]
+
+
+# -- one install per virtualenv, however many nodes share the checkout ------------------------------------------
+#: a stand-in interpreter: ``-c`` (bootstrap's version probe) prints $FAKE_PY_VERSION, ``-m venv DIR`` makes DIR with
+#: this script as its python and a console script naming it by absolute path, ``-m pip ...`` logs the call to
+#: $FAKE_LOG with the pid of the bootstrap that ran it, takes a second and fails when $FAKE_PIP_FAIL is set
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+case "$1 $2" in
+  "-c "*) echo "${FAKE_PY_VERSION:-3.11.9}" ;;
+  "-m venv") mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && printf '#!%s/bin/python\n' "$3" > "$3/bin/pip" &&
+             echo "command = python3 -m venv $3" > "$3/pyvenv.cfg" ;;
+  "-m pip") echo "$PPID $0 $*" >> "$FAKE_LOG"; sleep 1; [[ -z "${FAKE_PIP_FAIL:-}" ]] ;;
+  *) exit 9 ;;
+esac
+"""
+
+
+def _bootstrap(tmp_path: Path, **env: str) -> subprocess.Popen[str]:
+    python = tmp_path / "python3"
+    if not python.exists():
+        python.write_text(FAKE_PYTHON)
+        python.chmod(0o755)
+    full = dict(os.environ, ENVACE_PLATFORM="cpu", ENVACE_VENV=str(tmp_path / "venv"), ENVACE_PYTHON=str(python),
+                FAKE_LOG=str(tmp_path / "pip.log"), **env)
+    return subprocess.Popen(["bash", "-c", f'source "{REPO}/scripts/bootstrap.sh" && echo "PY=$PY"'], env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_nodes_sharing_a_checkout_install_once_into_a_tree_renamed_into_place(tmp_path):
+    """Two bootstraps at once on one checkout and one virtualenv path (two nodes on shared storage): one installs,
+    the other waits on the lock and then uses that install. The install is built in a temporary directory and
+    renamed into place, its console scripts pointed at the final path. Old behaviour: both saw no stamp and ran
+    pip into the same directory at the same time (every pip call twice)."""
+    procs = [_bootstrap(tmp_path) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    venv = tmp_path / "venv"
+    assert all(out.strip() == f"PY={venv}/bin/python" for out, _ in outs), outs
+    calls = (tmp_path / "pip.log").read_text().splitlines()
+    assert len({c.split()[0] for c in calls}) == 1, calls  # every pip call from one process
+    assert len([c for c in calls if "-r" in c.split() and c.endswith("cpu.lock")]) == 1, calls
+    assert all(f" {venv}.tmp." in c for c in calls), calls  # pip ran in the temporary tree, not in venv/
+    assert sum("waiting for another install" in err for _, err in outs) == 1, outs
+    assert (venv / "bin" / "pip").read_text() == f"#!{venv}/bin/python\n"
+    assert (venv / ".envace-installed").is_file() and not list(tmp_path.glob("venv.tmp.*"))
+    # a third run finds it installed: no pip at all
+    again = _bootstrap(tmp_path)
+    assert again.communicate(timeout=60)[1] == "" and again.returncode == 0
+    assert len((tmp_path / "pip.log").read_text().splitlines()) == len(calls)
+
+
+def test_a_failed_install_leaves_the_previous_tree_in_place(tmp_path):
+    first = _bootstrap(tmp_path)
+    first.communicate(timeout=120)
+    assert first.returncode == 0
+    stamp = tmp_path / "venv" / ".envace-installed"
+    stamp.write_text("an older lock\n")  # the lock changed since: the next bootstrap reinstalls, and fails
+    failed = _bootstrap(tmp_path, FAKE_PIP_FAIL="1")
+    _, err = failed.communicate(timeout=120)
+    assert failed.returncode == 1 and "nothing changed at" in err, err
+    assert stamp.read_text() == "an older lock\n" and (tmp_path / "venv" / "bin" / "python").is_file()
+    assert not list(tmp_path.glob("venv.tmp.*")) and (tmp_path / "venv.install-failed.log").is_file()
+
+
+def test_an_unsupported_python_is_refused_before_anything_is_installed(tmp_path):
+    proc = _bootstrap(tmp_path, FAKE_PY_VERSION="3.10.12")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "Python 3.10.12" in err and "CPython 3.11 or 3.12" in err and "ENVACE_PYTHON" in err
+    assert not (tmp_path / "venv").exists() and not (tmp_path / "pip.log").exists()
 
 
 # -- the GPU lock resolves for Linux x86-64 CUDA on every supported Python (network) -----------------------------
