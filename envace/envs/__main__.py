@@ -7,16 +7,25 @@ Commands::
     gold POOL [--category C ...] [--split S] [--limit N] [--workers N]
                                           replay every task's gold actions through the pool's official
                                           verifier; exit 1 if any task fails
-    verify POOL TASK_ID ACTIONS.json      verify an action sequence (a JSON list of turns, each a list of
-                                          {"name", "arguments"}; a flat list of calls is one turn);
-                                          prints the verdict as JSON; exit 1 if it does not pass
+    verify POOL TASK_ID ACTIONS.json      verify an action sequence; prints the verdict as JSON; exit 1 if it
+                                          does not pass. Formats, detected: envace's (a JSON list of turns,
+                                          each a list of {"name", "arguments"}; a flat list of calls is one
+                                          turn), BFCL's native one (per turn a list of call strings such as
+                                          "sort('final_report.pdf')", or per turn a list of steps of them;
+                                          positional arguments mapped through the schema) and tau2's (its
+                                          actions: {"name", "arguments", "requestor", ...})
+    verify POOL --batch FILE              verify many tasks in one process: JSONL of {"task_id", "actions"}
+                                          (or BFCL's result / possible-answer files: {"id", "result" |
+                                          "ground_truth"}); every line is checked before any is verified; one
+                                          JSON line per task, then {"summary": ...}; exit 1 if any fails
     build-data --pools P [P ...] --out DIR [--agent-name A] [--limit-per-pool N]
                                           verl parquet (train.parquet / val.parquet / manifest.json)
     convert-cm2 IN.jsonl OUT_DIR [--skip-invalid] [--val-fraction F]
                                           CM2 checklist data -> the same parquet layout
 
 ``--pool-kwargs '{"bfcl_multi_turn": {"test_fraction": 0.3}}'`` (before the command) passes constructor
-options to pools. Exit codes: 0 success, 1 failed tasks / verdict, 2 bad usage or input.
+options to pools. Exit codes: 0 success, 1 failed tasks / verdict, 2 bad usage or input (one line naming the
+flag, file or line: :mod:`trace2env.cliargs`; never a traceback).
 """
 
 from __future__ import annotations
@@ -33,13 +42,14 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from envace.envs.base import EnvironmentPool, available_pools, get_pool
+from envace.envs.base import EnvironmentPool, ToolCall, available_pools, get_pool
+from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, run_cli
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-class CLIError(Exception):
-    """A user-facing error: printed as ``envace.envs: error: ...`` with exit code 2."""
+class CLIError(UsageError):
+    """A user-facing error: printed as ``python -m envace.envs: error: ...`` with exit code 2."""
 
 
 def _load_pool(name: str, pool_kwargs: Mapping[str, Mapping[str, Any]]) -> EnvironmentPool:
@@ -49,7 +59,7 @@ def _load_pool(name: str, pool_kwargs: Mapping[str, Mapping[str, Any]]) -> Envir
             return get_pool(name, **dict(pool_kwargs.get(name, {})))
         except KeyError as exc:
             raise CLIError(exc.args[0] if exc.args else str(exc)) from None
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise CLIError(f"bad --pool-kwargs for {name!r}: {exc}") from None
 
 
@@ -206,31 +216,166 @@ def cmd_gold(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from envace.envs.datasets import ActionsFormatError, load_actions
-
+def _read_text(path: str) -> str:
     try:
-        actions = load_actions(args.actions)
-    except ActionsFormatError as exc:
-        raise CLIError(str(exc)) from None
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except IsADirectoryError:
+        raise CLIError(f"{path}: a directory, not a file") from None
+    except OSError as exc:
+        raise CLIError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CLIError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _has_string_call(obj: Any) -> bool:
+    return isinstance(obj, str) or (isinstance(obj, list) and any(_has_string_call(x) for x in obj))
+
+
+def parse_any_actions(pool: EnvironmentPool, task_id: str, obj: Any) -> tuple[list[list[ToolCall]], str]:
+    """``(turns of calls, format)`` of an action sequence in any accepted format (see the module docstring):
+    ``"bfcl"`` (call strings, the pool must read them), ``"tau2"`` (calls with a ``requestor``) or ``"envace"``.
+    Raises :class:`~envace.envs.datasets.ActionsFormatError` (a ValueError) naming the turn and call."""
+    from envace.envs.datasets import ActionsFormatError, parse_actions
+
+    if isinstance(obj, list) and obj and _has_string_call(obj):
+        reader = getattr(pool, "calls_from_strings", None)
+        if reader is None:
+            raise ActionsFormatError(f"call strings are BFCL's format; pool {pool.name!r} takes "
+                                     '{"name", "arguments"} objects')
+        try:
+            return reader(task_id, obj), "bfcl"
+        except ValueError as exc:
+            raise ActionsFormatError(str(exc)) from None
+    if isinstance(obj, list) and obj and all(isinstance(c, Mapping) and ("requestor" in c or "action_id" in c)
+                                             for c in obj):
+        calls = []  # tau2's own actions: one turn; the user's side named "user:<tool>" as the pool reads it
+        for c, act in enumerate(obj):
+            name = act.get("name")
+            if not isinstance(name, str) or act.get("requestor", "assistant") not in ("assistant", "user"):
+                raise ActionsFormatError(f"call {c}: a tau2 action needs a string 'name' and requestor "
+                                         "'assistant' or 'user'")
+            prefix = "user:" if act.get("requestor") == "user" else ""
+            calls.append({"name": prefix + name, "arguments": act.get("arguments") or {}})
+        return parse_actions([calls]), "tau2"
+    return parse_actions(obj), "envace"
+
+
+def _verdict_json(pool: EnvironmentPool, task_id: str, actions: list[list[ToolCall]], fmt: str,
+                  *, details: bool = True) -> dict[str, Any]:
+    try:
+        verdict = pool.replay(task_id, actions)
+    except Exception as exc:  # noqa: BLE001 - a crashing replay is that task's failure, reported, not a crash
+        return {"pool": pool.name, "task_id": task_id, "format": fmt, "reward": 0.0, "passed": False,
+                "error_type": "exception", "reason": f"{type(exc).__name__}: {exc}"}
+    d = verdict.details or {}
+    out = {"pool": pool.name, "task_id": task_id, "format": fmt, "reward": verdict.reward,
+           "passed": verdict.passed, "error_type": d.get("error_type"), "reason": d.get("reason", "")}
+    if details:
+        out["details"] = d
+    return out
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from envace.envs.datasets import ActionsFormatError
+
+    if args.batch is not None:
+        if args.task_id is not None:
+            raise CLIError("give TASK_ID ACTIONS.json or --batch FILE, not both")
+        return _verify_batch(args)
+    if args.task_id is None or args.actions is None:
+        raise CLIError("verify needs TASK_ID and ACTIONS.json (or --batch FILE)")
+    text = _read_text(args.actions)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"{args.actions}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     pool = _load_pool(args.pool, args.pool_kwargs)
     try:
         pool.task(args.task_id)
     except KeyError as exc:
         raise CLIError(exc.args[0] if exc.args else str(exc)) from None
-    verdict = pool.replay(args.task_id, actions)
-    details = verdict.details or {}
-    out = {
-        "pool": args.pool,
-        "task_id": args.task_id,
-        "reward": verdict.reward,
-        "passed": verdict.passed,
-        "error_type": details.get("error_type"),
-        "reason": details.get("reason", ""),
-        "details": details,
-    }
+    try:
+        actions, fmt = parse_any_actions(pool, args.task_id, obj)
+    except ActionsFormatError as exc:
+        raise CLIError(f"{args.actions}: {exc}") from None
+    out = _verdict_json(pool, args.task_id, actions, fmt)
     print(json.dumps(out, indent=2, default=repr))
-    return EXIT_OK if verdict.passed else EXIT_FAILED
+    return EXIT_OK if out["passed"] else EXIT_FAILED
+
+
+_ID_KEYS, _ACTION_KEYS = ("task_id", "id"), ("actions", "result", "ground_truth")
+
+
+def _batch_records(path: str, text: str) -> list[tuple[int, Any, Any]]:
+    """(line, task id, actions) of a batch file: JSONL, or one JSON list of records."""
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CLIError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        lines = [(i + 1, item) for i, item in enumerate(items)]
+        where = "record"
+    else:
+        lines = []
+        for n, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                try:
+                    lines.append((n, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise CLIError(f"{path}:{n}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        where = "line"
+    if not lines:
+        raise CLIError(f"{path}: holds no task")
+    out = []
+    for n, rec in lines:
+        at = f"{path}:{n}" if where == "line" else f"{path}: record {n}"
+        if not isinstance(rec, Mapping):
+            raise CLIError(f"{at}: expected an object, got {type(rec).__name__}")
+        tid = next((rec[k] for k in _ID_KEYS if k in rec), None)
+        key = next((k for k in _ACTION_KEYS if k in rec), None)
+        if not isinstance(tid, str) or key is None:
+            raise CLIError(f"{at}: expected {{\"task_id\" (or \"id\"), \"actions\" (or \"result\", "
+                           f"\"ground_truth\")}}, got keys {sorted(rec)}")
+        out.append((n, tid, rec[key]))
+    return out
+
+
+def _verify_batch(args: argparse.Namespace) -> int:
+    from envace.envs.datasets import ActionsFormatError
+
+    start = time.perf_counter()
+    records = _batch_records(args.batch, _read_text(args.batch))
+    pool = _load_pool(args.pool, args.pool_kwargs)
+    parsed = []
+    seen: dict[str, int] = {}
+    for n, tid, obj in records:  # every line checked before any is verified: a bad file verifies nothing
+        at = f"{args.batch}:{n}"
+        try:
+            pool.task(tid)
+        except KeyError as exc:
+            raise CLIError(f"{at}: {exc.args[0] if exc.args else exc}") from None
+        if tid in seen:
+            raise CLIError(f"{at}: task {tid!r} again (first on line {seen[tid]})")
+        seen[tid] = n
+        try:
+            parsed.append((tid, *parse_any_actions(pool, tid, obj)))
+        except ActionsFormatError as exc:
+            raise CLIError(f"{at}: {exc}") from None
+    loaded = time.perf_counter()
+    passed = 0
+    formats: Counter[str] = Counter()
+    for tid, actions, fmt in parsed:
+        out = _verdict_json(pool, tid, actions, fmt, details=False)
+        passed += bool(out["passed"])
+        formats[fmt] += 1
+        print(json.dumps(out, default=repr), flush=False)
+    done = time.perf_counter()
+    print(json.dumps({"summary": {"pool": args.pool, "tasks": len(parsed), "passed": passed,
+                                  "failed": len(parsed) - passed, "formats": dict(formats),
+                                  "seconds": round(done - start, 3), "verify_seconds": round(done - loaded, 3)}}))
+    return EXIT_OK if passed == len(parsed) else EXIT_FAILED
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,39 +434,20 @@ def cmd_convert_cm2(args: argparse.Namespace) -> int:
 
 
 def _pool_kwargs(text: str) -> dict[str, dict[str, Any]]:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
-    if not isinstance(obj, dict) or not all(isinstance(v, dict) for v in obj.values()):
+    obj = json_object(text)
+    if not all(isinstance(v, dict) for v in obj.values()):
         raise argparse.ArgumentTypeError('expected {"<pool>": {"<option>": value, ...}, ...}')
     return obj
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
-    return value
+_positive_int = number(int, min=1)
+_fraction = number(float, min=0, max=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from envace.envs.datasets import DEFAULT_AGENT_NAME
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m envace.envs", description="Environment pools: inspect, check gold replays, verify, build data."
     )
     parser.add_argument(
@@ -353,10 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_gold)
 
-    p = sub.add_parser("verify", help="verify an action sequence for one task")
+    p = sub.add_parser("verify", help="verify an action sequence for one task, or a batch of tasks")
     p.add_argument("pool")
-    p.add_argument("task_id")
-    p.add_argument("actions", metavar="ACTIONS.json")
+    p.add_argument("task_id", nargs="?", default=None)
+    p.add_argument("actions", metavar="ACTIONS.json", nargs="?", default=None)
+    p.add_argument("--batch", metavar="FILE", default=None,
+                   help="JSONL of {task_id, actions} (or a BFCL result / possible-answer file), one process")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("build-data", help="verl parquet from pools")
@@ -380,14 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except CLIError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    """The CLI; usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`)."""
+    return run_cli("python -m envace.envs", _main, argv)
 
 
 if __name__ == "__main__":

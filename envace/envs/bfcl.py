@@ -317,6 +317,17 @@ def parse_call_string(text: str) -> tuple[str, list[Any], dict[str, Any]]:
     return node.func.id, args, kwargs
 
 
+def split_call_list(text: str) -> list[str]:
+    """``"[f(1), g(x='a')]"`` (BFCL's decoded prompting output) → ``["f(1)", "g(x='a')"]``; one call → itself."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as exc:
+        raise ValueError(f"not a call expression: {text!r}: {exc.msg}") from None
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [ast.unparse(e) for e in node.elts]
+    return [text]
+
+
 def _format_result(result: Any) -> str:
     """Observation text for a return value, formatted exactly as bfcl_eval's executor does."""
     if type(result) is str:
@@ -781,20 +792,58 @@ class BFCLMultiTurnPool(EnvironmentPool):
     def gold_actions(self, task_id: str) -> list[list[ToolCall]]:
         gold = self._gold.get(task_id)
         if gold is None:
-            record = self._record(task_id)
-            owner = _method_owner(record.entry["involved_classes"])
-            gold = []
-            for turn in record.ground_truth:
-                calls = []
-                for text in turn:
-                    name, args, kwargs = parse_call_string(text)
-                    if name not in owner:
-                        raise ValueError(f"{task_id}: ground-truth call {text!r} names no method of the task's classes")
-                    bound = _public_signatures(owner[name])[name].bind(*args, **kwargs)
-                    calls.append(ToolCall(name=name, arguments=dict(bound.arguments)))
-                gold.append(calls)
+            gold = self.calls_from_strings(task_id, self._record(task_id).ground_truth, strict=True)
             self._gold[task_id] = gold
         return [[ToolCall(c.name, copy.deepcopy(c.arguments)) for c in turn] for turn in gold]
+
+    def calls_from_strings(self, task_id: str, turns: Sequence[Any], *, strict: bool = False) -> list[list[ToolCall]]:
+        """BFCL's native multi-turn format → tool calls: per turn a list of call strings (``"sort('a.pdf')"``),
+        or per turn a list of steps, each a list of call strings (BFCL's decoded result layout); a string may
+        hold a list of calls (``"[cd(folder='a'), ls()]"``). Positional arguments are mapped to their names
+        through the task's method signatures.
+
+        Raises ValueError naming the turn and call for anything that is not a list of turns of call strings. A
+        call that names no method of the task, or whose arguments do not bind, is the model's mistake: with
+        ``strict`` (the ground truth) it raises too; otherwise it is kept as a call the episode rejects (unknown
+        tool / invalid arguments, a failed call as BFCL's executor has it), so the verdict scores it."""
+        record = self._record(task_id)
+        owner = _method_owner(record.entry["involved_classes"])
+        if not isinstance(turns, (list, tuple)):
+            raise ValueError(f"expected a list of turns, got {type(turns).__name__}")
+        out: list[list[ToolCall]] = []
+        for t, turn in enumerate(turns):
+            if not isinstance(turn, (list, tuple)):
+                raise ValueError(f"turn {t}: expected a list of call strings, got {type(turn).__name__}")
+            texts: list[str] = []
+            for step in turn:
+                for text in step if isinstance(step, (list, tuple)) else [step]:
+                    if not isinstance(text, str):
+                        raise ValueError(f"turn {t}: expected call strings, got {type(text).__name__} {text!r}")
+                    try:
+                        texts.extend(split_call_list(text))
+                    except ValueError as exc:
+                        raise ValueError(f"turn {t}, call {len(texts)}: {exc}") from None
+            calls = []
+            for c, text in enumerate(texts):
+                try:
+                    name, args, kwargs = parse_call_string(text)
+                except ValueError as exc:
+                    raise ValueError(f"turn {t}, call {c}: {exc}") from None
+                if name not in owner:
+                    if strict:
+                        raise ValueError(f"{task_id}: call {text!r} names no method of the task's classes")
+                    calls.append(ToolCall(name=name, arguments={**kwargs, **({"*args": args} if args else {})}))
+                    continue
+                try:
+                    bound = _public_signatures(owner[name])[name].bind(*args, **kwargs)
+                except TypeError as exc:
+                    if strict:
+                        raise ValueError(f"{task_id}: call {text!r}: {exc}") from None
+                    calls.append(ToolCall(name=name, arguments={**kwargs, **({"*args": args} if args else {})}))
+                    continue
+                calls.append(ToolCall(name=name, arguments=dict(bound.arguments)))
+            out.append(calls)
+        return out
 
     def replay(self, task_id: str, actions: Sequence[Sequence[ToolCall]]) -> Verdict:
         """Play ``actions`` (one list per user turn) and verify; the number of turns must match the task."""

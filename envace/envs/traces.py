@@ -23,6 +23,10 @@ Usage::
         [--by-env DIR]     # also one JSONL per env_id under DIR (one worldbook per environment)
     python -m envace.envs.traces --pool tau2 --pool-kwargs '{"domains": ["airline"]}' --split train \
         --out traces/tau2-airline-train.jsonl
+
+Every argument is checked before anything is written (an unknown pool, split or ``--env-id``, bad
+``--pool-kwargs``, ``--max-tasks`` below 1, an ``--out`` that is a directory: exit 2 with one line, see
+:mod:`trace2env.cliargs`); a selection with no task is refused rather than written as an empty file.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from envace.envs.base import EnvironmentPool, TaskSpec, get_pool
+from envace.envs.base import EnvironmentPool, TaskSpec, available_pools, get_pool
+from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, run_cli
 
 __all__ = ["initial_state_id", "main", "record_gold_trace", "record_pool"]
 
@@ -104,23 +109,53 @@ def record_pool(pool: EnvironmentPool, task_ids: Sequence[str]) -> list[dict[str
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m envace.envs.traces", description=__doc__.split("\n\n")[0])
+def _select(args: argparse.Namespace) -> tuple[EnvironmentPool, list[str]]:
+    """The pool and the task ids the arguments select; UsageError for anything that selects nothing."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # benchmark packages print at import
+        known = available_pools()
+        if args.pool not in known:
+            raise UsageError(f"--pool {args.pool!r}: unknown pool; known: {', '.join(known)}")
+        try:
+            pool = get_pool(args.pool, **args.pool_kwargs)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise UsageError(f"--pool-kwargs for {args.pool!r}: {exc}") from None
+    if args.split not in ("train", "test", "all"):
+        raise UsageError(f"--split {args.split!r}: expected train, test or all")
+    ids = pool.task_ids(None if args.split == "all" else args.split)
+    if args.env_id:
+        envs = {pool.task(t).env_id for t in ids}
+        unknown = sorted(set(args.env_id) - envs)
+        if unknown:
+            have = sorted(envs)
+            raise UsageError(f"--env-id {', '.join(unknown)}: no {args.split}-split task of pool {args.pool!r} "
+                             f"has it (it has {len(have)}: {', '.join(have[:6])}{' ...' if len(have) > 6 else ''})")
+        ids = [t for t in ids if pool.task(t).env_id in set(args.env_id)]
+    if args.max_tasks is not None:
+        ids = ids[: args.max_tasks]
+    if not ids:
+        raise UsageError(f"no {args.split}-split task in pool {args.pool!r}")
+    return pool, ids
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    ap = ArgumentParser(prog="python -m envace.envs.traces", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pool", required=True, help="pool name (python -m envace.envs list)")
-    ap.add_argument("--pool-kwargs", default="{}", help="JSON object of pool constructor arguments")
+    ap.add_argument("--pool-kwargs", type=json_object, default={}, help="JSON object of pool constructor arguments")
     ap.add_argument("--split", default="train", help="train | test | all")
-    ap.add_argument("--max-tasks", type=int, default=None, help="first N task ids of the split")
+    ap.add_argument("--max-tasks", type=number(int, min=1), default=None, help="first N task ids of the split")
     ap.add_argument("--env-id", action="append", default=None, help="only tasks of these env_ids (repeatable)")
     ap.add_argument("--out", required=True, help="JSONL file of traces")
     ap.add_argument("--by-env", default=None, help="also write one JSONL per env_id into this directory")
     args = ap.parse_args(argv)
+    if Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: a directory, expected a JSONL file")
+    if args.by_env and Path(args.by_env).exists() and not Path(args.by_env).is_dir():
+        raise UsageError(f"--by-env {args.by_env}: a file, expected a directory")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    pool = get_pool(args.pool, **json.loads(args.pool_kwargs))
-    ids = pool.task_ids(None if args.split == "all" else args.split)
-    if args.env_id:
-        ids = [t for t in ids if pool.task(t).env_id in set(args.env_id)]
-    if args.max_tasks is not None:
-        ids = ids[: args.max_tasks]
+    pool, ids = _select(args)
     traces = record_pool(pool, ids)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -136,7 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             (d / f"{safe}.jsonl").write_text("".join(json.dumps(t, ensure_ascii=False) + "\n" for t in ts),
                                              encoding="utf-8")
     print(f"{len(traces)} of {len(ids)} task(s) recorded -> {out}")
-    return 0 if traces or not ids else 1
+    return 0 if traces else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`)."""
+    return run_cli("python -m envace.envs.traces", _main, argv)
 
 
 if __name__ == "__main__":

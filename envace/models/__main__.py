@@ -1,15 +1,19 @@
 """``python -m envace.models build [--out DIR] [--force] [--verify] [--warm-start]``: build the tiny Qwen3 (or its
-SFT warm start) once; print its path."""
+SFT warm start) once; print its path. A usage mistake (an ``--out`` that is a file or cannot be written) exits 2 with
+one line (:mod:`trace2env.cliargs`)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from trace2env.cliargs import ArgumentParser, UsageError, run_cli
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envace.models", description=__doc__)
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m envace.models", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) the tiny Qwen3 checkpoint and print its directory")
     b.add_argument("--out", default=None, help="target directory (default $ENVACE_CACHE/models/tiny-qwen3)")
@@ -22,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("path", help="print the default directory (builds nothing)")
     args = parser.parse_args(argv)
+    if getattr(args, "out", None) and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: a file, expected a directory")
 
     from envace.models import tiny
 
@@ -43,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'built' if built else 'reused'} in {time.time() - t0:.1f}s", file=sys.stderr)
     print(path)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI; usage mistakes exit 2 with one line."""
+    return run_cli("python -m envace.models", _main, argv, user_errors=(PermissionError, NotADirectoryError))
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def test_convert_cm2(tmp_path):
 
 def test_bad_usage():
     res = cli("gold", "bfcl_multi_turn", "--workers", "0")
-    assert res.returncode == 2 and "expected a positive integer" in res.stderr
+    assert res.returncode == 2 and "argument --workers: expected an integer >= 1, got '0'" in res.stderr
     res = cli("--pool-kwargs", "{oops", "list")
     assert res.returncode == 2 and "not valid JSON" in res.stderr
     res = cli("--pool-kwargs", '{"bfcl_multi_turn": {"no_such_option": 1}}', "tasks", "bfcl_multi_turn")
