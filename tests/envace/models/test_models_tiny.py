@@ -46,8 +46,8 @@ def test_loads_offline_and_generates(tiny_model_dir, qwen_tokenizer_hf):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), local_files_only=True)
     cfg = model.config
     assert cfg.model_type == "qwen3" and type(model).__name__ == "Qwen3ForCausalLM"
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
-    assert cfg.head_dim == 16 and cfg.intermediate_size == 128 and cfg.vocab_size == 151936
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 2, 1)
+    assert cfg.head_dim == 32 and cfg.intermediate_size == 128 and cfg.vocab_size == 151936
     assert cfg.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert cfg.eos_token_id == 151645 and cfg.bos_token_id == 151643
     assert model.generation_config.eos_token_id == [151645, 151643]
