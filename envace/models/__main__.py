@@ -25,9 +25,23 @@ def _main(argv: Sequence[str] | None = None) -> int:
         help="build (or reuse) the SFT warm-started tiny Qwen3 ($ENVACE_CACHE/models/tiny-qwen3-warm) instead",
     )
     sub.add_parser("path", help="print the default directory (builds nothing)")
+    e = sub.add_parser("export", help="write a Hugging Face checkpoint from verl's sharded FSDP checkpoint "
+                       "(envace.models.export)")
+    e.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a run directory, a global_step_N or its actor/")
+    e.add_argument("out_dir", metavar="OUT", help="the new Hugging Face checkpoint directory")
     args = parser.parse_args(argv)
     if getattr(args, "out", None) and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: a file, expected a directory")
+
+    if args.cmd == "export":
+        from envace.models.export import ExportError, export
+
+        try:
+            print(export(args.checkpoint, args.out_dir))
+        except ExportError as exc:
+            print(f"python -m envace.models export: {exc}", file=sys.stderr)
+            return 2
+        return 0
 
     from envace.models import tiny
 
