@@ -112,6 +112,16 @@ def test_every_entry_point_answers_a_mistake_with_one_line_and_exit_2(entry, cas
 SCRIPT = REPO / "scripts" / "build_worldbook.sh"
 
 
+def _script(tmp_path: Path, bootstrap: str) -> Path:
+    """A copy of build_worldbook.sh whose bootstrap.sh is ``bootstrap``: the real one may install a virtualenv,
+    which a test must never do (not even when the script regresses and reaches it)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "scripts" / "build_worldbook.sh")
+    (root / "scripts" / "bootstrap.sh").write_text(bootstrap)
+    return root / "scripts" / "build_worldbook.sh"
+
+
 @pytest.mark.parametrize(("args", "expect"), [
     (["--pool", "synthetic", "--out", "{o}", "--max-tasks"], "--max-tasks needs a value"),
     (["--pool", "synthetic", "--out", "{o}", "--max-tasks", "0"], "--max-tasks: expected an integer >= 1, got '0'"),
@@ -120,15 +130,16 @@ SCRIPT = REPO / "scripts" / "build_worldbook.sh"
     (["--pool", "synthetic", "--out", "{o}", "--bogus"], "unknown argument --bogus"),
 ])
 def test_finding7_build_worldbook_sh_argument_errors_are_one_line(args, expect, tmp_path):
+    script = _script(tmp_path, 'echo "bootstrap reached" >&2; exit 99\n')
     f = tmp_path / "afile"
     f.write_text("x")
     fill = {"o": str(tmp_path / "out"), "f": str(f)}
-    proc = subprocess.run(["bash", str(SCRIPT), *[a.format(**fill) for a in args]], capture_output=True, text=True,
-                          timeout=60, check=False, env={**os.environ, "ENVACE_VENV": str(tmp_path / "no-venv")})
+    proc = subprocess.run(["bash", str(script), *[a.format(**fill) for a in args]], capture_output=True, text=True,
+                          timeout=60, check=False)
     err = proc.stderr
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"build_worldbook.sh: {expect.format(**fill)}"), err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "no-venv").exists()  # nothing written or installed
+    assert not (tmp_path / "out").exists()  # nothing written, the virtualenv never touched
 
 
 def test_finding8_a_selection_of_nothing_writes_nothing(tmp_path, capsys):
@@ -152,13 +163,10 @@ def test_finding8_a_selection_of_nothing_writes_nothing(tmp_path, capsys):
 
 
 def test_finding13_a_failed_build_leaves_no_books_and_the_corrected_rerun_runs(tmp_path):
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPT, root / "scripts" / "build_worldbook.sh")
-    (root / "scripts" / "bootstrap.sh").write_text(f"PY={sys.executable}; export PY\n")
+    script = _script(tmp_path, f"PY={sys.executable}; export PY\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     out = tmp_path / "wb"
-    cmd = ["bash", str(root / "scripts" / "build_worldbook.sh"), "--pool", "synthetic", "--out", str(out),
+    cmd = ["bash", str(script), "--pool", "synthetic", "--out", str(out),
            "--pool-kwargs", json.dumps({"n_envs": 1, "tasks_per_env": 10, "seed": 3})]
     bad = subprocess.run([*cmd, "--", "--max-tokens", "0"], capture_output=True, text=True, timeout=300, check=False,
                          env=env, cwd=tmp_path)
