@@ -66,6 +66,11 @@ def run_sweep(bench: str, out: Path, modes: Sequence[str], budgets: Sequence[int
         raise UsageError("sweep sets --tts, --rehearsals and --out itself; drop them from EVAL_ARGS")
     if any(n < 1 for n in budgets):  # the CLI's parser refuses them first
         raise UsageError("--budgets must be >= 1")
+    from envace.eval.cli import _validate, build_parser
+
+    parser = build_parser()  # pre-flight: EVAL_ARGS as the first run will get them, before anything is written
+    first = ["--tts", modes[0], "--rehearsals", str(budgets[0])] if modes and budgets else []
+    _validate(parser.parse_args([bench, *eval_args, "--out", str(out / "preflight"), *first]), parser)
     out.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, int, Path]] = [(m, n, out / f"{m}-n{n}") for m in modes for n in budgets]
     if baseline:

@@ -60,6 +60,8 @@ def test_every_loop_limit_has_a_flag_with_the_loop_default():
         (["tau2", *ENDPOINT, "--rehearsal-model", "x"], "--rehearsal-model has no effect without --tts"),
         (["sweep", "bfcl", "--out", "s", "--budgets", "0"], "argument --budgets: expected an integer >= 1"),
         (["bfcl", *ENDPOINT, "--chat-template-kwargs", "[1]"], "expected a JSON object"),
+        (["sweep", "bfcl", "--out", "s", "--", *ENDPOINT, "--temperature", "nan"], "argument --temperature"),
+        (["sweep", "bfcl", "--out", "s", "--"], "give --base-url and --model"),
         (["bfcl", *ENDPOINT, "--max-user-turns", "0"], "limits.max_user_turns must be >= 1"),
         (["bfcl", *ENDPOINT, "--max-calls-per-message", "0"], "limits.max_calls_per_message must be >= 1"),
         (["bfcl", *ENDPOINT, "--tool-timeout-s", "-1"], "limits.tool_timeout_s must be >= 0"),
