@@ -167,7 +167,7 @@ class EnvScheduler:
         ``step`` must be an integer (a bool, float or string is refused with ValueError, as ``observe()`` refuses
         it: ``select(1.5)`` would otherwise become step 1 and the step observed later would not match)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise ValueError(f"select(): step must be an integer, got {step!r}")
+            raise ValueError(f"select(): step must be an integer, got {step!r}")  # noqa: TRY004 - as observe()
         step = int(step)
         if step in self.selections:
             return [self.pool.task_ids[i] for i in self.selections[step]]
@@ -359,8 +359,9 @@ class EnvScheduler:
                 raise ObservationError(f"{where}: task {tid!r}: rewards must be a list of 1..{K} numbers, got {kind} ({group!r})", step=step, task_id=tid)
             missing = [k for k, x in enumerate(group) if x is None] if not isinstance(group, np.ndarray) else []
             if missing:
-                raise ObservationError(f"{where}: task {tid!r}: reward {missing[0]} is missing (None); leave an unscored "
-                                       f"rollout out of the group rather than passing None", step=step, task_id=tid)
+                raise ObservationError(f"{where}: task {tid!r}: reward {missing[0]} is missing (None); leave an "
+                                       "unscored rollout out of the group rather than passing None",
+                                       step=step, task_id=tid)
             try:
                 r = np.asarray(group, dtype=np.float64)
             except (TypeError, ValueError):

@@ -30,7 +30,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-
 from pathlib import Path
 
 from pydantic import ValidationError

@@ -45,7 +45,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
-def number(kind: type = int, *, min: float | None = None, max: float | None = None,  # noqa: A002
+def number(kind: type = int, *, min: float | None = None, max: float | None = None,
            min_open: bool = False, max_open: bool = False) -> Callable[[str], Any]:
     """An argparse ``type=``: ``kind`` (int or float) within [min, max] (an open end with ``*_open``)."""
     lo = "" if min is None else f"{'>' if min_open else '>='} {min:g}"

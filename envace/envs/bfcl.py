@@ -809,16 +809,18 @@ class BFCLMultiTurnPool(EnvironmentPool):
         record = self._record(task_id)
         owner = _method_owner(record.entry["involved_classes"])
         if not isinstance(turns, (list, tuple)):
-            raise ValueError(f"expected a list of turns, got {type(turns).__name__}")
+            raise ValueError(f"expected a list of turns, got {type(turns).__name__}")  # noqa: TRY004 - bad input
         out: list[list[ToolCall]] = []
         for t, turn in enumerate(turns):
             if not isinstance(turn, (list, tuple)):
-                raise ValueError(f"turn {t}: expected a list of call strings, got {type(turn).__name__}")
+                raise ValueError(  # noqa: TRY004
+                    f"turn {t}: expected a list of call strings, got {type(turn).__name__}")
             texts: list[str] = []
             for step in turn:
                 for text in step if isinstance(step, (list, tuple)) else [step]:
                     if not isinstance(text, str):
-                        raise ValueError(f"turn {t}: expected call strings, got {type(text).__name__} {text!r}")
+                        raise ValueError(  # noqa: TRY004 - bad input, reported as the caller's ValueError
+                            f"turn {t}: expected call strings, got {type(text).__name__} {text!r}")
                     try:
                         texts.extend(split_call_list(text))
                     except ValueError as exc:

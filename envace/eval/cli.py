@@ -107,7 +107,8 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
         default="vllm",
         help="server for --checkpoint: vLLM (GPU) or `transformers serve` (CPU)",
     )
-    ep.add_argument("--server-port", type=number(int, min=1, max=65535), default=None, help="port for --checkpoint (default: a free one)")
+    ep.add_argument("--server-port", type=number(int, min=1, max=65535), default=None,
+                    help="port for --checkpoint (default: a free one)")
     ep.add_argument(
         "--server-arg",
         action="append",
@@ -115,8 +116,10 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
         metavar="ARG",
         help="extra argument for the server command (repeatable), e.g. --server-arg=--tensor-parallel-size=2",
     )
-    ep.add_argument("--server-timeout", type=number(float, min=0, min_open=True), default=900.0, help="seconds to wait for the server to come up")
-    ep.add_argument("--request-timeout", type=number(float, min=0, min_open=True), default=600.0, help="seconds per chat request")
+    ep.add_argument("--server-timeout", type=number(float, min=0, min_open=True), default=900.0,
+                    help="seconds to wait for the server to come up")
+    ep.add_argument("--request-timeout", type=number(float, min=0, min_open=True), default=600.0,
+                    help="seconds per chat request")
 
     gen = p.add_argument_group("generation (defaults: the paper's acting temperature 0.6, top-p 0.95)")
     gen.add_argument("--temperature", type=number(float, min=0), default=0.6)
@@ -150,7 +153,8 @@ def _add_common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
 
     sel = p.add_argument_group("task selection")
     sel.add_argument("--split", choices=("train", "test"), default=None, help="only this split (default: all tasks)")
-    sel.add_argument("--limit", type=number(int, min=1), default=None, help="at most N tasks per category (the first N)")
+    sel.add_argument("--limit", type=number(int, min=1), default=None,
+                     help="at most N tasks per category (the first N)")
 
     run = p.add_argument_group("run")
     run.add_argument("--out", default=None, help=f"output directory (default: results/eval/{bench.name}/<label>)")
@@ -192,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     jg.add_argument("--judge-api-key", default=None)
     tl = tau2.add_argument_group("τ² orchestrator limits")
     tl.add_argument("--tau2-max-steps", type=number(int, min=1), default=200, help="τ²'s max_steps (messages)")
-    tl.add_argument("--tau2-max-errors", type=number(int, min=1), default=10, help="τ²'s max_errors (failed tool calls)")
+    tl.add_argument("--tau2-max-errors", type=number(int, min=1), default=10,
+                    help="τ²'s max_errors (failed tool calls)")
 
     w2r = sub.add_parser("w2r", help="Trace2Env W2R (Table 2): the same tasks in the real environment and in the "
                          "simulator over a worldbook; Real / WM / W2R / CR (envace/eval/w2r.py)")

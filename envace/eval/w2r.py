@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import sys
@@ -291,10 +290,12 @@ def add_w2r_arguments(p: argparse.ArgumentParser) -> None:
                    help="a worldbook package, or a directory of them (scripts/build_worldbook.sh OUT/books)")
     g.add_argument("--envs", nargs="+", default=None, metavar="ENV",
                    help="only these environments (default: those the worldbooks are for)")
-    g.add_argument("--tasks-per-env", type=number(int, min=1), default=None, help="at most N tasks per environment (the first N)")
+    g.add_argument("--tasks-per-env", type=number(int, min=1), default=None,
+                   help="at most N tasks per environment (the first N)")
     g.add_argument("--wm", choices=("gold", "none"), default="gold",
                    help="gold: the simulator's verdict against the gold actions replayed in it; none: no WM column")
-    g.add_argument("--success-at", type=number(float, min=0, max=1, min_open=True), default=1.0, help="a task succeeds at reward >= this")
+    g.add_argument("--success-at", type=number(float, min=0, max=1, min_open=True), default=1.0,
+                   help="a task succeeds at reward >= this")
     g.add_argument("--n-boot", type=number(int, min=1), default=2000, help="bootstrap resamples of CR's 95%% interval")
     g.add_argument("--simulator-base-url", default=None,
                    help="world-model agent endpoint for steps without a rule or supporting evidence (default: none)")

@@ -21,8 +21,8 @@ from t2e_kvenv import record
 
 from trace2env import WorldbookIntegrityError, build_worldbook, load_worldbook, load_worldbooks, parse_trace
 from trace2env.__main__ import main
-from trace2env.package import _sha256, manifest_digest
 from trace2env.models import WorldbookManifest
+from trace2env.package import _sha256, manifest_digest
 
 
 def _trace(seed: int, pool: str | None = "synthetic", env: str = "kv") -> dict:
@@ -35,7 +35,7 @@ def _trace(seed: int, pool: str | None = "synthetic", env: str = "kv") -> dict:
 def pristine(tmp_path_factory) -> Path:
     """A folder of two valid books (environments kv-a and kv-b), never modified: tests copy it."""
     root = tmp_path_factory.mktemp("books") / "books"
-    for env, seeds in (("kv-a", range(0, 4)), ("kv-b", range(4, 8))):
+    for env, seeds in (("kv-a", range(4)), ("kv-b", range(4, 8))):
         build_worldbook([parse_trace(_trace(s, env=env)) for s in seeds], root / env, environment_id=env)
     return root
 

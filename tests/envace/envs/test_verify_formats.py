@@ -78,8 +78,9 @@ def test_finding14_a_batch_reports_failures_and_refuses_malformed_lines(bfcl, tm
     assert code == 1 and [r.get("passed") for r in lines[:3]] == [True, False, True]
     assert [r["format"] for r in lines[:3]] == ["bfcl", "envace", "envace"]  # turns without calls: no strings
     assert lines[3]["summary"]["failed"] == 1
-    for bad, expect in (('{"task_id": "x"', ":3: not valid JSON"), ('{"task_id": "nope", "actions": []}', ":3: unknown"),
-                        ('{"task_id": "%s", "actions": [["cd("]]}' % ids[2], ":3: turn 0, call 0: not a call"),
+    for bad, expect in (('{"task_id": "x"', ":3: not valid JSON"),
+                        ('{"task_id": "nope", "actions": []}', ":3: unknown"),
+                        (json.dumps({"task_id": ids[2], "actions": [["cd("]]}), ":3: turn 0, call 0: not a call"),
                         ('{"actions": []}', ":3: expected {\"task_id\""),
                         (json.dumps(recs[0]), f":3: task '{ids[0]}' again (first on line 1)")):
         f.write_text("".join(json.dumps(r) + "\n" for r in recs[:2]) + bad + "\n")
