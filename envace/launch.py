@@ -18,6 +18,9 @@
     Prints this node's address on the interface that routes to the head (the worker's ``ray start`` uses it).
 ``wait-nodes --address HOST:PORT --nodes N [--timeout S]``
     Waits until the cluster has N alive nodes (connection attempts retried while the head starts).
+``watch --pid PID --address HOST:PORT --log FILE [--step-deadline S] -- OVERRIDES...``
+    On the head of a multi-node run: stops the training driver with one line naming the lost node (or the step
+    past its deadline) and the checkpoint a relaunch resumes from, exit 3 (:func:`watch`).
 
 Library functions: :func:`passthrough_env` (network-interface variables every Ray worker gets) and
 :func:`check_shared_storage` (every node sees the run directory and the model before training starts).
@@ -385,6 +388,123 @@ def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, st
         marker.unlink(missing_ok=True)
 
 
+# -- watching a multi-node run -------------------------------------------------------------------------------
+#: exit status of ``watch`` (and of scripts/train.sh) when it stopped the run: a lost node or a step past its deadline
+WATCH_STOPPED = 3
+_STEP_LINE = re.compile(r"\bstep:(\d+) - ")
+
+
+def last_checkpoint(run_dir: str | os.PathLike[str] | None) -> str:
+    """Where a relaunch resumes: the step directory ``latest_checkpointed_iteration.txt`` names (verl's tracker),
+    or why there is none."""
+    if run_dir is None:
+        return "unknown (the run directory could not be read from the config)"
+    tracker = Path(run_dir) / "latest_checkpointed_iteration.txt"
+    try:
+        step = tracker.read_text().strip()
+    except OSError:
+        return f"none yet in {run_dir} (a relaunch starts from step 0)"
+    return str(Path(run_dir) / f"global_step_{step}")
+
+
+def _run_dir_of(overrides: Sequence[str]) -> str | None:
+    """``trainer.default_local_dir`` of the config these train.sh arguments compose (None if they do not)."""
+    try:
+        from envace.train import compose
+
+        return str(Path(str(compose(list(overrides)).trainer.default_local_dir)).resolve())
+    except Exception:  # noqa: BLE001 - the trainer itself reports a bad config; the watcher only loses the path
+        return None
+
+
+def _last_step(log: Path, offset: int) -> tuple[int | None, int]:
+    """The last ``step:N - `` line verl's console logger wrote to ``log`` after byte ``offset``; the new offset."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except OSError:
+        return None, offset
+    end = chunk.rfind(b"\n") + 1  # a partial last line is read again next time
+    steps = _STEP_LINE.findall(chunk[:end].decode(errors="replace"))
+    return (int(steps[-1]) if steps else None), offset + end
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by train.sh) is gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _stop_driver(pid: int, grace: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if _pid_alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | None, step_deadline: float,
+          poll: float = 5.0, grace: float = 60.0) -> int:
+    """Watch a multi-node run from its head until the training driver ``pid`` ends (then 0).
+
+    verl's synchronous trainer waits on its workers without a deadline, so a node lost mid-rollout hangs the run.
+    Every ``poll`` seconds this checks that every Ray node alive at the start is still alive, and that the driver
+    logged a new ``step:N`` line (``log``: its console output) within ``step_deadline`` seconds (0: no deadline).
+    On a lost node or a step past its deadline it prints one line naming the node (or the step) and the
+    checkpoint a relaunch resumes from, stops the driver (SIGTERM, SIGKILL after ``grace`` s) and returns
+    :data:`WATCH_STOPPED`."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        head = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in (n.get("Resources") or {})}
+        watched = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
+        print(f"envace: watching {len(watched)} Ray node(s) and the step time (deadline "
+              f"{f'{step_deadline:g}s' if step_deadline else 'none'}) of the training driver {pid}", flush=True)
+        offset, step, since = 0, None, time.monotonic()
+        while _pid_alive(pid):
+            time.sleep(poll)
+            new, offset = _last_step(Path(log), offset)
+            if new is not None and new != step:
+                step, since = new, time.monotonic()
+            try:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            except Exception:  # noqa: BLE001, S112 - the head's GCS itself is gone: the driver fails on its own
+                continue
+            lost = sorted(set(watched) - alive)
+            at = f"during step {step + 1}" if step is not None else "before the first step finished"
+            why = None
+            if lost:
+                names = ", ".join(f"{'head' if n in head else 'worker'} node {watched[n]} (node id {n[:12]})"
+                                  for n in lost)
+                why = f"lost Ray {names} {at}"
+            elif step_deadline and time.monotonic() - since > step_deadline:
+                why = f"no training step finished within {step_deadline:g}s ({at}; ENVACE_STEP_DEADLINE)"
+            if why and _pid_alive(pid):
+                print(f"envace: {why}: stopping the run. Last checkpoint: {last_checkpoint(run_dir)}; relaunch the "
+                      "same command on every node to resume from it (docs/multinode.md)", file=sys.stderr, flush=True)
+                _stop_driver(pid, grace)
+                return WATCH_STOPPED
+        return 0
+    finally:
+        ray.shutdown()
+
+
 # -- CLI ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m envace.launch")
@@ -398,6 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=600.0)
     sub.add_parser("gpus", help="print the CUDA devices of this node (1 logical slot without a driver)")
     sub.add_parser("cuda-check", help="stop (exit 2, with the fix) when the driver cannot run the installed torch")
+    wa = sub.add_parser("watch", help="stop the run (exit 3) on a lost Ray node or a step past its deadline")
+    wa.add_argument("--pid", type=int, required=True, help="the training driver")
+    wa.add_argument("--address", required=True)
+    wa.add_argument("--log", required=True, help="the driver's console output (its step:N lines)")
+    wa.add_argument("--step-deadline", type=float, default=0.0, help="seconds per step (0: none)")
+    wa.add_argument("--poll", type=float, default=5.0)
+    wa.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL of the driver")
+    wa.add_argument("--run-dir", default=None, help="the checkpoint directory (default: composed from OVERRIDES)")
+    wa.add_argument("overrides", nargs=argparse.REMAINDER, help="-- train.sh's arguments")
     ip = sub.add_parser("node-ip", help="print this node's address on the interface that routes to --head")
     ip.add_argument("--head", required=True)
     r = sub.add_parser("bound-exec", help="exec COMMAND, terminated when --parent ends")
@@ -413,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "cuda-check":
         return cuda_check()
+    if args.cmd == "watch":
+        overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
+        run_dir = args.run_dir or _run_dir_of(overrides)
+        return watch(args.pid, args.address, args.log, run_dir, args.step_deadline, args.poll, args.grace)
     if args.cmd == "node-ip":
         try:
             print(node_ip(args.head))

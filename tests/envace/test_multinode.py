@@ -174,6 +174,10 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
+        # the fallback rollout (the servers' names below are hfcpu's): each vLLM CPU engine binds its worker to a
+        # core and reserves another for its engine process, and two of them on one 2-core machine were not tried;
+        # tests/envace/test_train_e2e.py runs the vLLM rollout
+        "actor_rollout_ref.rollout.name=hfcpu",
         # verl pads a step's rows to a multiple of ppo_mini_batch_size x n = 8, 4 per rank: micro-batches of 4
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -297,4 +301,79 @@ def test_a_worker_joins_on_its_route_to_the_head_and_ends_with_0_when_the_head_c
             os.killpg(head.pid, signal.SIGKILL)
     assert worker.returncode == 0, out.text[-4000:]
     assert "has closed the cluster: node 1 is done" in out.text
+    assert _ray_processes_gone(port) == []
+
+
+def test_the_head_watcher_stops_a_run_on_a_lost_node_or_a_step_past_its_deadline(tmp_path):
+    """``python -m envace.launch watch`` (train.sh runs it beside the training driver on the head) on a real
+    two-node Ray cluster, with a stand-in driver that logs ``step:N`` lines as verl's console logger does and then
+    hangs, as verl's trainer does when a node is lost mid-rollout. A step past its deadline, then a SIGKILLed worker
+    node: each time the watcher names the cause and the checkpoint a relaunch resumes from, stops the driver and
+    exits 3. Old behaviour: nothing watched; the run waited forever."""
+    import psutil
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    # the head declares a silent node dead after 3 missed 1 s health checks (Ray's default: 5 x 3 s)
+    env.update(RAY_AUTH_MODE="disabled", RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
+    common = [sys.executable, "-m", "ray.scripts.scripts", "start", "--num-cpus=1", "--num-gpus=0", "--block"]
+    head = subprocess.Popen([*common, "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             "--disable-usage-stats", "--include-dashboard=false"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = None
+    run = tmp_path / "run"
+    (run / "global_step_4" / "actor").mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("4")
+    drivers = []
+
+    def driver_and_watcher(name: str, *extra: str) -> tuple[subprocess.Popen, subprocess.Popen, Lines]:
+        log = tmp_path / f"{name}.log"
+        hangs = "import time; print('step:4 - x:1', flush=True); print('step:5 - x:1', flush=True); time.sleep(600)"
+        with open(log, "w") as fh:
+            driver = subprocess.Popen([sys.executable, "-c", hangs], stdout=fh, stderr=subprocess.STDOUT)
+        drivers.append(driver)
+        watcher = subprocess.Popen([sys.executable, "-m", "envace.launch", "watch", "--pid", str(driver.pid),
+                                    "--address", f"127.0.0.1:{port}", "--log", str(log), "--run-dir", str(run),
+                                    "--poll", "1", "--grace", "5", *extra],
+                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return driver, watcher, Lines(watcher)
+
+    try:
+        worker = subprocess.Popen([*common, f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        joined = subprocess.run([sys.executable, "-m", "envace.launch", "wait-nodes", "--address",
+                                 f"127.0.0.1:{port}", "--nodes", "2", "--timeout", "300"], env=env, cwd=REPO,
+                                capture_output=True, text=True, timeout=360, check=False)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+
+        # a step past its deadline (both nodes alive)
+        driver, watcher, out = driver_and_watcher("slow", "--step-deadline", "5")
+        assert watcher.wait(timeout=240) == 3, out.text
+        assert "watching 2 Ray node(s)" in out.text
+        assert "no training step finished within 5s (during step 6" in out.text, out.text
+        assert f"Last checkpoint: {run / 'global_step_4'}" in out.text
+        assert driver.wait(timeout=30) == -signal.SIGTERM
+
+        # a worker node lost mid-step
+        driver, watcher, out = driver_and_watcher("lost")
+        assert out.wait_for(r"watching 2 Ray node\(s\)", 240), out.text
+        node = psutil.Process(worker.pid)
+        for proc in [*node.children(recursive=True), node]:  # the node's raylet and workers, as if it lost power
+            proc.kill()
+        assert watcher.wait(timeout=240) == 3, out.text
+        stop = next(line for line in out.text.splitlines() if "stopping the run" in line)
+        assert "lost Ray worker node " in stop and "head node" not in stop and "during step 6" in stop, stop
+        assert f"Last checkpoint: {run / 'global_step_4'}; relaunch the same command" in stop
+        assert driver.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        for d in drivers:
+            if d.poll() is None:
+                d.kill()
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
     assert _ray_processes_gone(port) == []
