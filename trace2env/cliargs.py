@@ -85,6 +85,9 @@ def run_cli(prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequen
     """``main(argv)``, with :class:`UsageError` and ``user_errors`` printed as one line and exit 2."""
     try:
         return main(argv)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so the interpreter's final flush stays quiet
+        return 0
     except (UsageError, *user_errors) as exc:
         if os.environ.get("ENVACE_DEBUG"):
             raise

@@ -72,14 +72,21 @@ class WorldbookLibrary:
                 cls._cache[key] = cls(path)
             return cls._cache[key]
 
-    def for_env(self, env_id: str) -> Worldbook:
+    def for_env(self, env_id: str, pool: str | None = None) -> Worldbook:
+        """The book for ``env_id``; with ``pool``, a book built from another pool's traces is refused
+        (ValueError): it would simulate another benchmark's world."""
         if self.single is not None:
-            return self.single
-        try:
-            return self.by_env[env_id]
-        except KeyError:
-            raise KeyError(f"no worldbook for environment {env_id!r} under {self.path} "
-                           f"(have {len(self.by_env)}: {sorted(self.by_env)[:5]}...)") from None
+            wb = self.single
+        else:
+            try:
+                wb = self.by_env[env_id]
+            except KeyError:
+                raise KeyError(f"no worldbook for environment {env_id!r} under {self.path} "
+                               f"(have {len(self.by_env)}: {sorted(self.by_env)[:5]}...)") from None
+        if pool is not None and wb.manifest.source_pool is not None and wb.manifest.source_pool != pool:
+            raise ValueError(f"{wb.root}: built from traces of pool {wb.manifest.source_pool!r}, not of {pool!r} "
+                             f"(environment {env_id!r})")
+        return wb
 
 
 def provider_from_endpoint(endpoint: dict[str, Any]):
@@ -128,7 +135,7 @@ class WorldbookSource:
     def for_episode(cls, path: str | Path, episode: Any, *, proposer: Proposer | None = None,
                     shadow: RealSource | None = None) -> WorldbookSource:
         spec = episode.spec
-        wb = WorldbookLibrary.shared(path).for_env(spec.env_id)
+        wb = WorldbookLibrary.shared(path).for_env(spec.env_id, spec.pool)
         return cls(wb, context=initial_state_id(spec), proposer=proposer, shadow=shadow)
 
     async def observe(self, call: ToolCall, ctx: CallContext) -> Observation:

@@ -332,6 +332,8 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     selected = select_w2r_tasks(pool, library, split=args.split, envs=args.envs, tasks_per_env=args.tasks_per_env,
                                 limit=args.limit)
     envs = sorted({pool.task(t).env_id for t in selected})
+    for env in envs:
+        library.for_env(env, pool.name)  # ValueError for a book of another pool's traces
     bench = Benchmark(name="w2r", pool=args.pool, title=f"{args.pool} W2R", categories=tuple(dict.fromkeys(
         selected.values())), labels=tuple(dict.fromkeys(selected.values())))
     label = args.label or _default_label(args)

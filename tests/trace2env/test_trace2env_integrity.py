@@ -235,3 +235,7 @@ def test_finding6_build_and_eval_mistakes_are_one_line(books, tmp_path, capsys):
     for n in ("0", "-1", "x"):
         _one_line_exit_2(["eval", str(books / "kv-b"), str(good), "--n-boot", n], capsys, "--n-boot")
     _one_line_exit_2(["check", str(tmp_path / "nowhere")], capsys, "does not exist")
+    _one_line_exit_2(["eval", str(books / "kv-b"), str(good), "--split-manifest", str(tmp_path / "no.json")], capsys,
+                     "--split-manifest", "no.json: cannot read")
+    _one_line_exit_2(["eval", str(books / "kv-b"), str(good), "--split-manifest", str(bad)], capsys,
+                     "--split-manifest", "bad.jsonl: not a split manifest")

@@ -179,6 +179,22 @@ def test_a_books_folder_with_a_broken_book_is_refused_whole(books, fake_openai, 
         WorldbookLibrary(folder)
 
 
+def test_a_book_of_another_pools_traces_is_refused(books, fake_openai, replies, tmp_path, capsys):
+    """Finding 5: a book records its traces' pool; the simulator never serves it for another pool's tasks."""
+    pool, test, true_book, _ = books
+    lib = WorldbookLibrary(true_book / "bank")
+    assert lib.for_env(ENV, "synthetic").manifest.source_pool == "synthetic"
+    with pytest.raises(ValueError, match="built from traces of pool 'synthetic', not of 'bfcl_multi_turn'"):
+        lib.for_env("GorillaFileSystem", "bfcl_multi_turn")
+    server = fake_openai(reporting_agent(pool, test, replies))
+    server.models = ["m"]
+    assert main(["w2r", "--pool", "bfcl_multi_turn", "--worldbook", str(true_book / "bank"), "--base-url",
+                 server.base_url, "--model", "m", "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "not of 'bfcl_multi_turn'" in err and len(err.splitlines()) == 1
+    assert server.n_requests == 0 and not (tmp_path / "o").exists()
+
+
 def test_task_selection_follows_the_worldbooks(books, tmp_path):
     pool, test, true_book, _ = books
     both = pool.task_ids("test")
