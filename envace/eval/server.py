@@ -79,7 +79,7 @@ def server_command(kind: str, checkpoint: str, host: str, port: int, extra: Sequ
             *prefix, "serve", checkpoint,
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--host", host, "--port", str(port), "--served-model-name", checkpoint,
-            *extra,
+            *_vllm_cpu_args(extra), *extra,
         ]  # fmt: skip
     if kind == "transformers":
         if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
@@ -92,6 +92,18 @@ def server_command(kind: str, checkpoint: str, host: str, port: int, extra: Sequ
             *extra,
         ]  # fmt: skip
     raise ServerLaunchError(f"unknown server kind {kind!r}; choose from {SERVER_KINDS}")
+
+
+def _vllm_cpu_args(extra: Sequence[str]) -> list[str]:
+    """On a machine without CUDA (vLLM's CPU build): no chunked prefill, unless ``extra`` says otherwise. vLLM
+    0.29's model runner rewinds a seeded request's generator after a partial prefill with ``Generator.set_offset``,
+    which CPU generators do not have: the engine dies on the first seeded request whose prompt is longer than
+    ``--max-num-batched-tokens`` (the evaluation seeds every request). Pinned by tests/envace/eval/test_eval_server.py."""
+    import torch
+
+    if torch.cuda.is_available() or any("chunked-prefill" in a for a in extra):
+        return []
+    return ["--no-enable-chunked-prefill"]
 
 
 def wait_for_models(base_url: str, *, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> list[str]:

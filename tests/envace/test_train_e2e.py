@@ -3,9 +3,15 @@
 Run A: 2 steps of EnvACE (``experiment=cpu_default``: the warm-started tiny Qwen3 acts and rehearses the
 environment on the synthetic pool, role-wise GRPO, reward = the pool's verifier on a real-environment
 replay of the actor's calls) with EnvSched choosing the batches, through verl's real V1 trainer (FSDP2 on
-gloo, the hfcpu rollout), checkpointing at steps 1 and 2, validating in the real environment at step 2.
-Run B starts from a copy of A's step-1 checkpoint only, resumes (model, optimizer, dataloader and
-scheduler state) and runs step 2: its batch must equal the batch A chose at step 2 uninterrupted.
+gloo) and verl's own vLLM rollout replica on vLLM's CPU build, checkpointing at steps 1 and 2, validating in the
+real environment at step 2. Run B starts from a copy of A's step-1 checkpoint only, resumes (model, optimizer,
+dataloader and scheduler state) and runs step 2: its batch must equal the batch A chose at step 2 uninterrupted.
+
+The weight sync is checked where it can fail: vLLM starts from random weights (verl's ``load_format=dummy``), so
+step 1's rollout is the first sync's, and at a learning rate of 1e-2 one update moves the policy's token
+probabilities by far more than ``SYNC_TOLERANCE`` (a stale or partial sync at step 2 of either run, the resumed
+one included, fails ``training/rollout_probs_diff_max``). With the sync disabled in a scratch copy
+(``CPUWorkerExtension.update_weights_from_ipc`` draining the buckets without loading them), this test fails.
 """
 
 from __future__ import annotations
@@ -35,7 +41,14 @@ FAST = [
     "data.val_max_samples=4",
     # recompute the old log-probs (cpu_default bypasses it) so verl reports rollout-vs-trainer differences
     "algorithm.rollout_correction.bypass_mode=false",
+    # large steps: a rollout that missed an update differs from the trainer by far more than SYNC_TOLERANCE; the
+    # entropy term makes every step update, even one whose groups all scored alike (zero advantages)
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
 ]
+#: the largest probability difference, over a step's tokens, between vLLM's sampled-token probability and the FSDP
+#: actor's recomputation (both fp32, the same weights after a sync)
+SYNC_TOLERANCE = 1e-2
 
 
 def step_metrics(out: str, step: int) -> dict[str, float]:
@@ -55,7 +68,8 @@ def test_envace_envsched_train_checkpoint_resume(tmp_path, train_sh):
     for step in (1, 2):
         m = step_metrics(out_a, step)
         # the rollout server and the FSDP actor hold the same weights after every sync
-        assert m["training/rollout_probs_diff_max"] < 1e-2, m["training/rollout_probs_diff_max"]
+        assert m["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, m["training/rollout_probs_diff_max"]
+        assert m["actor/grad_norm"] > 0  # every step updates, so every later rollout needs the sync
         assert 0.0 <= m["critic/score/mean"] <= 1.0
         assert m["envsched/batch_size"] == 2 and m["envsched/observed_groups"] == 2
         # per-role metrics every step
@@ -88,6 +102,8 @@ def test_envace_envsched_train_checkpoint_resume(tmp_path, train_sh):
     out_b = train_sh(b, *FAST)
     assert "Resuming from" in out_b and "global_step_1" in out_b
     assert not re.search(r"\bstep:1 - ", out_b)
-    step_metrics(out_b, 2)
+    m = step_metrics(out_b, 2)
+    # the resumed run's rollout server was synced from the restored actor, not left on its dummy weights
+    assert m["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, m["training/rollout_probs_diff_max"]
     assert (b / "global_step_2" / "actor").is_dir()
     assert selections(b) == {2: sel_a[2]}

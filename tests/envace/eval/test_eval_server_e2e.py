@@ -120,6 +120,28 @@ def test_eval_bfcl_script_and_resume(server: LaunchedServer, tmp_path: Path) -> 
     assert third.returncode == 0 and "ran 0, skipped 4" in third.stderr
 
 
+def test_eval_bfcl_with_test_time_rehearsal_on_vllms_cpu_server(tiny_model: Path, tmp_path: Path) -> None:
+    """The evaluation CLI serves the checkpoint with ``vllm serve`` (vLLM's CPU build, the server GPU users run,
+    with its hermes tool-call parser) and plays one BFCL task with test-time rehearsal against it: rehearsals,
+    self-evaluations, the summary and the committed execution all go through vLLM's OpenAI route. The BFCL prompt
+    (about 4,800 tokens) is longer than vLLM's prefill chunk: the seeded requests run only because the CLI turns
+    chunked prefill off on CPU (``envace.eval.server._vllm_cpu_args``)."""
+    out = tmp_path / "vllm"
+    env_kv = "VLLM_CPU_KVCACHE_SPACE"
+    os.environ.setdefault(env_kv, "1")  # GiB of KV cache (vLLM's default, 4, is far more than a tiny model needs)
+    proc = script("eval_bfcl.sh", "--checkpoint", str(tiny_model), "--server", "vllm",
+                  "--server-arg=--enforce-eager", "--server-arg=--max-model-len=16384", "--server-timeout", "600",
+                  "--categories", "base", "--limit", "1", "--tts", "parallel", "--rehearsals", "2",
+                  "--out", str(out), *SHORT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = records(out)
+    assert rec["task_id"] == "multi_turn_base_0" and rec["reason"] and 0.0 <= rec["reward"] <= 1.0
+    tts = rec["extra"]["tts"]
+    assert [a["index"] for a in tts["attempts"]] == [1, 2]
+    assert all(a["assistant_messages"] >= 1 for a in tts["attempts"])
+    assert tts["cost"]["commit"]["completion_tokens"] > 0
+
+
 def test_missing_vllm_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
     import importlib.util
 

@@ -153,3 +153,23 @@ def test_transformers_serve_returns_text_for_a_malformed_tool_call():
         chat_completion.parse_tool_calls, response.parse_tool_calls = stock, stock_response
     cmd = server_command("transformers", "/ckpt", "127.0.0.1", 8000)
     assert cmd[1:3] == ["-m", "envace.eval.tfserve"] and "serve" in cmd
+
+
+def test_vllm_on_cpu_is_served_without_chunked_prefill():
+    """vLLM 0.29's CPU runner cannot rewind a seeded request's generator after a split prefill (the pinned line
+    below raises "CPU Generator does not use offset" and kills the engine), and the evaluation seeds every request:
+    on a machine without CUDA ``vllm serve`` gets ``--no-enable-chunked-prefill`` unless the user chose."""
+    import inspect
+
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from envace.eval.server import server_command
+
+    assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    with pytest.raises(RuntimeError, match="offset"):
+        torch.Generator().get_offset()
+    cmd = server_command("vllm", "/ckpt", "127.0.0.1", 8000)
+    assert cmd.count("--no-enable-chunked-prefill") == (0 if torch.cuda.is_available() else 1)
+    chosen = server_command("vllm", "/ckpt", "127.0.0.1", 8000, ["--enable-chunked-prefill"])
+    assert "--no-enable-chunked-prefill" not in chosen and chosen[-1] == "--enable-chunked-prefill"
