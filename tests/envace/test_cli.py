@@ -47,7 +47,7 @@ def test_each_command_gets_its_arguments(command, capsys):
     out = capsys.readouterr().out
     assert "usage:" in out and "envace COMMAND" not in out
     assert {"train": "Hydra overrides", "eval": "{bfcl,tau2,w2r,table,tts-table,sweep}", "envs": "build-data",
-            "models": "{build,path}"}[command] in out
+            "models": "{build,path,export}"}[command] in out
 
 
 def test_the_declared_console_script_is_the_installed_one():
