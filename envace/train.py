@@ -81,6 +81,18 @@ def check_platform(cfg: DictConfig) -> None:
             raise ConfigError(str(exc)) from None
 
 
+def check_worldbooks(path: str) -> None:
+    """The simulator's worldbook (one package or a folder of them) is verified whole before anything starts: a
+    broken, tampered or unexpected book refuses the run, naming the book and the problem (not mid-rollout)."""
+    from trace2env import load_worldbooks
+    from trace2env.package import WorldbookIntegrityError
+
+    try:
+        load_worldbooks(path)
+    except WorldbookIntegrityError as exc:
+        raise ConfigError(f"envace.agent.worldbook={path}: {exc}") from None
+
+
 def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int) -> None:
     """The cluster must hold nnodes × n_gpus_per_node device slots (GPU resources) on enough nodes."""
     nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
@@ -129,6 +141,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         "splits": [d.train_split, d.val_split],
         "max": d.max_tasks_per_pool,
         "seed": d.seed,
+        **({"train_task_ids": list(d.train_task_ids)} if d.train_task_ids is not None else {}),
         "agent": loop_name(ecfg.agent.observation_source),
         "val_agent": loop_name(ecfg.agent.val_observation_source),
         "pool_kwargs": pool_kwargs,
@@ -164,6 +177,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         limit_per_pool=d.max_tasks_per_pool,
         pool_kwargs=pool_kwargs,
         seed=d.seed,
+        train_task_ids=d.train_task_ids,
     )
     stamp.write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     return str(t), str(v)
@@ -303,6 +317,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
     validate_envsched_config(cfg)
     if ecfg.preflight:
         check_platform(cfg)
+    if ecfg.agent.worldbook is not None:
+        check_worldbooks(ecfg.agent.worldbook)
     with open_dict(cfg):
         cfg.actor_rollout_ref.model.path = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
         if cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path is None:

@@ -91,6 +91,11 @@ def task_ref(kwargs: dict[str, Any]) -> tuple[str, str]:
     return str(pool), str(task_id)
 
 
+class RolloutAbortedError(RuntimeError):
+    """The rollout server aborted a generation (verl's ``stop_reason="aborted"``): an infrastructure failure, never
+    a reply of the model's."""
+
+
 class PrefixError(RuntimeError):
     """The engine's conversation does not extend what was already tokenised (a bug, never data)."""
 
@@ -185,6 +190,11 @@ class VerlPolicy:
         out = await self.loop.server_manager.generate(
             request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=params
         )
+        if out.stop_reason == "aborted":
+            # vLLM answers an aborted request with whatever it had generated, possibly nothing, and no finish
+            # reason: taking that as the policy's message would train on a reply the model never finished
+            raise RolloutAbortedError(f"the rollout server aborted request {self.request_id} after "
+                                      f"{len(out.token_ids)} token(s) (role {role.value})")
         fields = out.extra_fields or {}
         if "min_global_steps" in fields:
             self.global_steps.setdefault("min_global_steps", fields["min_global_steps"])

@@ -157,3 +157,21 @@ def test_preflight_refuses_data_whose_agent_loop_is_not_registered(tmp_path):
         check_agent_names([str(path)], agent_loop_config_path())
     pq.write_table(pa.table({"agent_name": ["envace_env", "envace_act_rehearse"]}), path)
     check_agent_names([str(path)], agent_loop_config_path())
+
+
+def test_a_broken_worldbook_folder_stops_the_run_before_it_starts(tmp_path):
+    """The simulator's books are verified whole at pre-flight (all or nothing, as evaluation does), not found
+    missing mid-rollout: a folder holding something that is not a worldbook refuses the run, naming it."""
+    from envace.config import ConfigError
+    from envace.train import prepare
+
+    books = tmp_path / "books"
+    (books / "kv-a").mkdir(parents=True)  # a book that lost its manifest.json
+    (books / "kv-a" / "rules.json").write_text("{}")
+    cfg = compose(["experiment=cpu_default", "envace.agent.observation_source=simulator",
+                   f"envace.agent.worldbook={books}", "envace.preflight=false",
+                   f"trainer.default_local_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"envace.agent.worldbook=.*kv-a") as err:
+        prepare(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()

@@ -508,3 +508,21 @@ def test_tau2_in_the_training_loop_with_a_simulated_user(tokenizer, fake_openai,
     assert outs[-1].extra_fields["stop_reason"] == "completed"  # the user ended it (###STOP###)
     assert outs[-1].extra_fields["reward_extra_info"]["tool_calls"] == 1.0
     assert "My phone has no data." in tokenizer.decode(server.calls[0][1])
+
+
+def test_an_aborted_generation_is_an_infrastructure_failure_not_an_empty_reply(tokenizer):
+    """vLLM (on GPUs, under aborts from verl's partial-rollout and weight-update paths) returns an aborted request
+    as an output with ``stop_reason="aborted"`` and possibly no tokens; hfcpu and the sync CPU run never do. The loop
+    refuses it instead of scoring an empty ACT message as the model's reply."""
+    from envace.agents.verl_loop import RolloutAbortedError
+
+    loop, server = make_loop(tokenizer, ["Done."])
+    completed = server.generate
+
+    async def aborted(request_id, *, prompt_ids, sampling_params, **kw):
+        out = await completed(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kw)
+        return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted", extra_fields=out.extra_fields)
+
+    server.generate = aborted
+    with pytest.raises(RolloutAbortedError, match="aborted request .* after 0 token"):
+        run(loop)
