@@ -221,6 +221,7 @@ def build_parquet(
     pool_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     seed: int | str = 0,
     val_agent_name: str | None = None,
+    train_task_ids: Sequence[str] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``val.parquet`` (+ ``manifest.json``) for ``pool_names`` into ``out_dir``.
 
@@ -229,8 +230,9 @@ def build_parquet(
     The train file holds each pool's ``splits[0]`` tasks and the validation file its ``splits[1]`` tasks
     (pools define their own deterministic splits; BFCL's is a scenario-level hash, τ²'s the official
     one). ``limit_per_pool`` keeps, per pool and split, the first N tasks of :func:`stable_order` (a
-    spread over categories, not the first N ids). Raises :class:`DatasetBuildError` if a task would
-    appear in both files or a file would be empty.
+    spread over categories, not the first N ids). ``train_task_ids`` keeps, instead, exactly those training
+    tasks, in that order (each must be in some pool's ``splits[0]``). Raises :class:`DatasetBuildError` if a task
+    would appear in both files, a file would be empty or a ``train_task_ids`` entry is in no pool's train split.
     """
     if not pool_names:
         raise DatasetBuildError("no pools given")
@@ -242,12 +244,17 @@ def build_parquet(
     agents = {train_split: agent_name, val_split: val_agent_name or agent_name}
     manifest: dict[str, Any] = {"agent_name": agent_name, "val_agent_name": agents[val_split],
                                 "splits": list(splits), "pools": {}}
+    unplaced = set(train_task_ids or ())
     for name in dict.fromkeys(pool_names):
         pool = get_pool(name, **dict((pool_kwargs or {}).get(name, {})))
         ids_by_split = {}
         for split in splits:
             ids = pool.task_ids(split)
-            if limit_per_pool is not None:
+            if split == train_split and train_task_ids is not None:
+                known = set(ids)
+                ids = [t for t in train_task_ids if t in known]
+                unplaced.difference_update(ids)
+            elif limit_per_pool is not None:
                 ids = stable_order(ids, seed)[:limit_per_pool]
             ids_by_split[split] = ids
         overlap = set(ids_by_split[train_split]) & set(ids_by_split[val_split])
@@ -265,6 +272,9 @@ def build_parquet(
                 per_cat[spec.category] += 1
             counts[split] = dict(sorted(per_cat.items()))
         manifest["pools"][name] = counts
+    if unplaced:
+        raise DatasetBuildError(f"train_task_ids: {len(unplaced)} id(s) in no {train_split!r} split of pools "
+                                f"{list(pool_names)}, e.g. {sorted(unplaced)[:3]}")
     for split in splits:
         if not rows[split]:
             raise DatasetBuildError(f"split {split!r} has no tasks in pools {list(pool_names)}")

@@ -93,6 +93,7 @@ __all__ = [
     "learning_pool",
     "rehearse_examples",
     "run_episodes",
+    "task_success",
     "train_sft",
 ]
 
@@ -682,6 +683,31 @@ def evaluate_policy(model_dir: str | os.PathLike[str] | None = None, n_tasks: in
         return {"success": mean, "tasks": len(rewards),
                 "per_category": {c: round(sum(v) / len(v), 4) for c, v in sorted(by_cat.items())}}
     return mean
+
+
+def task_success(task_ids: Sequence[str], samples: int, model_dir: str | os.PathLike[str] | None = None,
+                 temperature: float = 1.0, seed: int = 0, pool: Any = None, threads: int = 1) -> dict[str, float]:
+    """Each task's success rate over ``samples`` rollouts of the model acting in the real environment
+    (:func:`run_episodes`; sample ``s`` of every task uses seed ``seed + s``). Learnability sampling reads it: a task
+    the policy solves sometimes but not always (0 < p < 1) gives GRPO groups with reward variance."""
+    import torch
+
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    model_dir = model_dir if model_dir is not None else ensure_warm_model()
+    model, tok = _load(model_dir)
+    pool = pool if pool is not None else learning_pool()
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    wins = dict.fromkeys(task_ids, 0.0)
+    try:
+        for s in range(samples):
+            for tid, r in zip(task_ids, run_episodes(model, tok, pool, list(task_ids), temperature, seed + s),
+                              strict=True):
+                wins[tid] += r["reward"]
+    finally:
+        torch.set_num_threads(prev_threads)
+    return {tid: w / samples for tid, w in wins.items()}
 
 
 def evaluate_rehearsal(model_dir: str | os.PathLike[str] | None = None, n_tasks: int = 32, temperature: float = 0.0,
