@@ -95,15 +95,23 @@ def server_command(kind: str, checkpoint: str, host: str, port: int, extra: Sequ
 
 
 def _vllm_cpu_args(extra: Sequence[str]) -> list[str]:
-    """On a machine without CUDA (vLLM's CPU build): no chunked prefill, unless ``extra`` says otherwise. vLLM
-    0.29's model runner rewinds a seeded request's generator after a partial prefill with ``Generator.set_offset``,
-    which CPU generators do not have: the engine dies on the first seeded request whose prompt is longer than
-    ``--max-num-batched-tokens`` (the evaluation seeds every request). Pinned by tests/envace/eval/test_eval_server.py."""
+    """On a machine without CUDA (vLLM's CPU build), unless ``extra`` (or ``VLLM_CPU_KVCACHE_SPACE``) says otherwise:
+
+    * no chunked prefill: vLLM 0.29's model runner rewinds a seeded request's generator after a partial prefill with
+      ``Generator.set_offset``, which CPU generators do not have, so the engine dies on the first seeded request
+      whose prompt is longer than ``--max-num-batched-tokens`` (the evaluation seeds every request);
+    * a 1 GiB KV cache: without one vLLM reserves ``--gpu-memory-utilization`` (0.9) of the machine's memory and
+      refuses to start where less is free.
+
+    Pinned by tests/envace/eval/test_eval_server_lifetime.py."""
     import torch
 
-    if torch.cuda.is_available() or any("chunked-prefill" in a for a in extra):
+    if torch.cuda.is_available():
         return []
-    return ["--no-enable-chunked-prefill"]
+    args = [] if any("chunked-prefill" in a for a in extra) else ["--no-enable-chunked-prefill"]
+    if not any("kv-cache-memory" in a for a in extra) and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        args.append(f"--kv-cache-memory-bytes={2**30}")
+    return args
 
 
 def wait_for_models(base_url: str, *, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> list[str]:

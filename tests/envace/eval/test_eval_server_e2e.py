@@ -127,8 +127,6 @@ def test_eval_bfcl_with_test_time_rehearsal_on_vllms_cpu_server(tiny_model: Path
     (about 4,800 tokens) is longer than vLLM's prefill chunk: the seeded requests run only because the CLI turns
     chunked prefill off on CPU (``envace.eval.server._vllm_cpu_args``)."""
     out = tmp_path / "vllm"
-    env_kv = "VLLM_CPU_KVCACHE_SPACE"
-    os.environ.setdefault(env_kv, "1")  # GiB of KV cache (vLLM's default, 4, is far more than a tiny model needs)
     proc = script("eval_bfcl.sh", "--checkpoint", str(tiny_model), "--server", "vllm",
                   "--server-arg=--enforce-eager", "--server-arg=--max-model-len=16384", "--server-timeout", "600",
                   "--categories", "base", "--limit", "1", "--tts", "parallel", "--rehearsals", "2",

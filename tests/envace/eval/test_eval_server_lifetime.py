@@ -155,10 +155,12 @@ def test_transformers_serve_returns_text_for_a_malformed_tool_call():
     assert cmd[1:3] == ["-m", "envace.eval.tfserve"] and "serve" in cmd
 
 
-def test_vllm_on_cpu_is_served_without_chunked_prefill():
+def test_vllm_on_cpu_is_served_without_chunked_prefill_and_with_a_bounded_kv_cache(monkeypatch):
     """vLLM 0.29's CPU runner cannot rewind a seeded request's generator after a split prefill (the pinned line
     below raises "CPU Generator does not use offset" and kills the engine), and the evaluation seeds every request:
-    on a machine without CUDA ``vllm serve`` gets ``--no-enable-chunked-prefill`` unless the user chose."""
+    on a machine without CUDA ``vllm serve`` gets ``--no-enable-chunked-prefill`` and a 1 GiB KV cache unless the
+    user chose."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     import inspect
 
     import torch
@@ -170,6 +172,9 @@ def test_vllm_on_cpu_is_served_without_chunked_prefill():
     with pytest.raises(RuntimeError, match="offset"):
         torch.Generator().get_offset()
     cmd = server_command("vllm", "/ckpt", "127.0.0.1", 8000)
-    assert cmd.count("--no-enable-chunked-prefill") == (0 if torch.cuda.is_available() else 1)
-    chosen = server_command("vllm", "/ckpt", "127.0.0.1", 8000, ["--enable-chunked-prefill"])
-    assert "--no-enable-chunked-prefill" not in chosen and chosen[-1] == "--enable-chunked-prefill"
+    cpu = not torch.cuda.is_available()
+    assert cmd.count("--no-enable-chunked-prefill") == cmd.count(f"--kv-cache-memory-bytes={2**30}") == int(cpu)
+    chosen = server_command("vllm", "/ckpt", "127.0.0.1", 8000, ["--enable-chunked-prefill",
+                                                                "--kv-cache-memory-bytes=5"])
+    assert not [a for a in chosen if a.startswith(("--no-enable-chunked", "--kv-cache-memory-bytes=1"))]
+    assert chosen[-2:] == ["--enable-chunked-prefill", "--kv-cache-memory-bytes=5"]

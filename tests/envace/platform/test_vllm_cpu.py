@@ -89,7 +89,8 @@ def test_cpu_platform_config_reaches_verl_vllm_settings():
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.name == "vllm" and rollout.enable_sleep_mode is False and rollout.free_cache_engine is False
     assert rollout.engine_kwargs.vllm.worker_extension_cls == "envace.platform.vllm_cpu.CPUWorkerExtension"
-    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE == "1"  # Ray wants strings
+    assert rollout.engine_kwargs.vllm.kv_cache_memory_bytes == 256 * 2**20  # not a share of the machine's memory
+    assert rollout.enable_chunked_prefill is False  # see envace/eval/server.py, _vllm_cpu_args
     assert rollout.checkpoint_engine.backend == "naive"
     # the naive checkpoint engine sends whole tensors: the bucket must hold the largest (the embedding)
     from envace.models.warmstart import WARM_SPEC
