@@ -279,10 +279,12 @@ def wait_head(address: str, timeout: float, poll: float = 1.0) -> int:
         time.sleep(poll)
 
 
-def wait_nodes(n: int, timeout: float, poll: float = 2.0, address: str | None = None) -> int:
+def wait_nodes(n: int, timeout: float, poll: float = 2.0, address: str | None = None,
+               node_pid: int | None = None) -> int:
     """Block until the Ray cluster at ``address`` (default RAY_ADDRESS) has ``n`` alive nodes; 0, or 1 on time-out.
 
-    Connection attempts are retried until the deadline (the head may still be starting).
+    Connection attempts are retried until the deadline (the head may still be starting), unless ``node_pid`` (the
+    head's own ``ray start``) has exited: then the head will never come up, and this says so at once.
     """
     import ray
 
@@ -292,6 +294,10 @@ def wait_nodes(n: int, timeout: float, poll: float = 2.0, address: str | None = 
         return 2
     deadline = time.monotonic() + timeout
     while True:
+        if node_pid is not None and not _pid_alive(node_pid):
+            print(f"envace: this node's Ray (ray start, pid {node_pid}) exited before the cluster at {address} formed; "
+                  "its error is above", file=sys.stderr)
+            return 1
         try:
             ray.init(address=address, log_to_driver=False)
             break
@@ -467,13 +473,18 @@ def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | No
     logged a new ``step:N`` line (``log``: its console output) within ``step_deadline`` seconds (0: no deadline).
     On a lost node or a step past its deadline it prints one line naming the node (or the step) and the
     checkpoint a relaunch resumes from, stops the driver (SIGTERM, SIGKILL after ``grace`` s) and returns
-    :data:`WATCH_STOPPED`."""
+    :data:`WATCH_STOPPED`. A driver that ended by itself while a node was already marked lost (it failed on the
+    node's collective first) gets the same line and status."""
     import ray
 
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
         head = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in (n.get("Resources") or {})}
         watched = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
+
+        def names(ids: list[str]) -> str:
+            return ", ".join(f"{'head' if n in head else 'worker'} node {watched[n]} (node id {n[:12]})" for n in ids)
+
         print(f"envace: watching {len(watched)} Ray node(s) and the step time (deadline "
               f"{f'{step_deadline:g}s' if step_deadline else 'none'}) of the training driver {pid}", flush=True)
         offset, step, since = 0, None, time.monotonic()
@@ -490,9 +501,7 @@ def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | No
             at = f"during step {step + 1}" if step is not None else "before the first step finished"
             why = None
             if lost:
-                names = ", ".join(f"{'head' if n in head else 'worker'} node {watched[n]} (node id {n[:12]})"
-                                  for n in lost)
-                why = f"lost Ray {names} {at}"
+                why = f"lost Ray {names(lost)} {at}"
             elif step_deadline and time.monotonic() - since > step_deadline:
                 why = f"no training step finished within {step_deadline:g}s ({at}; ENVACE_STEP_DEADLINE)"
             if why and _pid_alive(pid):
@@ -500,6 +509,15 @@ def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | No
                       "same command on every node to resume from it (docs/multinode.md)", file=sys.stderr, flush=True)
                 _stop_driver(pid, grace)
                 return WATCH_STOPPED
+        try:  # the driver may have failed on a lost node before the head's health checks declared it dead
+            lost = sorted(set(watched) - {n["NodeID"] for n in ray.nodes() if n.get("Alive")})
+        except Exception:  # noqa: BLE001 - the head's GCS is gone too: nothing more to tell
+            lost = []
+        if lost:
+            print(f"envace: the training driver ended with Ray {names(lost)} lost. Last checkpoint: "
+                  f"{last_checkpoint(run_dir)}; relaunch the same command on every node to resume from it "
+                  "(docs/multinode.md)", file=sys.stderr, flush=True)
+            return WATCH_STOPPED
         return 0
     finally:
         ray.shutdown()
@@ -513,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--nodes", type=int, required=True)
     w.add_argument("--timeout", type=float, default=600.0)
     w.add_argument("--address", default=None, help="HOST:PORT (default: RAY_ADDRESS)")
+    w.add_argument("--node-pid", type=int, default=None, help="give up when this process (the head's ray start) ends")
     h = sub.add_parser("wait-head", help="wait until the Ray head accepts connections")
     h.add_argument("--address", required=True)
     h.add_argument("--timeout", type=float, default=600.0)
@@ -534,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd == "wait-nodes":
-        return wait_nodes(args.nodes, args.timeout, address=args.address)
+        return wait_nodes(args.nodes, args.timeout, address=args.address, node_pid=args.node_pid)
     if args.cmd == "wait-head":
         return wait_head(args.address, args.timeout)
     if args.cmd == "gpus":

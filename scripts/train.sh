@@ -12,7 +12,9 @@
 # Environment: RAY_PORT (6379), NODE_IP_ADDRESS (a worker's own address; default: its interface that routes to
 # MASTER_ADDR), GPUS_PER_NODE (auto: the CUDA devices this node offers, honouring
 # CUDA_VISIBLE_DEVICES and MIG; 1 logical slot without an NVIDIA driver), RAY_NUM_CPUS (auto),
-# RAY_JOIN_TIMEOUT (600: how long a worker waits for its head, and the head for its workers).
+# RAY_JOIN_TIMEOUT (600: how long a worker waits for its head, and the head for its workers),
+# ENVACE_STEP_DEADLINE (7200: seconds a multi-node training step may take before the head stops the run, 0: none;
+# a lost Ray node stops it at once; either way exit 3 with the node and the checkpoint to relaunch from).
 # Multi-node Ray is token-authenticated: RAY_AUTH_TOKEN (the same secret on every node) or
 # RAY_AUTH_TOKEN_PATH (a file on shared storage: the head writes a new token there, the workers read it);
 # RAY_AUTH_MODE=disabled opts out explicitly. Network interfaces: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
@@ -88,17 +90,19 @@ if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
   GPUS_PER_NODE="${GPUS_PER_NODE:-$("$PY" -m envace.launch gpus)}"
   RAY_NODE_PID=""
   TRAIN_PID=""
+  WATCH_PID=""
   # On exit, stop the training driver (if still running), then only the Ray node this script started
   # (never `ray stop`, which stops every Ray cluster of the host). The node is also bound to this
   # script's life (envace.launch bound-exec), so even a SIGKILL of this script stops it.
   stop_children() {
     local pid
-    for pid in "$TRAIN_PID" "$RAY_NODE_PID"; do
+    for pid in "$TRAIN_PID" "$WATCH_PID" "$RAY_NODE_PID"; do
       if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
         kill -TERM "$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
       fi
     done
+    [[ -z "${DRIVER_LOG:-}" ]] || rm -f "$DRIVER_LOG"
   }
   trap stop_children EXIT
   trap 'exit 143' TERM
@@ -111,12 +115,26 @@ if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
       ${RAY_NUM_CPUS:+"--num-cpus=$RAY_NUM_CPUS"} --disable-usage-stats --block &
     RAY_NODE_PID=$!
     export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
-    "$PY" -m envace.launch wait-nodes --address "$RAY_ADDRESS" --nodes "$NNODES" --timeout "$RAY_JOIN_TIMEOUT"
-    "$PY" -m envace.train trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@" &
+    "$PY" -m envace.launch wait-nodes --address "$RAY_ADDRESS" --nodes "$NNODES" --timeout "$RAY_JOIN_TIMEOUT" \
+      --node-pid "$RAY_NODE_PID"
+    # The driver's console output also goes to DRIVER_LOG, where the watcher reads its step lines. The watcher
+    # stops the run (exit 3) when a Ray node is lost or no step finishes within ENVACE_STEP_DEADLINE seconds,
+    # naming the node and the checkpoint a relaunch resumes from (verl would otherwise wait on a lost node forever).
+    DRIVER_LOG="$(mktemp "${TMPDIR:-/tmp}/envace-driver.XXXXXX")"
+    PYTHONUNBUFFERED=1 "$PY" -m envace.train trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@" \
+      > >(tee -a "$DRIVER_LOG") 2> >(tee -a "$DRIVER_LOG" >&2) &
     TRAIN_PID=$!
+    "$PY" -m envace.launch watch --pid "$TRAIN_PID" --address "$RAY_ADDRESS" --log "$DRIVER_LOG" \
+      --step-deadline "${ENVACE_STEP_DEADLINE:-7200}" -- "$@" &
+    WATCH_PID=$!
     rc=0
     wait "$TRAIN_PID" || rc=$?
     TRAIN_PID=""
+    wrc=0
+    wait "$WATCH_PID" || wrc=$?
+    WATCH_PID=""
+    rm -f "$DRIVER_LOG"
+    [[ "$wrc" -ne 3 ]] || rc=3
     exit "$rc"
   else
     echo "envace: node ${NODE_RANK} joining Ray head ${MASTER_ADDR}:${RAY_PORT} (${GPUS_PER_NODE} device slot(s))"

@@ -193,3 +193,16 @@ def test_train_sh_expands_no_possibly_empty_array_under_set_u():
     code = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
     assert not [ln for ln in code if "[@]" in ln or "[*]" in ln or "=(" in ln]
     assert '${RAY_NUM_CPUS:+"--num-cpus=$RAY_NUM_CPUS"}' in text
+
+
+def test_the_head_stops_waiting_for_nodes_when_its_own_ray_start_has_exited(capsys):
+    """A head whose ``ray start`` died (under load Ray's raylet can abort while its dashboard agent starts) used to
+    wait RAY_JOIN_TIMEOUT (600 s) for a cluster that could never form; now it stops at once and says why."""
+    from envace.launch import wait_nodes
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    started = time.monotonic()
+    assert wait_nodes(2, timeout=300, poll=0.2, address=f"127.0.0.1:{_free_port()}", node_pid=dead.pid) == 1
+    assert time.monotonic() - started < 30
+    assert f"Ray (ray start, pid {dead.pid}) exited before the cluster" in capsys.readouterr().err
