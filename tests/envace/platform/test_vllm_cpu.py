@@ -90,6 +90,8 @@ def test_cpu_platform_config_reaches_verl_vllm_settings():
     assert rollout.name == "vllm" and rollout.enable_sleep_mode is False and rollout.free_cache_engine is False
     assert rollout.engine_kwargs.vllm.worker_extension_cls == "envace.platform.vllm_cpu.CPUWorkerExtension"
     assert rollout.engine_kwargs.vllm.kv_cache_memory_bytes == 256 * 2**20  # not a share of the machine's memory
+    assert rollout.dtype == "float32" == cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype.replace(
+        "fp32", "float32")  # the rollout's probabilities are the trainer's (bypass_mode's old log-probs)
     assert rollout.enable_chunked_prefill is False  # see envace/eval/server.py, _vllm_cpu_args
     assert rollout.checkpoint_engine.backend == "naive"
     # the naive checkpoint engine sends whole tensors: the bucket must hold the largest (the embedding)
