@@ -7,7 +7,10 @@ model-free from the synthetic pool's gold traces by ``scripts/build_worldbook.sh
 end-to-end training test of the simulator as an observation source (issue 9). The cluster is
 token-authenticated (the head writes the token to RAY_AUTH_TOKEN_PATH, the worker reads it), an unrelated
 Ray cluster on the same machine survives the run (train.sh stops only what it started), and a worker node
-that cannot see the run directory stops the run before training, named in the error.
+that cannot see the run directory stops the run before training, named in the error. A worker joins on its route
+to the head and ends with 0 when the head closes the cluster; the head's watcher stops a run on a lost node or a
+step past its deadline; and a worker node killed mid-step stops a real run (exit 3, the node and the last
+checkpoint named), whose relaunch resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -377,3 +380,58 @@ def test_the_head_watcher_stops_a_run_on_a_lost_node_or_a_step_past_its_deadline
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
     assert _ray_processes_gone(port) == []
+
+
+def test_a_lost_worker_node_stops_the_run_naming_it_and_the_relaunch_resumes(tmp_path):
+    """The two-node run of train.sh (``cpu_bfcl``, the tiny Qwen3) checkpoints step 1; the worker node is then
+    killed mid-step 2, every process of it at once, as if it lost power. The head's watcher stops the run: exit 3
+    and one line naming the worker node and the step-1 checkpoint. The same commands relaunched resume from it and
+    finish step 2; the worker ends with 0 once its head closes the cluster. Old behaviour: verl waited on the lost
+    node's actors without a deadline. The head declares a silent node dead after 3 missed 1 s health checks here
+    (Ray's default, 5 x 3 s, only takes longer)."""
+    import psutil
+
+    run = tmp_path / "run"
+    args = ["experiment=cpu_bfcl", f"trainer.default_local_dir={run}", "trainer.save_freq=1", "trainer.test_freq=-1",
+            "trainer.val_before_train=false", "trainer.logger=[console]"]
+
+    def launch(steps: int) -> tuple[subprocess.Popen, Lines, subprocess.Popen, Lines]:
+        env = _env(_free_port(), tmp_path / "ray_token")
+        env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
+        head = subprocess.Popen([str(REPO / "scripts" / "train.sh"), *args, f"trainer.total_training_steps={steps}"],
+                                cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=dict(env, NODE_RANK="1"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return head, Lines(head), worker, Lines(worker)
+
+    head, out, worker, _ = launch(3)
+    try:
+        assert out.wait_for(r"\bstep:1 - ", 1200), out.text[-6000:]
+        deadline = time.monotonic() + 120
+        while not (run / "latest_checkpointed_iteration.txt").exists():
+            assert time.monotonic() < deadline, "no checkpoint after step 1"
+            time.sleep(1)
+        time.sleep(3)  # into step 2
+        node = psutil.Process(worker.pid)
+        for proc in [*node.children(recursive=True), node]:
+            proc.kill()
+        head.wait(timeout=600)
+    finally:
+        _stop(head)
+        _stop(worker)
+    assert head.returncode == 3, out.text[-6000:]
+    stop = next(line for line in out.text.splitlines() if "stopping the run" in line)
+    assert "lost Ray worker node " in stop and "during step 2" in stop, stop
+    assert f"Last checkpoint: {run / 'global_step_1'}; relaunch the same command" in stop
+
+    head, out, worker, wout = launch(2)
+    try:
+        head.wait(timeout=1200)
+        worker.wait(timeout=300)
+    finally:
+        _stop(head)
+        _stop(worker)
+    assert head.returncode == 0, out.text[-6000:]
+    assert f"Resuming from {run / 'global_step_1'}" in out.text and "step:2 - " in out.text
+    assert worker.returncode == 0 and "has closed the cluster" in wout.text, wout.text[-3000:]
