@@ -24,13 +24,27 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-__all__ = ["EXIT_USAGE", "ArgumentParser", "UsageError", "json_object", "number", "one_line", "run_cli"]
+__all__ = ["EXIT_USAGE", "ArgumentParser", "UsageError", "json_object", "number", "one_line", "read_text", "run_cli"]
 
 EXIT_USAGE = 2
 
 
 class UsageError(Exception):
     """A mistake of the user's (exit 2, one line)."""
+
+
+def read_text(path: str | os.PathLike[str], error: type[Exception] = UsageError, what: str = "file") -> str:
+    """A UTF-8 text file's content, or ``error`` with one line naming the path and why it cannot be read (a
+    directory, missing or unreadable, not UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except IsADirectoryError:
+        raise error(f"{path}: a directory, not a {what}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
 def one_line(text: object) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cliargs import read_text
 from .models import ActionCall, Event, SplitAssignment, SplitManifest, Trace, Transition
 
 __all__ = [
@@ -163,14 +164,7 @@ def load_traces(paths: Iterable[str | Path]) -> list[Trace]:
     out: list[Trace] = []
     for p in paths:
         p = Path(p)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except IsADirectoryError:
-            raise TraceFormatError(f"{p}: a directory, not a traces file") from None
-        except OSError as e:
-            raise TraceFormatError(f"{p}: cannot read: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start})") from None
+        text = read_text(p, TraceFormatError, "traces file")
         if p.suffix == ".jsonl":
             items, where = [], []
             for n, line in enumerate(text.split("\n"), 1):

@@ -43,7 +43,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from envace.envs.base import EnvironmentPool, ToolCall, available_pools, get_pool
-from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, run_cli
+from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, read_text, run_cli
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -217,15 +217,7 @@ def cmd_gold(args: argparse.Namespace) -> int:
 
 
 def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except IsADirectoryError:
-        raise CLIError(f"{path}: a directory, not a file") from None
-    except OSError as exc:
-        raise CLIError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise CLIError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    return read_text(path, CLIError)
 
 
 def _has_string_call(obj: Any) -> bool:

@@ -177,8 +177,8 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
-        # the fallback rollout (the servers' names below are hfcpu's): each vLLM CPU engine binds its worker to a
-        # core and reserves another for its engine process, and two of them on one 2-core machine were not tried;
+        # hfcpu, the CPU default (the servers' names below are its): each vLLM CPU engine binds its worker to a core
+        # and reserves another for its engine process, and two of them on one 2-core machine were not tried;
         # tests/envace/test_train_e2e.py runs the vLLM rollout
         "actor_rollout_ref.rollout.name=hfcpu",
         # verl pads a step's rows to a multiple of ppo_mini_batch_size x n = 8, 4 per rank: micro-batches of 4

