@@ -526,3 +526,29 @@ def test_an_aborted_generation_is_an_infrastructure_failure_not_an_empty_reply(t
     server.generate = aborted
     with pytest.raises(RolloutAbortedError, match="aborted request .* after 0 token"):
         run(loop)
+
+
+def test_a_rollouts_generations_never_overlap_under_its_request_id(tokenizer):
+    """Every generation of a rollout (its act turns and its rehearsals) goes out under one request id, which verl's
+    server manager uses for sticky routing; vLLM refuses a request whose id is already running, so each must finish
+    before the next is sent. The server below yields to the event loop inside every call and fails on an overlap."""
+    import asyncio
+
+    loop, server = make_loop(tokenizer, gold_replies(), source="rehearse",
+                             rehearse=['<execution_result>{"ok": true}</execution_result>'] * 20)
+    scripted, running, ids = server.generate, set(), set()
+
+    async def exclusive(request_id, *, prompt_ids, sampling_params, **kw):
+        assert request_id not in running, f"request {request_id} sent while running"
+        running.add(request_id)
+        ids.add(request_id)
+        try:
+            await asyncio.sleep(0.001)
+            return await scripted(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kw)
+        finally:
+            running.discard(request_id)
+
+    server.generate = exclusive
+    run(loop)
+    roles = {role for role, _, _ in server.calls}
+    assert roles == {"act", "rehearse"} and len(ids) == 1 and len(server.calls) > 2

