@@ -40,7 +40,7 @@ done
 source "$ROOT/scripts/bootstrap.sh"   # the project's virtualenv (created on first use); exports PY
 
 for split in train test; do
-  "$PY" -m envace.envs.traces --pool "$POOL" --pool-kwargs "$KW" --split "$split" "${MAX[@]}" \
+  "$PY" -m envace.envs.traces --pool "$POOL" --pool-kwargs "$KW" --split "$split" ${MAX[@]+"${MAX[@]}"} \
     --out "$OUT/traces/$split.jsonl" --by-env "$OUT/traces/$split"
 done
 shopt -s nullglob

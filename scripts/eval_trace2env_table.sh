@@ -18,35 +18,57 @@
 # <bench>.{det,llm}.{txt,json}, and all tables on stdout.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=scripts/bootstrap.sh
-source "$ROOT/scripts/bootstrap.sh"   # the project's virtualenv (created on first use); exports PY
+ME="eval_trace2env_table.sh"
+die() { echo "$ME: $*" >&2; exit 2; }
 
+# Arguments are checked before anything is installed or written (the project's CLI convention, docs/cli.md).
 OUT="" BENCH="bfcl,airline,retail,telecom" BFCL_MAX=30 SERVE="" BASE="" MODEL="" JBASE="" JMODEL="" SUBSET=5
 MAXTOK="" REPAIR="" PAYLOAD="" LINES="" NBOOT=10000 DET=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    --benchmarks) BENCH="$2"; shift 2 ;;
-    --bfcl-max-tasks) BFCL_MAX="$2"; shift 2 ;;
-    --serve) SERVE="$2"; shift 2 ;;
-    --base-url) BASE="$2"; shift 2 ;;
-    --model) MODEL="$2"; shift 2 ;;
-    --judge-base-url) JBASE="$2"; shift 2 ;;
-    --judge-model) JMODEL="$2"; shift 2 ;;
-    --subset) SUBSET="$2"; shift 2 ;;
-    --subset-lines) LINES="$2"; shift 2 ;;
-    --max-tokens) MAXTOK="$2"; shift 2 ;;
-    --repair-rounds) REPAIR="$2"; shift 2 ;;
-    --max-payload-chars) PAYLOAD="$2"; shift 2 ;;
-    --no-det) DET=0; shift ;;
-    --n-boot) NBOOT="$2"; shift 2 ;;
+    --no-det) DET=0; shift; continue ;;
     -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
-    *) echo "eval_trace2env_table.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    --out|--benchmarks|--bfcl-max-tasks|--serve|--base-url|--model|--judge-base-url|--judge-model|--subset|\
+    --subset-lines|--max-tokens|--repair-rounds|--max-payload-chars|--n-boot)
+      [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value (see --help)" ;;
+    *) die "unknown argument $1 (see --help)" ;;
   esac
+  case "$1" in
+    --out) OUT="$2" ;;
+    --benchmarks) BENCH="$2" ;;
+    --bfcl-max-tasks) BFCL_MAX="$2" ;;
+    --serve) SERVE="$2" ;;
+    --base-url) BASE="$2" ;;
+    --model) MODEL="$2" ;;
+    --judge-base-url) JBASE="$2" ;;
+    --judge-model) JMODEL="$2" ;;
+    --subset) SUBSET="$2" ;;
+    --subset-lines) LINES="$2" ;;
+    --max-tokens) MAXTOK="$2" ;;
+    --repair-rounds) REPAIR="$2" ;;
+    --max-payload-chars) PAYLOAD="$2" ;;
+    --n-boot) NBOOT="$2" ;;
+  esac
+  shift 2
 done
-[[ -n "$OUT" ]] || { echo "eval_trace2env_table.sh: --out is required" >&2; exit 2; }
-[[ -z "$SERVE" || -z "$BASE" ]] || { echo "eval_trace2env_table.sh: --serve or --base-url, not both" >&2; exit 2; }
-[[ -z "$BASE$MODEL" || ( -n "$BASE" && -n "$MODEL" ) ]] || { echo "--base-url and --model go together" >&2; exit 2; }
+for v in "--bfcl-max-tasks=$BFCL_MAX" "--subset=$SUBSET" "--n-boot=$NBOOT" "--max-tokens=$MAXTOK" \
+    "--max-payload-chars=$PAYLOAD"; do
+  [[ -z "${v#*=}" || "${v#*=}" =~ ^[1-9][0-9]*$ ]] || die "${v%%=*}: expected an integer >= 1, got '${v#*=}'"
+done
+[[ -z "$REPAIR" || "$REPAIR" =~ ^[0-9]+$ ]] || die "--repair-rounds: expected an integer >= 0, got '$REPAIR'"
+[[ -z "$LINES" || "$LINES" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
+  die "--subset-lines: expected line numbers separated by commas, got '$LINES'"
+for b in ${BENCH//,/ }; do
+  case "$b" in bfcl|airline|retail|telecom) ;; *) die "--benchmarks: unknown benchmark $b (bfcl, airline, retail, telecom)" ;; esac
+done
+[[ -n "$OUT" ]] || die "--out is required (see --help)"
+[[ ! -e "$OUT" || -d "$OUT" ]] || die "--out $OUT is not a directory"
+[[ -z "$SERVE" || -z "$BASE" ]] || die "--serve or --base-url, not both"
+[[ -z "$BASE$MODEL" || ( -n "$BASE" && -n "$MODEL" ) ]] || die "--base-url and --model go together"
+[[ -z "$SERVE" || -d "$SERVE" ]] || die "--serve $SERVE is not a directory"
+
+# shellcheck source=scripts/bootstrap.sh
+source "$ROOT/scripts/bootstrap.sh"   # the project's virtualenv (created on first use); exports PY
 mkdir -p "$OUT/tables"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
@@ -54,7 +76,6 @@ SERVER_PID=""
 stop_server() { [[ -z "$SERVER_PID" ]] || { kill -TERM -- "-$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; }; }
 trap stop_server EXIT
 if [[ -n "$SERVE" ]]; then
-  [[ -d "$SERVE" ]] || { echo "eval_trace2env_table.sh: --serve $SERVE is not a directory" >&2; exit 2; }
   port="$("$PY" -c 'from envace.eval.server import free_port; print(free_port())')"
   # transformers serve answers /v1/models from the HF hub cache and fails without one: give it an empty one
   hub="${HF_HUB_CACHE:-$HOME/.cache/huggingface/hub}"; [[ -d "$hub" ]] || hub="$(mktemp -d "$OUT/hf-hub.XXXX")"
@@ -100,9 +121,9 @@ for b in "${BENCHES[@]}"; do
       head -n "$SUBSET" "$d/traces/test.jsonl" > "$d/traces/test_subset.jsonl"
       which="first $SUBSET held-out trace(s)"
     fi
-    echo "== $b: every system + judge, $which; model $MODEL at $BASE, judge $JMODEL at $JBASE${CFG[*]:+; provider limits: ${CFG[*]}}"
+    echo "== $b: every system + judge, $which; model $MODEL at $BASE, judge $JMODEL at $JBASE${CFG[*]+${CFG[*]:+; provider limits: ${CFG[*]}}}"
     "$PY" -m trace2env eval "$d/book" "$d/traces/test_subset.jsonl" \
-      --systems evidence,rules,direct,trace_rag,worldbook_prompt,harness_only "${CFG[@]}" \
+      --systems evidence,rules,direct,trace_rag,worldbook_prompt,harness_only ${CFG[@]+"${CFG[@]}"} \
       --base-url "$BASE" --model "$MODEL" --judge-base-url "$JBASE" --judge-model "$JMODEL" --n-boot "$NBOOT" \
       --out "$OUT/tables/$b.llm.json" 2> "$OUT/tables/$b.llm.usage.txt" | tee "$OUT/tables/$b.llm.txt"
     grep -h usage "$OUT/tables/$b.llm.usage.txt" | sed 's/^/  /' || true

@@ -180,3 +180,35 @@ def test_finding13_a_failed_build_leaves_no_books_and_the_corrected_rerun_runs(t
 
     single, by_env = load_worldbooks(out / "books")
     assert not single and list(by_env) == ["syn-bank-00"] and by_env["syn-bank-00"].manifest.source_pool == "synthetic"
+
+
+TABLE_SCRIPT = REPO / "scripts" / "eval_trace2env_table.sh"
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (["--out"], "--out needs a value"),
+    (["--out", "{o}", "--n-boot", "0"], "--n-boot: expected an integer >= 1, got '0'"),
+    (["--out", "{o}", "--subset", "--no-det"], "--subset needs a value"),
+    (["--out", "{o}", "--repair-rounds", "-1"], "--repair-rounds: expected an integer >= 0, got '-1'"),
+    (["--out", "{o}", "--subset-lines", "3,x"], "--subset-lines: expected line numbers separated by commas"),
+    (["--out", "{o}", "--benchmarks", "bfcl,nope"], "--benchmarks: unknown benchmark nope"),
+    (["--out", "{f}"], "--out {f} is not a directory"),
+    (["--out", "{o}", "--serve", "{o}/none"], "--serve {o}/none is not a directory"),
+    (["--benchmarks", "bfcl"], "--out is required"),
+    (["--out", "{o}", "--bogus"], "unknown argument --bogus"),
+])
+def test_eval_trace2env_table_sh_argument_errors_are_one_line(args, expect, tmp_path):
+    """The same convention for the Trace2Env table script: checked before the virtualenv or the output folder."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(TABLE_SCRIPT, root / "scripts" / TABLE_SCRIPT.name)
+    (root / "scripts" / "bootstrap.sh").write_text('echo "bootstrap reached" >&2; exit 99\n')
+    f = tmp_path / "afile"
+    f.write_text("x")
+    fill = {"o": str(tmp_path / "out"), "f": str(f)}
+    proc = subprocess.run(["bash", str(root / "scripts" / TABLE_SCRIPT.name), *[a.format(**fill) for a in args]],
+                          capture_output=True, text=True, timeout=60, check=False)
+    err = proc.stderr
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"eval_trace2env_table.sh: {expect.format(**fill)}"), err
+    assert not (tmp_path / "out").exists()
