@@ -8,12 +8,21 @@ Checks, in order, and prints one summary table:
 3. -- from here on a CUDA GPU is needed; without one the smoke test stops here, says so, and exits 3 --
    imports: torch with CUDA, vLLM, the attention backend (SDPA; flash-attn when installed);
 4. verl picks its CUDA platform in the driver and inside a Ray actor that holds a GPU;
-5. the training run: 2 steps with a checkpoint at step 2, then a second launch resumes it and runs step 3;
-6. what the runs wrote (verl's metrics JSONL, the per-step rollout dumps): rollout vs. trainer probabilities
-   agree (``training/rollout_probs_diff_mean``), rollouts have more than one ACT message and a tool call,
-   rewards lie in [0, 1], loss, KL loss and gradient norm are finite;
+5. the training run: 2 steps at learning rate ``SMOKE_LR`` (ten times the paper's, so one update moves the
+   policy's token probabilities far enough for a stale weight sync to show) with a validation pass and a
+   checkpoint at step 2, then a second launch resumes it and runs step 3; with two GPUs or more, a third launch
+   runs one step at tensor-parallel 2 (the 8B recipe's layout);
+6. what the runs wrote (verl's metrics JSONL, the per-step rollout dumps), per step: the rollout held the actor's
+   weights (``sync_problems``: mean probability difference, and the correlation of the two probabilities, which a
+   rollout on never-synced weights loses), the update ran (gradient norm > 0), the validation pass reported,
+   rollouts have more than one ACT message and a tool call, rewards lie in [0, 1], loss, KL loss and gradient
+   norm are finite, and verl's FSDP2 engine's peak memory stayed within the GPU;
 7. vLLM: sleeping frees its memory (and it wakes up and generates again); decode tokens/s;
 8. peak memory of one 24,000-token update (packed, SDPA, gradient checkpointing, AdamW) on one GPU.
+
+The checks of 6 read only the run directory, so ``tests/envace/test_gpu_smoke.py`` runs them on CPU against
+written metrics: a stale sync, a never-synced rollout, a missing validation or an engine over the GPU's memory each
+make the smoke test fail.
 
 Exit status: 0 all passed, 1 a check failed, 2 bad arguments or recipe, 3 no CUDA GPU (stopped after step 2).
 """
@@ -41,7 +50,9 @@ SHRINK = [
     "actor_rollout_ref.rollout.n=2",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "trainer.save_freq=2",
-    "trainer.test_freq=-1",
+    # one validation pass, at step 2
+    "trainer.test_freq=2",
+    "data.val_max_samples=4",
     "trainer.val_before_train=false",
     "trainer.logger=[console,file]",
     "trainer.max_actor_ckpt_to_keep=2",
@@ -56,7 +67,19 @@ SHRINK = [
     "envace.agent.rehearse_max_tokens=512",
 ]
 PEAK_TOKENS = 24000
+#: the smoke run's learning rate: ten times the paper's 1e-6, so that an update moves the policy enough for a
+#: rollout that missed it to disagree with the trainer
+SMOKE_LR = 1e-5
+#: the rollout's and the trainer's token probabilities on the same weights (bf16 vLLM against the FSDP actor): mean
+#: absolute difference at most this
 PROBS_DIFF_MEAN_MAX = 0.01
+#: and their correlation at least this: a rollout on weights that were never synced samples tokens both models give
+#: almost no probability, so its difference stays small while the correlation falls to about 0 (-0.01 on CPU)
+PROBS_CORR_MIN = 0.9
+#: seconds a training launch may take: Ray's start, vLLM's CUDA-graph compilation (minutes on a cold cache) and
+#: writing a 1.7B checkpoint with its optimizer state (about 20 GB) come on top of the steps themselves
+TRAIN_TIMEOUT_S = 2400
+RESUME_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -79,9 +102,11 @@ class Report:
         return any(s == "FAIL" for _, s, _ in self.rows)
 
 
-def overrides(model: str, run_dir: Path, steps: int) -> list[str]:
+def overrides(model: str, run_dir: Path, steps: int, tp: int = 1) -> list[str]:
+    tp_args = [f"trainer.n_gpus_per_node={tp}", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"]
     return [f"experiment={RECIPE}", f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run_dir}",
-            f"trainer.total_training_steps={steps}", *SHRINK]
+            f"trainer.total_training_steps={steps}", *SHRINK, f"actor_rollout_ref.actor.optim.lr={SMOKE_LR}",
+            *(tp_args if tp > 1 else [])]
 
 
 def estimate_params(config: dict[str, Any]) -> float:
@@ -172,8 +197,9 @@ def check_platform(report: Report) -> bool:
     return ok
 
 
-def run_training(report: Report, name: str, model: Path, run_dir: Path, steps: int, log: Path, timeout: int) -> str:
-    cmd = [sys.executable, "-m", "envace.train", *overrides(str(model), run_dir, steps)]
+def run_training(report: Report, name: str, model: Path, run_dir: Path, steps: int, log: Path, timeout: int,
+                 tp: int = 1) -> str:
+    cmd = [sys.executable, "-m", "envace.train", *overrides(str(model), run_dir, steps, tp)]
     env = dict(os.environ, RAY_DEDUP_LOGS="0")
     env.pop("RAY_ADDRESS", None)
     t0 = time.time()
@@ -198,13 +224,37 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     return steps
 
 
-def check_run_outputs(report: Report, run_dir: Path) -> None:
+def sync_problems(m: dict[str, Any]) -> list[str]:
+    """Why a step's rollout did not hold the actor's weights (empty: it did), from verl's rollout-vs-trainer
+    metrics of that step."""
+    diff, corr = m.get("training/rollout_probs_diff_mean"), m.get("training/rollout_actor_probs_pearson_corr")
+    problems = []
+    if not isinstance(diff, (int, float)) or not math.isfinite(diff) or diff >= PROBS_DIFF_MEAN_MAX:
+        problems.append(f"mean probability difference {diff} (< {PROBS_DIFF_MEAN_MAX} needed)")
+    if not isinstance(corr, (int, float)) or not math.isfinite(corr) or corr <= PROBS_CORR_MIN:
+        problems.append(f"probability correlation {corr} (> {PROBS_CORR_MIN} needed)")
+    return problems
+
+
+def check_run_outputs(report: Report, run_dir: Path, expect_steps: tuple[int, ...] = (1, 2, 3),
+                      validate_at: tuple[int, ...] = (2,), gpu_gb: float | None = None) -> None:
     steps = read_metrics(run_dir)
-    report.add("steps logged", sorted(steps) == [1, 2, 3], f"{sorted(steps)}")
+    report.add("steps logged", tuple(sorted(steps)) == expect_steps, f"{sorted(steps)}")
+    for step in validate_at:
+        val = sorted(k for k in steps.get(step, {}) if k.startswith("val-core/"))
+        report.add(f"step {step} validation", bool(val), ", ".join(val[:3]) or "no val-core/ metric")
+    peak = max((m.get("actor/perf/max_memory_allocated_gb") or 0.0 for m in steps.values()), default=0.0)
+    if gpu_gb is not None:
+        report.add("peak memory, FSDP2 engine", 0 < peak < gpu_gb,
+                   f"{peak:.1f} GB allocated by verl's actor (the GPU has {gpu_gb:.1f} GB)")
     for step, m in sorted(steps.items()):
-        diff, dmax = m.get("training/rollout_probs_diff_mean"), m.get("training/rollout_probs_diff_max")
-        report.add(f"step {step} rollout_probs_diff", diff is not None and diff < PROBS_DIFF_MEAN_MAX,
-                   f"mean {diff}, max {dmax} (mean < {PROBS_DIFF_MEAN_MAX})")
+        problems = sync_problems(m)
+        report.add(f"step {step} weight sync", not problems, "; ".join(problems) or (
+            f"mean diff {m['training/rollout_probs_diff_mean']:.2e}, max {m.get('training/rollout_probs_diff_max')}, "
+            f"correlation {m['training/rollout_actor_probs_pearson_corr']:.4f}"))
+        grad = m.get("actor/grad_norm")
+        report.add(f"step {step} update", isinstance(grad, (int, float)) and math.isfinite(grad) and grad > 0,
+                   f"actor/grad_norm {grad} at lr {SMOKE_LR:g}")
         losses = {k: v for k, v in m.items() if k.startswith("actor/") and k.endswith(("pg_loss", "kl_loss",
                                                                                       "grad_norm"))}
         finite = len(losses) >= 3 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in losses.values())
@@ -324,12 +374,25 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     check_imports(report)
     check_platform(report)
-    run_training(report, "train 2 steps, save at 2", model, run_dir, 2, out / "train_1.log", timeout=300)
+    gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    run_training(report, "train 2 steps, validate and save at 2", model, run_dir, 2, out / "train_1.log",
+                 timeout=TRAIN_TIMEOUT_S)
     report.add("checkpoint at step 2", (run_dir / "global_step_2" / "actor").is_dir(), str(run_dir / "global_step_2"))
-    log2 = run_training(report, "resume to step 3", model, run_dir, 3, out / "train_2.log", timeout=180)
+    log2 = run_training(report, "resume to step 3", model, run_dir, 3, out / "train_2.log", timeout=RESUME_TIMEOUT_S)
     report.add("resumed from step 2", "global_step_2" in log2 and "Resuming" in log2,
                "the second launch loaded global_step_2" if "Resuming" in log2 else "no 'Resuming from' in its log")
-    check_run_outputs(report, run_dir)
+    check_run_outputs(report, run_dir, gpu_gb=gpu_gb)
+    if torch.cuda.device_count() >= 2:
+        tp_dir = out / "run_tp2"
+        if tp_dir.exists():
+            import shutil
+
+            shutil.rmtree(tp_dir)
+        run_training(report, "tensor-parallel 2, one step", model, tp_dir, 1, out / "train_tp2.log",
+                     timeout=TRAIN_TIMEOUT_S, tp=2)
+        check_run_outputs(report, tp_dir, expect_steps=(1,), validate_at=(), gpu_gb=gpu_gb)
+    else:
+        report.add("tensor-parallel 2", None, "skipped: one GPU")
     try:
         v = run_child("vllm", model, timeout=240)
         report.add("vLLM sleep frees memory", v["freed_gb"] > 0.8 * v["vllm_gb"] and v["woke"],

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU smoke test on one GPU (about 10 minutes) with a small local Qwen3 checkpoint (0.6B-1.7B):
+# GPU smoke test on one GPU or more with a small local Qwen3 checkpoint (0.6B-1.7B):
 #   scripts/gpu_smoke.sh /models/Qwen3-1.7B [--out outputs/gpu_smoke]
-# Imports, verl's CUDA platform (driver and Ray actor), the paper recipe shrunk to 1 GPU for 2 steps with a
-# checkpoint, a resume to step 3, rollout/trainer agreement, turns, tool calls, rewards, finite losses, vLLM
-# sleep and decode speed, peak memory of a 24k-token update; one summary table (envace/gpu_smoke.py).
+# Imports, verl's CUDA platform (driver and Ray actor), the paper recipe shrunk to 1 GPU for 2 steps at lr 1e-5 with
+# a validation pass and a checkpoint, a resume to step 3 (with 2+ GPUs also one step at tensor-parallel 2), the
+# weight sync after every update (rollout/trainer probability difference and correlation), turns, tool calls,
+# rewards, finite losses, verl's peak memory against the GPU's, vLLM sleep and decode speed, peak memory of a
+# 24k-token update; one summary table (envace/gpu_smoke.py), exit 1 on any failure. Never run here on a GPU: the
+# thresholds are set from CPU runs and the reasoning in envace/gpu_smoke.py, not from a GPU measurement.
 # Without a CUDA GPU it checks the checkpoint and the recipe, then stops with exit status 3.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -42,7 +42,9 @@ def test_shrunk_recipe_keeps_the_paper_values_and_fits_one_gpu():
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, a.rollout.tensor_model_parallel_size) == (1, 1, 1)
     assert (cfg.data.train_batch_size, a.rollout.n) == (4, 2)
     assert (cfg.trainer.total_training_steps, cfg.trainer.save_freq) == (2, 2)
-    assert (a.actor.optim.lr, a.actor.kl_loss_coef, a.actor.kl_loss_type) == (1e-6, 1e-4, "low_var_kl")
+    # the paper's KL; ten times its learning rate, so a stale weight sync shows (gpu_smoke.SMOKE_LR)
+    assert (a.actor.optim.lr, a.actor.kl_loss_coef, a.actor.kl_loss_type) == (1e-5, 1e-4, "low_var_kl")
+    assert (cfg.trainer.test_freq, cfg.data.val_max_samples) == (2, 4)  # one validation pass, at step 2
     assert a.model.override_config.attn_implementation == "sdpa" and a.rollout.name == "vllm"
     assert a.rollout.max_model_len >= cfg.data.max_prompt_length + cfg.data.max_response_length
 
@@ -77,3 +79,71 @@ def test_full_smoke_on_a_gpu(tmp_path):
     out = subprocess.run([str(REPO / "scripts" / "gpu_smoke.sh"), model, "--out", str(tmp_path / "out")],
                          cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+
+
+def test_the_tensor_parallel_2_launch_composes_and_validates():
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from envace.config import validate_envace_config
+    from envace.train import compose
+
+    cfg = compose(gpu_smoke.overrides("/models/Qwen3-1.7B", Path("/tmp/run"), 1, tp=2))
+    assert (cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size) == (2, 2)
+    validate_envace_config(cfg)
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+# -- the run-directory checks, on written metrics (no GPU needed) ----------------------------------------------------
+
+GOOD = {"training/rollout_probs_diff_mean": 2e-3, "training/rollout_probs_diff_max": 0.2,
+        "training/rollout_actor_probs_pearson_corr": 0.995, "actor/grad_norm": 0.8, "actor/pg_loss": 0.01,
+        "actor/kl_loss": 1e-4, "critic/score/mean": 0.25, "envace/act/calls_per_trajectory": 1.5,
+        "actor/perf/max_memory_allocated_gb": 30.0}
+
+
+def run_dir_with(tmp_path: Path, changes: dict[int, dict]) -> Path:
+    """A run directory as verl and envace write it: metrics JSONL (one line a step) and rollout dumps."""
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    (run / "rollouts").mkdir()
+    lines = []
+    for step in (1, 2, 3):
+        data = {**GOOD, **changes.get(step, {})}
+        if step == 2 and "no_val" not in changes:
+            data["val-core/bfcl_multi_turn/reward/mean@1"] = 0.1
+        lines.append(json.dumps({"step": step, "data": {k: v for k, v in data.items() if v is not None}}))
+        rows = [{"role": "act", "uid": f"u{i}", "trajectory_id": f"t{i // 2}", "score": 0.5,
+                 "output": '<tool_call>{"name": "ls", "arguments": {}}</tool_call>'} for i in range(4)]
+        (run / "rollouts" / f"{step}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (run / "metrics" / "m.jsonl").write_text("\n".join(lines))
+    return run
+
+
+def test_the_run_checks_pass_on_a_healthy_run(tmp_path):
+    report = gpu_smoke.Report()
+    gpu_smoke.check_run_outputs(report, run_dir_with(tmp_path, {}), gpu_gb=80.0)
+    assert not report.failed, report.table()
+    assert {r[0] for r in report.rows} >= {"step 2 validation", "peak memory, FSDP2 engine", "step 3 weight sync",
+                                           "step 2 update"}
+
+
+@pytest.mark.parametrize(("changes", "failing"), [
+    # a stale sync after the update at SMOKE_LR: the rollout's probabilities are the old policy's
+    ({2: {"training/rollout_probs_diff_mean": 0.04, "training/rollout_probs_diff_max": 0.9,
+          "training/rollout_actor_probs_pearson_corr": 0.93}}, "step 2 weight sync"),
+    # a rollout on weights that were never synced: tiny differences, no correlation
+    ({1: {"training/rollout_probs_diff_mean": 6.6e-6, "training/rollout_actor_probs_pearson_corr": -0.01}},
+     "step 1 weight sync"),
+    # verl reported no rollout-vs-trainer comparison at all (e.g. bypass mode): not a pass
+    ({3: {"training/rollout_probs_diff_mean": None, "training/rollout_actor_probs_pearson_corr": None}},
+     "step 3 weight sync"),
+    ({2: {"actor/grad_norm": 0.0}}, "step 2 update"),
+    ({"no_val": {}}, "step 2 validation"),
+    ({3: {"actor/perf/max_memory_allocated_gb": 81.0}}, "peak memory, FSDP2 engine"),
+])
+def test_the_run_checks_fail_on_a_broken_run(tmp_path, changes, failing):
+    report = gpu_smoke.Report()
+    gpu_smoke.check_run_outputs(report, run_dir_with(tmp_path, changes), gpu_gb=80.0)
+    failed = [r[0] for r in report.rows if r[1] == "FAIL"]
+    assert failed == [failing], report.table()
