@@ -54,7 +54,7 @@ def check_vllm_install() -> str:
                            f"{cpu_version} (a GPU build of vLLM shadows the CPU one?): {_FIX}")
     try:
         import vllm  # noqa: F401
-    except Exception as exc:  # an import failure inside vLLM: name it, one line
+    except Exception as exc:  # noqa: BLE001 (any import failure inside vLLM: named, one line)
         raise RuntimeError(f"vLLM's CPU build does not import ({type(exc).__name__}: {exc}): {_FIX}") from None
     return cpu_version
 
@@ -71,9 +71,8 @@ class CPUWorkerExtension(_VerlExtension):  # type: ignore[misc,valid-type]
     def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
                                 use_shm: bool = False) -> None:
         import torch
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         if peft_config:
             raise NotImplementedError("LoRA weight sync is not supported on vLLM's CPU build; merge the adapter "
