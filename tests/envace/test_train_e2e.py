@@ -6,6 +6,7 @@ replay of the actor's calls) with EnvSched choosing the batches, through verl's 
 gloo) and verl's own vLLM rollout replica on vLLM's CPU build, checkpointing at steps 1 and 2, validating in the
 real environment at step 2. Run B starts from a copy of A's step-1 checkpoint only, resumes (model, optimizer,
 dataloader and scheduler state) and runs step 2: its batch must equal the batch A chose at step 2 uninterrupted.
+B's checkpoint is then exported (``python -m envace.models export``) and served by ``vllm serve``.
 
 The weight sync is checked where it can fail, by verl's comparison of the rollout's sampled-token probabilities
 with the FSDP actor's recomputation (``sync_holds``): vLLM starts from random weights (verl's
@@ -21,12 +22,17 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
+from envace.eval.server import launch_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.memory_heavy]
 
 FAST = [
     "experiment=cpu_default",
@@ -117,3 +123,14 @@ def test_envace_envsched_train_checkpoint_resume(tmp_path, train_sh):
     sync_holds(m)
     assert (b / "global_step_2" / "actor").is_dir()
     assert selections(b) == {2: sel_a[2]}
+
+    # the resumed run's checkpoint, exported to a Hugging Face checkpoint, is what `vllm serve` evaluates
+    hf = tmp_path / "hf"
+    exported = subprocess.run([sys.executable, "-m", "envace.models", "export", str(b), str(hf)], capture_output=True,
+                              text=True, timeout=600, check=False)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    with launch_server(str(hf), "vllm", startup_timeout=600, log_path=tmp_path / "serve.log",
+                       extra_args=["--enforce-eager", "--max-model-len=4096"]) as srv:
+        reply = OpenAI(base_url=srv.base_url, api_key="unused").chat.completions.create(
+            model=srv.model, messages=[{"role": "user", "content": "List the files."}], max_tokens=8, temperature=0)
+    assert reply.usage.completion_tokens > 0 and reply.choices[0].message.role == "assistant"
