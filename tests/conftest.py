@@ -174,6 +174,7 @@ def replies() -> type[_Replies]:
     return _Replies
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns the group marks into node-id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup``, which ``scripts/test.sh`` uses for the slow tests: a slow test
     file runs on one worker (its module fixtures, e.g. a training run two tests read, are set up once), and every
