@@ -8,9 +8,9 @@
 #                                   # per-package table (scripts/coverage_table.py; --cov-files: per file too)
 # Tests not marked `slow` run on ENVACE_TEST_WORKERS pytest-xdist processes (default: the machine's CPUs, at most
 # 4; 1 runs them in this process). The `slow` ones (trainer, server and evaluation runs of minutes, about half of
-# their time waiting on start-ups and servers) run after them on ENVACE_SLOW_WORKERS processes (default: 2, at most
-# the CPUs), a test file per worker (`--dist loadgroup`: a file's runs share its module fixtures), the `memory_heavy`
-# ones (whole trainer runs) one at a time on the same worker (tests/conftest.py), each trainer rank
+# their time waiting on start-ups and servers) run after them on ENVACE_SLOW_WORKERS processes (default: 2 where the
+# machine has 2 CPUs and 32 GiB of memory, else 1, in this process), a test file per worker (`--dist loadfile`: a
+# file's runs share its module fixtures), each trainer rank
 # on ENVACE_TRAINER_THREADS torch threads (default: the CPUs over twice the slow workers, at least 1: two torch
 # threads sharing a core with another run stall). Without `-m`, both sets run, in that order; `-m EXPR` runs one
 # pytest over EXPR (on the workers when EXPR is "not slow" or "slow"); `-n` given explicitly is passed as it is.
@@ -22,7 +22,10 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 LITELLM_LOCAL_MODEL_COST_MAP=True
 cpus="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${ENVACE_TEST_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
-slow_workers="${ENVACE_SLOW_WORKERS:-$(( cpus < 2 ? cpus : 2 ))}"
+# a slow worker runs a whole trainer with its rollout engine: one with vLLM's CPU engine peaked at 11.5 GiB, and two
+# side by side were killed by Ray's out-of-memory monitor on a 24 GiB machine, so a second worker needs 32 GiB
+mem_gib="$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 0)"
+slow_workers="${ENVACE_SLOW_WORKERS:-$(( cpus >= 2 && mem_gib >= 32 ? 2 : 1 ))}"
 for v in "ENVACE_TEST_WORKERS=$workers" "ENVACE_SLOW_WORKERS=$slow_workers"; do
   [[ "${v#*=}" =~ ^[1-9][0-9]*$ ]] ||
     { echo "envace: ${v%%=*} must be a positive integer (got '${v#*=}')" >&2; exit 2; }
@@ -51,7 +54,7 @@ run() {
   local expr="$1" extra=()
   if [[ $has_n == 0 && "$expr" == "not slow" && $workers -gt 1 ]]; then extra+=(-n "$workers"); fi
   if [[ $has_n == 0 && "$expr" == "slow" && $slow_workers -gt 1 ]]; then
-    extra+=(-n "$slow_workers" --dist loadgroup)
+    extra+=(-n "$slow_workers" --dist loadfile)
     local threads=$(( cpus / (2 * slow_workers) ))
     export ENVACE_TRAINER_THREADS="${ENVACE_TRAINER_THREADS:-$(( threads > 0 ? threads : 1 ))}"
   fi

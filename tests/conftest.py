@@ -173,15 +173,3 @@ class _Replies:
 def replies() -> type[_Replies]:
     return _Replies
 
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns the group marks into node-id suffixes
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup``, which ``scripts/test.sh`` uses for the slow tests: a slow test
-    file runs on one worker (its module fixtures, e.g. a training run two tests read, are set up once), and every
-    ``memory_heavy`` test shares one group, so no two trainer runs with their rollout engines (one with vLLM's CPU
-    engine peaked at 11.5 GiB; two side by side were killed by Ray's memory monitor on 24 GiB) run at once."""
-    for item in items:
-        if item.get_closest_marker("slow") is None or item.get_closest_marker("xdist_group") is not None:
-            continue
-        group = "memory_heavy" if item.get_closest_marker("memory_heavy") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(name=group))

@@ -162,7 +162,6 @@ def worldbooks(tmp_path_factory) -> Path:
 
 
 @pytest.mark.warm_start
-@pytest.mark.memory_heavy
 def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
     bystander_proc, bystander_port = bystander
     port = _free_port()
@@ -383,7 +382,6 @@ def test_the_head_watcher_stops_a_run_on_a_lost_node_or_a_step_past_its_deadline
     assert _ray_processes_gone(port) == []
 
 
-@pytest.mark.memory_heavy
 def test_a_lost_worker_node_stops_the_run_naming_it_and_the_relaunch_resumes(tmp_path):
     """The two-node run of train.sh (``cpu_bfcl``, the tiny Qwen3) checkpoints step 1; the worker node is then
     killed mid-step 2, every process of it at once, as if it lost power. The head's watcher stops the run: exit 3

@@ -53,7 +53,7 @@ def test_slow_tests_on_two_workers_get_a_file_each_and_fewer_trainer_threads(tmp
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     second = out.split("test session starts")[2]
-    assert "created: 2/2 workers" in second and "LoadGroupScheduling" in second, second
+    assert "created: 2/2 workers" in second and "LoadFileScheduling" in second, second
     assert re.search(r"PASSED \S*test_slow.py::test_slow", second), second
     cpus = len(os.sched_getaffinity(0))
     assert (tmp_path / "threads").read_text() == str(max(1, cpus // 4))

@@ -32,7 +32,7 @@ from openai import OpenAI
 
 from envace.eval.server import launch_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.memory_heavy]
+pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
 
 FAST = [
     "experiment=cpu_default",

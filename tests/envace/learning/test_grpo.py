@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 # a run (its fixture set-up counts toward its first test) takes 7-14 min on 2 cores
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.memory_heavy, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(3600)]
 
 ESTIMATOR = "grpo"
 
