@@ -59,6 +59,7 @@ build, ``envace_manifest.json`` written last with the recipe hash).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -68,7 +69,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -420,15 +421,9 @@ def train_sft(
     (``decay``) or stays constant. With ``stop_below`` > 0 training ends early, at the first step where the
     mean loss of the last ``stop_window`` steps is at most ``stop_below``.
     """
-    import torch
-
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         return _train(model, examples, epochs, max_steps, batch_tokens, lr, warmup_steps, weight_decay, grad_clip,
                       negatives, seed, log_every, decay, stop_below, stop_window)
-    finally:
-        torch.set_num_threads(prev_threads)
 
 
 def _window_mean(losses: Sequence[float], window: int) -> float:
@@ -533,6 +528,25 @@ def _load(model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype="float32").eval()
     return model, tok
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` within the block, restored after it."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _policy(model_dir: str | os.PathLike[str] | None, pool: Any) -> tuple[Any, Any, Any]:
+    """The evaluated model, its tokenizer and the pool: the warm start and :func:`learning_pool` by default."""
+    model, tok = _load(model_dir if model_dir is not None else ensure_warm_model())
+    return model, tok, pool if pool is not None else learning_pool()
 
 
 def _stop_ids(tok: Any) -> set[int]:
@@ -659,18 +673,10 @@ def evaluate_policy(model_dir: str | os.PathLike[str] | None = None, n_tasks: in
     The episodes decode together (:func:`run_episodes`): 48 tasks at temperature 1.0 in 10-17 s on 2 threads,
     against 38 s one after another on one.
     """
-    import torch
-
-    model_dir = model_dir if model_dir is not None else ensure_warm_model()
-    model, tok = _load(model_dir)
-    pool = pool if pool is not None else learning_pool()
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    model, tok, pool = _policy(model_dir, pool)
     tids = _split_test(pool, n_tasks, seed)
-    try:
+    with _torch_threads(threads):
         episodes = run_episodes(model, tok, pool, tids, temperature, seed)
-    finally:
-        torch.set_num_threads(prev_threads)
     rewards: list[float] = []
     by_cat: dict[str, list[float]] = {}
     for tid, r in zip(tids, episodes, strict=True):
@@ -690,23 +696,15 @@ def task_success(task_ids: Sequence[str], samples: int, model_dir: str | os.Path
     """Each task's success rate over ``samples`` rollouts of the model acting in the real environment
     (:func:`run_episodes`; sample ``s`` of every task uses seed ``seed + s``). Learnability sampling reads it: a task
     the policy solves sometimes but not always (0 < p < 1) gives GRPO groups with reward variance."""
-    import torch
-
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    model_dir = model_dir if model_dir is not None else ensure_warm_model()
-    model, tok = _load(model_dir)
-    pool = pool if pool is not None else learning_pool()
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    model, tok, pool = _policy(model_dir, pool)
     wins = dict.fromkeys(task_ids, 0.0)
-    try:
+    with _torch_threads(threads):
         for s in range(samples):
             for tid, r in zip(task_ids, run_episodes(model, tok, pool, list(task_ids), temperature, seed + s),
                               strict=True):
                 wins[tid] += r["reward"]
-    finally:
-        torch.set_num_threads(prev_threads)
     return {tid: w / samples for tid, w in wins.items()}
 
 
@@ -715,18 +713,12 @@ def evaluate_rehearsal(model_dir: str | os.PathLike[str] | None = None, n_tasks:
     """Format-valid and exact-match rates of the model's rehearsals of held-out gold calls."""
     import torch
 
-    model_dir = model_dir if model_dir is not None else ensure_warm_model()
-    model, tok = _load(model_dir)
-    pool = pool if pool is not None else learning_pool()
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    model, tok, pool = _policy(model_dir, pool)
     gen = torch.Generator().manual_seed(seed)
     stop = _stop_ids(tok)
     counts = [0, 0, 0]  # calls, format-valid, exact
-    try:
+    with _torch_threads(1):
         _rehearse_eval(model, tok, pool, n_tasks, temperature, seed, max_history_chars, gen, stop, counts)
-    finally:
-        torch.set_num_threads(prev_threads)
     n, valid, exact = counts
     return {"calls": float(n), "valid": valid / max(1, n), "exact": exact / max(1, n)}
 
