@@ -132,7 +132,7 @@ def resolve_model_path(path: str) -> str:
 
 def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
     """Build (or reuse) the parquet files of ``envace.data``; returns (train, val) paths."""
-    from envace.envs.datasets import build_parquet
+    from envace.envs.datasets import DatasetBuildError, build_parquet
 
     d = ecfg.data
     pool_kwargs = {k: dict(v) for k, v in (ecfg.agent.pool_kwargs or {}).items()}
@@ -168,17 +168,20 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
             f"envace.data.out_dir={out} holds a data build of another recipe ({why}); delete that folder to rebuild "
             "there, or choose another envace.data.out_dir (null: a cache folder keyed by the recipe)"
         )
-    t, v = build_parquet(
-        d.pools,
-        out,
-        agent_name=recipe["agent"],
-        val_agent_name=recipe["val_agent"],
-        splits=(d.train_split, d.val_split),
-        limit_per_pool=d.max_tasks_per_pool,
-        pool_kwargs=pool_kwargs,
-        seed=d.seed,
-        train_task_ids=d.train_task_ids,
-    )
+    try:
+        t, v = build_parquet(
+            d.pools,
+            out,
+            agent_name=recipe["agent"],
+            val_agent_name=recipe["val_agent"],
+            splits=(d.train_split, d.val_split),
+            limit_per_pool=d.max_tasks_per_pool,
+            pool_kwargs=pool_kwargs,
+            seed=d.seed,
+            train_task_ids=d.train_task_ids,
+        )
+    except DatasetBuildError as exc:  # the data the config names cannot be built: the user's to fix
+        raise ConfigError(f"envace.data: {exc}") from None
     stamp.write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     return str(t), str(v)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,13 @@ def test_a_broken_worldbook_folder_stops_the_run_before_it_starts(tmp_path):
         prepare(cfg)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_training_task_id_no_pool_holds_is_one_line_before_anything_runs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "envace.train", "experiment=cpu_default",
+                           "envace.data.train_task_ids=[nope]", f"envace.data.out_dir={tmp_path / 'data'}",
+                           f"trainer.default_local_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "envace.data: train_task_ids: 1 id(s) in no 'train' split" in proc.stderr and "'nope'" in proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data" / "train.parquet").exists()
