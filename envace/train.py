@@ -107,20 +107,23 @@ def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int
         raise ConfigError(f"trainer.nnodes={nnodes} but the Ray cluster has {n_nodes} alive node(s)")
 
 
-def resolve_model_path(path: str) -> str:
+def resolve_model_path(path: str, build: bool = True) -> str | None:
     """``builtin:tiny-qwen3`` / ``builtin:tiny-qwen3-warm`` → the cached embedded model (built on first use);
-    else a local checkpoint directory."""
+    else a local checkpoint directory. With ``build=False`` only the name is checked and a builtin model is not
+    built (None): pre-flight checks the path before the data build, and builds the model after it."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
+        if name not in ("tiny-qwen3", "tiny-qwen3-warm"):
+            raise ConfigError(f"unknown builtin model {name!r}; available: tiny-qwen3, tiny-qwen3-warm")
+        if not build:
+            return None
         if name == "tiny-qwen3":
             from envace.models import ensure_tiny_model
 
             return str(ensure_tiny_model())
-        if name == "tiny-qwen3-warm":  # supervised warm start on the synthetic pool (built once, ~6 min)
-            from envace.models.warmstart import ensure_warm_model
+        from envace.models.warmstart import ensure_warm_model  # supervised on the synthetic pool, built once
 
-            return str(ensure_warm_model())
-        raise ConfigError(f"unknown builtin model {name!r}; available: tiny-qwen3, tiny-qwen3-warm")
+        return str(ensure_warm_model())
     local = Path(path).expanduser()
     if not (local / "config.json").is_file():
         raise ConfigError(
@@ -322,8 +325,9 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
         check_platform(cfg)
     if ecfg.agent.worldbook is not None:
         check_worldbooks(ecfg.agent.worldbook)
+    model_path = str(cfg.actor_rollout_ref.model.path)
+    resolve_model_path(model_path, build=False)
     with open_dict(cfg):
-        cfg.actor_rollout_ref.model.path = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
         if cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path is None:
             from envace.agents import agent_loop_config_path
 
@@ -340,6 +344,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
                 cfg.data.train_files = train
             if cfg.data.val_files == "auto":
                 cfg.data.val_files = val
+        # after the data build, so that a data config it refuses fails in seconds, not after the warm start's build
+        cfg.actor_rollout_ref.model.path = resolve_model_path(model_path)
         if cfg.data.get("filter_overlong_prompts", False):
             chat_kwargs = dict(cfg.data.get("apply_chat_template_kwargs", {}) or {})
             for key in ("train_files", "val_files"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,7 +108,8 @@ def test_ray_cluster_with_too_few_gpu_slots_is_refused():
 
 
 def test_train_sh_help_runs_without_starting_anything():
-    out = subprocess.run([str(REPO / "scripts" / "train.sh"), "--help"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([str(REPO / "scripts" / "train.sh"), "--help"], capture_output=True, text=True, timeout=300,
+                         check=False)
     assert out.returncode == 0, out.stderr
     assert "scripts/train.sh [experiment=NAME]" in out.stdout
 
@@ -179,10 +181,13 @@ def test_a_broken_worldbook_folder_stops_the_run_before_it_starts(tmp_path):
 
 
 def test_a_training_task_id_no_pool_holds_is_one_line_before_anything_runs(tmp_path):
+    """With an empty cache: the data build is refused before the warm start (about 10 minutes) is built."""
+    cache = tmp_path / "cache"
     proc = subprocess.run([sys.executable, "-m", "envace.train", "experiment=cpu_default",
                            "envace.data.train_task_ids=[nope]", f"envace.data.out_dir={tmp_path / 'data'}",
                            f"trainer.default_local_dir={tmp_path / 'run'}"], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          env=dict(os.environ, ENVACE_CACHE=str(cache)), timeout=300, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "envace.data: train_task_ids: 1 id(s) in no 'train' split" in proc.stderr and "'nope'" in proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "data" / "train.parquet").exists()
+    assert not (cache / "models").exists()
