@@ -552,3 +552,54 @@ def test_a_rollouts_generations_never_overlap_under_its_request_id(tokenizer):
     run(loop)
     roles = {role for role, _, _ in server.calls}
     assert roles == {"act", "rehearse"} and len(ids) == 1 and len(server.calls) > 2
+
+
+# -- the training adapter's token sequences, pinned ------------------------------------------------------------
+
+
+def _token_digest(outs) -> str:
+    import hashlib
+
+    rows = [[o.prompt_ids, o.response_ids, o.response_mask, o.reward_score, o.extra_fields["role"],
+             o.extra_fields["stop_reason"]] for o in outs]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize(("source", "layout", "digest"), [
+    ("real", "message", "79373ff6be927b0b"),
+    ("real", "trajectory", "c49fb71604d4ea9e"),
+    ("rehearse", "message", "b52af5ce2d0a99b4"),
+])
+def test_the_training_adapters_token_sequences_are_pinned(tokenizer, source, layout, digest):
+    """A fixed episode of the synthetic learning pool (a two-call lookup chain: a malformed call, a message with a
+    call over the cap, the gold calls and the gold answer) through the verl adapter with the CPU default run's
+    limits. The digest covers every output's prompt ids, response ids, loss mask, reward, role and stop reason, so
+    any change to how training builds its token sequences or scores them fails here (the digests were taken before
+    the continuous-token bookkeeping moved into :mod:`envace.agents.token_policy`)."""
+    pool = get_pool("synthetic", shapes=["act", "query", "lookup_act", "lookup_query"], renamings=False)
+    tid = "syn-bank-00/t19"
+    (calls,), (answer,) = pool.gold_actions(tid), pool.gold_replies(tid)
+    act = ['<tool_call>\n{"name": "find_account", "arguments": {oops}\n</tool_call>',
+           render_tool_call(calls[0]) + "\n" + render_tool_call(calls[0]) + "\n" + render_tool_call(calls[0]),
+           render_tool_call(calls[1]), answer]
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"response_length": 640, "prompt_length": 1024, "multi_turn": {},
+                                          "agent": {}}},
+        "envace": {"agent": {"act_layout": layout, "act_max_tokens": 96, "rehearse_max_tokens": 64,
+                             "limits": {"max_user_turns": 2, "max_steps_per_turn": 4, "max_calls_per_message": 2,
+                                        "max_observation_chars": 1000},
+                             "pool_kwargs": {"synthetic": {"shapes": ["act", "query", "lookup_act", "lookup_query"],
+                                                           "renamings": False}}}},
+    })
+    rehearse = [render_rehearsal('{"account_id": "A80", "owner": "Raj Patel"}')] * 3 + [
+        render_rehearsal('{"account_id": "A80", "status": "open"}')]
+    server = ScriptedServer(tokenizer, act, rehearse)
+    loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,
+                           processor=None, dataset_cls=RLHFDataset,
+                           data_config=DictConfigWrap(OmegaConf.create({"apply_chat_template_kwargs": {
+                               "enable_thinking": False}})), hf_model_type="qwen3", observation_source=source)
+    outs = _run_task(loop, "synthetic", tid)
+    info = outs[-1].extra_fields["reward_extra_info"]
+    assert outs[-1].reward_score == 1.0, [(o.extra_fields["stop_reason"], tokenizer.decode(o.response_ids)) for o in outs]
+    assert (info["malformed_calls"], info["skipped_calls"]) == (1.0, 1.0), (info["malformed_calls"], info["skipped_calls"])
+    assert _token_digest(outs) == digest
