@@ -514,7 +514,10 @@ def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | No
         except Exception:  # noqa: BLE001 - the head's GCS is gone too: nothing more to tell
             lost = []
         if lost:
-            print(f"envace: the training driver ended with Ray {names(lost)} lost. Last checkpoint: "
+            new, offset = _last_step(Path(log), offset)
+            step = new if new is not None else step
+            at = f"during step {step + 1}" if step is not None else "before the first step finished"
+            print(f"envace: lost Ray {names(lost)} {at}: the training driver failed on it. Last checkpoint: "
                   f"{last_checkpoint(run_dir)}; relaunch the same command on every node to resume from it "
                   "(docs/multinode.md)", file=sys.stderr, flush=True)
             return WATCH_STOPPED
