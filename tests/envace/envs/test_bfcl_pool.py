@@ -16,16 +16,18 @@ from jsonschema import Draft202012Validator
 
 from envace.envs.base import ToolCall, get_pool
 from envace.envs.bfcl import (
-    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
     MULTI_TURN_CATEGORIES,
     BFCLMultiTurnPool,
     SchemaConversionError,
     convert_bfcl_function_doc,
     convert_bfcl_schema,
-    multi_turn_utils,  # bfcl_eval's module, imported through envace so BFCL_PROJECT_ROOT is set first
     render_call,
     render_literal,
     scenario_key,
+)
+from envace.envs.bfcl.upstream import (  # bfcl_eval, imported through envace so BFCL_PROJECT_ROOT is set first
+    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
+    multi_turn_utils,
 )
 
 
