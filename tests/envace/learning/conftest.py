@@ -16,8 +16,8 @@ Each run trains on 8 fixed synthetic training tasks with the warm-started tiny Q
 training temperature in the real environment (``envace.models.warmstart.task_success``), and the 8 with the largest
 p(1 - p) are trained, as learnability sampling picks them. A GRPO group learns only where its rollouts differ, so a
 weaker or stronger warm-start build (they differ with the CPU and the load: the copy circuit's step count moves)
-changes which tasks are trained, not whether the run can learn: with the first 8 tasks, one build scored 0.0 on
-every step of the role-wise run, control and learning alike. A build with fewer than 8 candidate tasks inside the
+changes which tasks are trained, not whether the run can learn (the first 8 tasks by position can all sit where
+every rollout fails, which leaves a GRPO group nothing to learn from). A build with fewer than 8 candidate tasks inside the
 band fails the run, naming the count: that is a broken warm start, not bad luck.
 
 Each estimator (``ESTIMATORS``) runs once: its first ``CONTROL_STEPS`` steps only generate and score (verl's

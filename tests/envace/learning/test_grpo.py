@@ -1,11 +1,12 @@
 """Plain GRPO acting in the real environment learns on CPU: the run's reward rises over its
-own control steps (the measure, the settings and the figures measured: ``conftest.py`` of this folder)."""
+own control steps (the measure and the settings: ``conftest.py`` of this folder; measured figures:
+``docs/results/learning.md``)."""
 
 from __future__ import annotations
 
 import pytest
 
-# a run (its fixture set-up counts toward its first test) takes 7-14 min on 2 cores
+# a whole training run (its fixture set-up counts toward its first test): more than CI's 1800 s default under load
 pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(3600)]
 
 ESTIMATOR = "grpo"
