@@ -5,7 +5,7 @@
 #   ENVACE_PYTHON     interpreter used to create it (default: python3; CPython 3.11 or 3.12, others are refused)
 # Nodes sharing the checkout (and $ENVACE_VENV) install once: the first takes $ENVACE_VENV.lock, the others wait.
 #   ENVACE_PLATFORM   cpu | gpu | auto (default): which lock to install; auto = gpu when nvidia-smi lists a GPU
-#   ENVACE_FLASH_ATTN 1: on gpu, also build flash-attn (optional; README "GPU install")
+#   ENVACE_FLASH_ATTN 1: on gpu, also build flash-attn (optional; docs/gpu.md)
 set -euo pipefail
 _ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ENVACE_VENV:-$_ROOT/.venv}"

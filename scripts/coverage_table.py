@@ -3,7 +3,7 @@
     python scripts/coverage_table.py DATA_FILE [--files]
 
 Rows: each top-level package (envace, envsched, trace2env) and the EnvACE math/engine modules as one group
-(envace/advantage.py, envace/toolcall.py, envace/agents/engine.py; the README's coverage targets).  ``--files``
+(envace/advantage.py, envace/toolcall.py, envace/agents/engine.py; docs/results/testing.md's coverage targets).  ``--files``
 adds one row per file.  Files of the packages that the run never imported count with all their lines missed.
 """
 
