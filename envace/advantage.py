@@ -33,11 +33,12 @@ Options of :func:`compute_rolewise_advantage`:
 With a single role, one output per trajectory, ``baseline="output"`` and ``singleton="raw"`` this
 is verl's ``compute_grpo_outcome_advantage``.
 
-:func:`register_rolewise_estimator` registers :func:`rolewise_adv_estimator` in verl's
-advantage-estimator registry as ``grpo_rolewise`` (done on import; idempotent). verl 0.9.1 calls a
-registered estimator with ``index`` only; envace's trainer (:mod:`envace.trainer`) supplies the role
-labels, trajectory ids, validity and emptiness of the batch it is computing through
-:func:`role_labels`, a context the estimator reads when they are not passed explicitly.
+This module is the math only; it imports no verl. :func:`envace.verl.extensions.register_rolewise_estimator`
+registers :func:`rolewise_adv_estimator` in verl's advantage-estimator registry as ``grpo_rolewise`` (in the
+TaskRunner process, before verl looks the estimator up). verl 0.9.1 calls a registered estimator with ``index``
+only; envace's trainer (:mod:`envace.verl.trainer`) supplies the role labels, trajectory ids, validity and
+emptiness of the batch it is computing through :func:`role_labels`, a context the estimator reads when they are
+not passed explicitly.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ import torch
 __all__ = [
     "ESTIMATOR_NAME",
     "compute_rolewise_advantage",
-    "register_rolewise_estimator",
     "role_labels",
     "rolewise_adv_estimator",
 ]
@@ -278,26 +278,3 @@ def role_labels(
         yield
     finally:
         _LABELS.reset(token)
-
-
-def register_rolewise_estimator() -> None:
-    """Register :func:`rolewise_adv_estimator` as verl's ``grpo_rolewise``. Idempotent.
-
-    verl's ``register_adv_est`` raises when a name is registered again with a different function;
-    a previous registration by this module (e.g. before an ``importlib.reload``) is replaced,
-    while another module's estimator of the same name still raises.
-    """
-    from verl.trainer.ppo import core_algos
-
-    current = core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR_NAME)
-    if current is rolewise_adv_estimator:
-        return
-    if current is not None and (
-        getattr(current, "__module__", None) == __name__
-        and getattr(current, "__qualname__", None) == rolewise_adv_estimator.__qualname__
-    ):
-        del core_algos.ADV_ESTIMATOR_REGISTRY[ESTIMATOR_NAME]
-    core_algos.register_adv_est(ESTIMATOR_NAME)(rolewise_adv_estimator)
-
-
-register_rolewise_estimator()

@@ -137,7 +137,7 @@ def check_recipe(report: Report, model: Path, run_dir: Path) -> bool:
     from verl.utils.config import validate_config
 
     from envace.config import validate_envace_config
-    from envace.train import compose
+    from envace.verl.config import compose
 
     try:
         cfg = compose(overrides(str(model), run_dir, 2))

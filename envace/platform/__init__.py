@@ -1,7 +1,7 @@
 """CPU platform plugin for verl: the ``cpu`` platform and the ``hfcpu`` rollout.
 
 :func:`register_cpu_platform` is called from envace's ``verl.plugins`` entry point
-(:mod:`envace.verl_plugin`) in every process that imports verl. It does nothing where a CUDA
+(:mod:`envace.verl.plugin`) in every process that imports verl. It does nothing where a CUDA
 device exists, so GPU clusters run verl's own NVIDIA platform and vLLM untouched.
 """
 

@@ -428,12 +428,13 @@ def test_matches_loop_reference(rows, role_style, baseline, norm_by_std, singlet
     torch.testing.assert_close(got[:, 0], torch.tensor(expected, dtype=torch.float64), rtol=1e-7, atol=1e-7)
 
 
-# --------------------------------------------------------------------------- verl registry
+# --------------------------------------------------------------------------- verl's call signature
 
 
-def test_registered_estimator_is_found_and_matches():
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
-    assert fn is adv_mod.rolewise_adv_estimator
+def test_estimator_with_verls_call_signature_matches():
+    """The function verl's registry hands its trainer (envace/verl/extensions.py registers it), called as verl
+    calls an estimator, equals :func:`compute_rolewise_advantage`."""
+    fn = adv_mod.rolewise_adv_estimator
     rewards, mask = batch(CASE_SCORES)
     index = np.array(CASE_INDEX, dtype=object)
     roles = np.array(CASE_ROLES, dtype=object)
@@ -476,7 +477,7 @@ def test_registered_estimator_is_found_and_matches():
 
 def test_estimator_without_roles_raises_clear_error():
     rewards, mask = batch([1.0, 0.0])
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    fn = adv_mod.rolewise_adv_estimator
     with pytest.raises(ValueError, match="needs role labels"):
         fn(
             token_level_rewards=rewards,
@@ -486,33 +487,11 @@ def test_estimator_without_roles_raises_clear_error():
         )
 
 
-def test_registration_is_idempotent(monkeypatch):
-    adv_mod.register_rolewise_estimator()
-    adv_mod.register_rolewise_estimator()
-    assert core_algos.get_adv_estimator_fn("grpo_rolewise") is adv_mod.rolewise_adv_estimator
-
-    # An earlier registration by this module (e.g. before importlib.reload: a different function
-    # object with the same module and name) is replaced rather than raising.
-    def stale(**kw):
-        return None
-
-    stale.__module__, stale.__qualname__ = adv_mod.__name__, adv_mod.rolewise_adv_estimator.__qualname__
-    monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "grpo_rolewise", stale)
-    adv_mod.register_rolewise_estimator()
-    assert core_algos.get_adv_estimator_fn("grpo_rolewise") is adv_mod.rolewise_adv_estimator
-    # Another module's estimator under the same name is not silently overwritten.
-    monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "grpo_rolewise", lambda **kw: None)
-    with pytest.raises(ValueError, match="already been registered"):
-        adv_mod.register_rolewise_estimator()
-
-
 def test_role_labels_context_supplies_what_verl_does_not_pass():
     """verl calls the registered estimator with index only; the trainer's context supplies the rest."""
-    from verl.trainer.ppo import core_algos
-
     from envace.advantage import role_labels
 
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    fn = adv_mod.rolewise_adv_estimator
     rewards = torch.zeros(4, 3)
     rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 1.0])
     mask = torch.ones(4, 3)
@@ -536,7 +515,7 @@ def test_role_labels_context_supplies_what_verl_does_not_pass():
 def test_explicit_arguments_win_over_the_role_labels_context():
     from envace.advantage import role_labels
 
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    fn = adv_mod.rolewise_adv_estimator
     rewards, mask = batch(CASE_SCORES)
     index = np.array(CASE_INDEX, dtype=object)
     roles = np.array(CASE_ROLES, dtype=object)
@@ -615,35 +594,6 @@ def test_other_integer_labels_are_labels_of_their_own():
 
 def test_estimator_without_index_raises_clear_error():
     rewards, mask = batch([1.0, 0.0])
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    fn = adv_mod.rolewise_adv_estimator
     with pytest.raises(ValueError, match="needs index"):
         fn(token_level_rewards=rewards, response_mask=mask, config=None, roles=["act", "act"])
-
-
-def test_registration_replaces_only_its_own_estimator(monkeypatch):
-    """Only a function of this module named like the estimator counts as an earlier registration of it; a
-    same-named function of another module, another function of this module, or a callable object are someone
-    else's estimator, which verl refuses to overwrite."""
-    ours = adv_mod.rolewise_adv_estimator.__qualname__
-
-    def other_module(**kw):
-        return None
-
-    other_module.__qualname__ = ours  # the same name, another module
-
-    def other_name(**kw):
-        return None
-
-    other_name.__module__ = adv_mod.__name__  # this module, another function
-
-    class Estimator:
-        def __call__(self, **kw):
-            return None
-
-    Estimator.__module__ = adv_mod.__name__  # an instance: a __module__ but no __qualname__
-
-    for foreign in (other_module, other_name, Estimator()):
-        monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "grpo_rolewise", foreign)
-        with pytest.raises(ValueError, match="already been registered"):
-            adv_mod.register_rolewise_estimator()
-        assert core_algos.ADV_ESTIMATOR_REGISTRY["grpo_rolewise"] is foreign

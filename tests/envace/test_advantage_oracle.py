@@ -2,11 +2,11 @@
 
 ``tests/envace/test_advantage.py::test_matches_loop_reference`` compares the per-row advantage of
 :func:`compute_rolewise_advantage` with a loop reference over hypothesis-drawn batches.  This file checks what
-that one does not: the whole ``[bs, resp_len]`` output of verl's registered estimator ``grpo_rolewise`` (as
-``compute_advantage`` calls it: ``index`` only, the roles, rollout ids, validity and emptiness from the
-trainer's :func:`envace.advantage.role_labels` context, ``norm_by_std`` from ``norm_adv_by_std_in_grpo``), with
-rewards spread over several tokens, padded response masks, float32 and float64, several prompts, both roles,
-invalid and empty outputs, and both baselines.
+that one does not: the whole ``[bs, resp_len]`` output of the estimator registered as verl's ``grpo_rolewise``
+(:func:`envace.advantage.rolewise_adv_estimator`, as ``compute_advantage`` calls it: ``index`` only, the roles,
+rollout ids, validity and emptiness from the trainer's :func:`envace.advantage.role_labels` context, ``norm_by_std``
+from ``norm_adv_by_std_in_grpo``), with rewards spread over several tokens, padded response masks, float32 and
+float64, several prompts, both roles, invalid and empty outputs, and both baselines.
 
 The oracle is the paper's definition: every output y_{i,m} of rollout i inherits R_i (here: its row's summed
 token rewards, less the empty penalty); its baseline is taken over the outputs of the same prompt and the same
@@ -22,9 +22,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from verl.trainer.ppo import core_algos
 
-from envace.advantage import role_labels
+from envace.advantage import role_labels, rolewise_adv_estimator
 
 
 def oracle(rewards, mask, index, roles, traj, valid, empty, *, baseline, norm_by_std, epsilon, singleton, empty_penalty):
@@ -95,7 +94,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: f"{o['baseline']}-norm{int(o['norm_by_std'])}-{o['singleton']}")
 def test_registered_estimator_equals_the_loop_oracle(opts, dtype):
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    fn = rolewise_adv_estimator
     rng = np.random.default_rng(CASES.index(opts))
     for trial in range(12):
         rewards, mask, index, roles, traj, valid, empty = random_batch(rng, n_prompts=int(rng.integers(1, 4)), K=int(rng.integers(2, 6)))
@@ -120,7 +119,7 @@ def test_the_oracle_separates_roles():
     rolewise = oracle(rewards, mask, index, roles, traj, valid, empty, **opts)
     pooled = oracle(rewards, mask, index, ["one"] * len(roles), traj, valid, empty, **opts)
     assert len(set(roles)) == 2 and rolewise != pooled
-    fn = core_algos.get_adv_estimator_fn("grpo_rolewise")
+    fn = rolewise_adv_estimator
     rewards_t, mask_t = torch.tensor(rewards, dtype=torch.float64), torch.tensor(mask)
     with role_labels(np.array(roles, dtype=object), traj_index=np.array(traj, dtype=object), valid=np.array(valid), empty=np.array(empty), options={"empty_penalty": 0.0}):
         adv, _ = fn(token_level_rewards=rewards_t, response_mask=mask_t, config={"norm_adv_by_std_in_grpo": True}, index=np.array(index, dtype=object))

@@ -35,7 +35,7 @@ def test_parameter_estimate_matches_qwen3_sizes():
 
 
 def test_shrunk_recipe_keeps_the_paper_values_and_fits_one_gpu():
-    from envace.train import compose
+    from envace.verl.config import compose
 
     cfg = compose(gpu_smoke.overrides("/models/Qwen3-1.7B", Path("/tmp/run"), 2))
     a = cfg.actor_rollout_ref
@@ -86,7 +86,7 @@ def test_the_tensor_parallel_2_launch_composes_and_validates():
     from verl.utils.config import validate_config
 
     from envace.config import validate_envace_config
-    from envace.train import compose
+    from envace.verl.config import compose
 
     cfg = compose(gpu_smoke.overrides("/models/Qwen3-1.7B", Path("/tmp/run"), 1, tp=2))
     assert (cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size) == (2, 2)

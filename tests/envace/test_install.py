@@ -266,7 +266,7 @@ def test_bootstrap_picks_the_lock_by_platform(tmp_path):
 
 def test_envace_is_a_verl_plugin_entry_point():
     eps = [ep for ep in md.entry_points(group="verl.plugins") if ep.name == "envace"]
-    assert [ep.value for ep in eps] == ["envace.verl_plugin"]
+    assert [ep.value for ep in eps] == ["envace.verl.plugin"]
 
 
 # -- one install per virtualenv, however many nodes share the checkout ------------------------------------------

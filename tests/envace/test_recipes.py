@@ -9,7 +9,8 @@ import pytest
 from omegaconf import open_dict
 
 from envace.config import ConfigError
-from envace.train import compose, fit_total_epochs
+from envace.train import fit_total_epochs
+from envace.verl.config import compose
 
 ENVACE = ["envace_qwen3_1_7b_h20_2x8", "envace_qwen3_4b_h20_2x8", "envace_qwen3_8b_h20_2x8", "envace_qwen3_8b_h100_2x8",
           "ablation_real_env_grpo", "ablation_simulator"]

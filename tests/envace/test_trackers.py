@@ -72,7 +72,8 @@ def test_trackers_whose_package_is_missing_are_dropped(home, monkeypatch):
 
 def test_prepare_rewrites_trainer_logger_before_verl_starts(home, tmp_path, monkeypatch):
     """envace.train.prepare (the pre-flight every launch runs) hands verl the degraded list."""
-    from envace.train import compose, prepare
+    from envace.train import prepare
+    from envace.verl.config import compose
 
     monkeypatch.setattr("envace.trackers._interactive", lambda: False)
     cfg = compose(["trainer.logger=[console,wandb,file]", "envace.data.pools=[synthetic]",

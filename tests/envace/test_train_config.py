@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from envace.config import ConfigError, validate_envace_config
-from envace.train import CONFIG_DIR, check_platform, check_ray_resources, compose, main, resolve_model_path
+from envace.train import check_platform, check_ray_resources, main, resolve_model_path
+from envace.verl.config import CONFIG_DIR, compose
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 REPO = Path(__file__).resolve().parents[2]

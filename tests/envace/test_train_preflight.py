@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from envace.launch import cuda_mismatch
-from envace.train import compose, init_ray, main
+from envace.train import init_ray, main
+from envace.verl.config import compose
 
 TINY = ["actor_rollout_ref.model.path=builtin:tiny-qwen3", "envace.data.max_tasks_per_pool=4", "data.max_prompt_length=8192"]
 

@@ -270,7 +270,7 @@ def test_learning_pool_is_the_easy_synthetic_configuration():
 
 def test_default_run_trains_on_the_warm_start_pool():
     """The CPU default (configs/experiment/cpu_default.yaml) draws its tasks from the pool the warm start learned."""
-    from envace.train import compose
+    from envace.verl.config import compose
 
     cfg = compose(["experiment=cpu_default"])
     kwargs = dict(cfg.envace.agent.pool_kwargs.synthetic)

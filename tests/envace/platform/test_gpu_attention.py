@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from envace.train import compose
+from envace.verl.config import compose
 
 
 def tiny_qwen3(attn: str) -> Qwen3ForCausalLM:

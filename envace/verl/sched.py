@@ -15,7 +15,8 @@ with verl's own ``register_trainer`` (select it with ``trainer.v1.trainer_mode=e
 * ``envsched.scheduler=random`` is the paper's random baseline through the same path.
 
 The scheduler's task pool is built from the environment pools of the training rows
-(:func:`task_records`); its identifier filter replays action sequences through the pools.
+(:func:`envace.envs.records.task_records`); its identifier filter replays action sequences through the pools
+(:func:`envace.envs.records.make_replay`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from envace.envs.base import EnvironmentPool, ToolCall, flatten_turns, get_pool, split_turns
+from envace.envs.base import get_pool
+from envace.envs.records import make_replay, task_key, task_records
 
 logger = logging.getLogger(__name__)
 
@@ -86,59 +88,6 @@ def load_scheduler_state(scheduler: Any, path: str | os.PathLike[str]) -> None:
     import torch
 
     scheduler.load_state_dict(decode_state(torch.load(path, weights_only=True)))
-
-
-def task_key(pool: str, task_id: str) -> str:
-    return f"{pool}/{task_id}"
-
-
-def _render_calls(turns: Sequence[Sequence[ToolCall]]) -> str:
-    lines = []
-    for t, turn in enumerate(turns):
-        lines.append(f"# turn {t}")
-        for call in turn:
-            args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in call.arguments.items())
-            lines.append(f"{call.name}({args})")
-    return "\n".join(lines)
-
-
-def task_records(pools: Mapping[str, EnvironmentPool], refs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
-    """EnvSched pool records (see ``envsched.pool``) for ``(pool, task_id)`` pairs.
-
-    The verifier-code view gets the task's ground-truth call program: BFCL's checker replays it and
-    compares states, τ²'s evaluator replays it and compares database hashes, so it is the per-task
-    part of the verifier. Turn boundaries are kept as ``__end_turn__`` actions so replays stay
-    multi-turn.
-    """
-    records = []
-    for pool_name, task_id in refs:
-        pool = pools[pool_name]
-        spec = pool.task(task_id)
-        turns = pool.gold_actions(task_id)
-        records.append(
-            {
-                "task_id": task_key(pool_name, task_id),
-                "env_id": spec.env_id,
-                "instruction": spec.first_user_message,
-                "initial_state": spec.initial_state_summary,
-                "tools": spec.tools,
-                "verifier_checks": [spec.verifier_text] if spec.verifier_text else [],
-                "verifier_code": _render_calls(turns),
-                "gold_actions": flatten_turns(turns),
-                "meta": {"pool": pool_name, "category": spec.category},
-            }
-        )
-    return records
-
-
-def make_replay(pools: Mapping[str, EnvironmentPool]):
-    """``replay(task_key, actions) -> reward`` through the pools' official verifiers (identifier filter)."""
-
-    def replay(key: str, actions: Sequence[Mapping[str, Any]]) -> float:
-        pool_name, task_id = key.split("/", 1)
-        return float(pools[pool_name].replay(task_id, split_turns(actions)).reward)
-
-    return replay
 
 
 def collect_groups(
@@ -206,7 +155,7 @@ def _register() -> None:
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.rl_dataset import collate_fn
 
-    from envace.trainer import envace_trainer_class
+    from envace.verl.trainer import envace_trainer_class
 
     @register_trainer("envsched_sync")
     class EnvSchedTrainer(envace_trainer_class()):

@@ -1,41 +1,18 @@
-"""envace ↔ envsched adapters: pool records from the real BFCL pool, multi-turn replay, scheduler build."""
+"""EnvSched inside verl's trainer (envace/verl/sched.py): the scheduler built from the real BFCL pool, reward groups
+from a trained batch, the scheduler state saved in and restored from verl's checkpoint."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from envace.envs.base import END_TURN, get_pool, split_turns
-from envace.sched import build_scheduler, collect_groups, make_replay, task_records
+from envace.envs.base import get_pool
+from envace.verl.sched import build_scheduler, collect_groups
 
 
 @pytest.fixture(scope="module")
 def bfcl():
     return get_pool("bfcl_multi_turn")
-
-
-def test_records_carry_envsched_views_and_turn_structure(bfcl):
-    tid = "multi_turn_base_0"
-    (rec,) = task_records({"bfcl_multi_turn": bfcl}, [("bfcl_multi_turn", tid)])
-    assert rec["task_id"] == f"bfcl_multi_turn/{tid}"
-    assert rec["env_id"] == bfcl.task(tid).env_id
-    assert rec["instruction"] and rec["tools"] and rec["verifier_code"].startswith("# turn 0")
-    turns = bfcl.gold_actions(tid)
-    assert sum(a["name"] == END_TURN for a in rec["gold_actions"]) == len(turns) - 1
-    assert [[c.name for c in t] for t in split_turns(rec["gold_actions"])] == [[c.name for c in t] for t in turns]
-
-    from envsched import TaskPool
-
-    TaskPool.from_records([rec])  # envsched accepts the record format
-
-
-def test_replay_scores_gold_one_and_a_corrupted_sequence_zero(bfcl):
-    tid = "multi_turn_base_0"
-    (rec,) = task_records({"bfcl_multi_turn": bfcl}, [("bfcl_multi_turn", tid)])
-    replay = make_replay({"bfcl_multi_turn": bfcl})
-    assert replay(rec["task_id"], rec["gold_actions"]) == 1.0
-    dropped = [a for a in rec["gold_actions"] if a["name"] == END_TURN or a is not rec["gold_actions"][0]]
-    assert replay(rec["task_id"], dropped) == 0.0
 
 
 def test_build_scheduler_uses_train_batch_size_and_selects_known_tasks(bfcl):
@@ -103,7 +80,7 @@ def test_scheduler_state_file_loads_with_weights_only_and_restores_the_next_batc
     i.e. resuming unpickled whatever the file contained."""
     import torch
 
-    from envace.sched import load_scheduler_state, save_scheduler_state
+    from envace.verl.sched import load_scheduler_state, save_scheduler_state
 
     cfg, rows, sched = three_observed_steps(bfcl)
     path = tmp_path / "envsched.pt"
@@ -123,8 +100,8 @@ def envsched_trainer(monkeypatch):
 
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
-    from envace.sched import STATE_FILE, register_envsched_trainer
-    from envace.trainer import envace_trainer_class
+    from envace.verl.sched import STATE_FILE, register_envsched_trainer
+    from envace.verl.trainer import envace_trainer_class
 
     register_envsched_trainer()
     cls = get_trainer_cls("envsched_sync")

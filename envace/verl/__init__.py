@@ -1,0 +1,21 @@
+"""envace's verl layer: everything that plugs into verl's trainer, in one place.
+
+=========================  =====================================================================================
+module                     what it plugs in, and where in verl
+=========================  =====================================================================================
+:mod:`.plugin`             the ``verl.plugins`` entry point (``pyproject.toml``): verl imports it on ``import verl``
+:mod:`.extensions`         the registrations: CPU platform (every process); ``grpo_rolewise`` estimator
+                           (``register_adv_est``) and the trainers (``register_trainer``) in the TaskRunner process
+:mod:`.trainer`            ``envace_sync``: verl's V1 sync trainer + role labels, per-role metrics, role-tagged dumps
+:mod:`.sched`              ``envsched_sync``: the same trainer with EnvSched choosing every training batch
+:mod:`.runner`             verl's V1 TaskRunner with the registrations, ``run_ppo``, the Ray runtime environment
+:mod:`.config`             the training config verl reads (``configs/envace_trainer.yaml``) and verl's own checks
+:mod:`.resume`             which of verl's checkpoints a resumed run loads (complete ones only)
+=========================  =====================================================================================
+
+The agent loops are registered through verl's agent-loop config file (``envace/agents/agent_loops.yaml``), and the
+CPU device backend verl runs on without CUDA is :mod:`envace.platform`. The private verl methods the trainers
+override are pinned, with their signatures, by ``tests/envace/verl/test_verl_pins.py``.
+
+This package's ``__init__`` imports nothing: verl imports :mod:`.plugin` while ``verl/__init__`` is still loading.
+"""
