@@ -74,7 +74,7 @@ def _provider(args: argparse.Namespace):
         raise UsageError("--base-url and --model go together")
     from .llm import OpenAIProvider, OpenAIProviderConfig
 
-    return OpenAIProvider(OpenAIProviderConfig(base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
+    return OpenAIProvider(OpenAIProviderConfig(base_urls=args.base_url, model=args.model, api_key_env=args.api_key_env,
                                                cache_dir=args.cache_dir, usd_per_m_prompt=args.usd_per_m_prompt,
                                                usd_per_m_completion=args.usd_per_m_completion, **_limits(args)))
 
@@ -93,7 +93,7 @@ def _judge_provider(args: argparse.Namespace):
         raise UsageError("--judge-base-url and --judge-model go together")
     from .llm import OpenAIProvider, OpenAIProviderConfig
 
-    return OpenAIProvider(OpenAIProviderConfig(base_url=args.judge_base_url, model=args.judge_model,
+    return OpenAIProvider(OpenAIProviderConfig(base_urls=args.judge_base_url, model=args.judge_model,
                                                api_key_env=args.judge_api_key_env, cache_dir=args.cache_dir,
                                                **_limits(args)))
 

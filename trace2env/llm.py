@@ -38,13 +38,14 @@ import random
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import openai
 from pydantic import BaseModel, ValidationError
 
+from .endpoint import EndpointConfig
 from .llmcore import (
     ConfigurationError,
     InfrastructureError,
@@ -110,35 +111,17 @@ STAGE_INSTRUCTIONS: dict[str, str] = {
 
 
 @dataclass
-class OpenAIProviderConfig:
-    """Where and how the model stages call an OpenAI-compatible endpoint."""
+class OpenAIProviderConfig(EndpointConfig):
+    """The endpoint (:class:`trace2env.endpoint.EndpointConfig`: URL, model, key, time-out, retries, sampling)
+    plus the model stages' own knobs. The provider talks to the first of ``base_urls``; the async pool's
+    ``concurrency``, ``routing``, ``unhealthy_cooldown_s`` and ``use_json_schema`` do not apply here."""
 
-    # base URL of the endpoint, ending in /v1 (e.g. http://127.0.0.1:8000/v1)
-    base_url: str
-    # served model name
-    model: str
-    # API key ("EMPTY" for local servers that do not check it)
-    api_key: str = "EMPTY"
-    # name of an environment variable with the API key; wins over api_key when set and non-empty
-    api_key_env: str | None = None
-    # seconds one HTTP attempt may take
-    timeout_s: float = 120.0
-    # retries after an infrastructure error (at most 1 + max_retries attempts per request)
-    max_retries: int = 3
-    # first backoff delay in seconds; doubles per retry, times a jitter in [0.5, 1.5)
-    backoff_base_s: float = 0.5
-    # cap of one backoff delay (and of a server's Retry-After), seconds
-    backoff_max_s: float = 30.0
-    # sampling temperature (None: the server's default)
-    temperature: float | None = 0.0
-    # completion-token budget of one request
-    max_tokens: int = 2048
     # the budget is doubled (up to this cap) when a reply is cut off at max_tokens
     max_tokens_cap: int = 16384
     # follow-up requests showing the model its invalid reply (the reference uses 2)
     repair_rounds: int = 2
     # structured output: json_schema | json_object | none (schema in the prompt only)
-    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
+    response_format: str = "json_schema"
     # characters of the JSON payload sent (the middle is cut beyond it)
     max_payload_chars: int = 60000
     # USD per 1M prompt tokens, for the cost column
@@ -147,23 +130,15 @@ class OpenAIProviderConfig:
     usd_per_m_completion: float = 0.0
     # content-addressed answer cache directory (None: no cache)
     cache_dir: str | None = None
-    # extra JSON merged into every request body (e.g. {"chat_template_kwargs": {"enable_thinking": false}})
-    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.base_url or not self.model:
-            raise ValueError("OpenAIProviderConfig needs base_url and model")
-        if self.timeout_s <= 0 or self.max_retries < 0 or self.repair_rounds < 0:
-            raise ValueError("timeout_s must be > 0, max_retries and repair_rounds >= 0")
-        if self.max_tokens < 1 or self.max_tokens_cap < self.max_tokens:
+        super().__post_init__()
+        if self.repair_rounds < 0:
+            raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
+        if self.max_tokens is None or self.max_tokens_cap < self.max_tokens:
             raise ValueError("need 1 <= max_tokens <= max_tokens_cap")
         if self.response_format not in ("json_schema", "json_object", "none"):
             raise ValueError(f"response_format must be json_schema, json_object or none, got {self.response_format!r}")
-
-    def resolved_api_key(self) -> str:
-        if self.api_key_env and os.environ.get(self.api_key_env):
-            return os.environ[self.api_key_env]
-        return self.api_key or "EMPTY"
 
 
 @dataclass
@@ -270,8 +245,9 @@ class OpenAIProvider:
         """The keyword arguments of a stage's first request (``extra_body`` as the client's own argument)."""
         cfg = self.config
         kwargs: dict[str, Any] = {"model": cfg.model, "messages": messages, "max_tokens": cfg.max_tokens}
-        if cfg.temperature is not None:
-            kwargs["temperature"] = cfg.temperature
+        for key in ("temperature", "top_p", "seed"):
+            if getattr(cfg, key) is not None:
+                kwargs[key] = getattr(cfg, key)
         if cfg.extra_body:
             kwargs["extra_body"] = dict(cfg.extra_body)
         if cfg.response_format == "json_schema":

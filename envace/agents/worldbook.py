@@ -29,8 +29,10 @@ executed the call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,6 +42,7 @@ from envace.envs.base import ToolCall
 from envace.envs.traces import initial_state_id
 from trace2env import Session, Worldbook, load_worldbooks
 from trace2env.agent import WorldModelAgent
+from trace2env.endpoint import EndpointConfig
 from trace2env.runtime import Proposer
 
 __all__ = ["WorldbookLibrary", "WorldbookSource", "provider_from_endpoint", "world_model_from_endpoint"]
@@ -89,33 +92,35 @@ class WorldbookLibrary:
         return wb
 
 
-def provider_from_endpoint(endpoint: dict[str, Any]):
-    """A :class:`trace2env.llm.OpenAIProvider` from ``envace.agent.simulator`` (LLMEndpointConfig keys)."""
+def provider_from_endpoint(endpoint: EndpointConfig | Mapping[str, Any]):
+    """A :class:`trace2env.llm.OpenAIProvider` from ``envace.agent.simulator`` (the shared endpoint config).
+
+    The provider talks to the first base URL; ``use_json_schema: false`` selects its ``json_object`` output mode.
+    """
     from trace2env.llm import OpenAIProvider, OpenAIProviderConfig
 
-    urls = endpoint.get("base_urls")
-    url = urls[0] if isinstance(urls, list) and urls else urls
-    keys = {"api_key", "api_key_env", "timeout_s", "max_retries", "backoff_base_s", "backoff_max_s", "temperature",
-            "extra_body"}
-    kw = {k: v for k, v in endpoint.items() if k in keys and v is not None}
-    if endpoint.get("max_tokens"):
-        kw["max_tokens"] = int(endpoint["max_tokens"])
-        kw["max_tokens_cap"] = max(int(endpoint["max_tokens"]), 16384)
-    if not endpoint.get("use_json_schema", True):
-        kw["response_format"] = "json_object"
-    return OpenAIProvider(OpenAIProviderConfig(base_url=str(url or ""), model=str(endpoint.get("model") or ""), **kw))
+    ep = EndpointConfig.from_mapping(endpoint, "envace.agent.simulator")
+    shared = {f.name: getattr(ep, f.name) for f in dataclasses.fields(EndpointConfig)}
+    if ep.max_tokens is not None:
+        shared["max_tokens"] = int(ep.max_tokens)
+    else:
+        shared.pop("max_tokens")
+    cap = max(int(shared.get("max_tokens", 2048)), 16384)
+    fmt = "json_object" if ep.use_json_schema is False else "json_schema"
+    return OpenAIProvider(OpenAIProviderConfig(**shared, max_tokens_cap=cap, response_format=fmt))
 
 
 _AGENTS: dict[str, WorldModelAgent] = {}
 
 
-def world_model_from_endpoint(endpoint: dict[str, Any]) -> WorldModelAgent | None:
+def world_model_from_endpoint(endpoint: EndpointConfig | Mapping[str, Any] | None) -> WorldModelAgent | None:
     """One world-model agent per endpoint and process (None without an endpoint: rules and evidence only)."""
     if not endpoint:
         return None
-    key = json.dumps(endpoint, sort_keys=True, default=str)
+    ep = EndpointConfig.from_mapping(endpoint, "envace.agent.simulator")
+    key = json.dumps(dataclasses.asdict(ep), sort_keys=True, default=str)
     if key not in _AGENTS:
-        _AGENTS[key] = WorldModelAgent(provider_from_endpoint(endpoint))
+        _AGENTS[key] = WorldModelAgent(provider_from_endpoint(ep))
     return _AGENTS[key]
 
 

@@ -147,17 +147,13 @@ class ChatModel(Protocol):
 
 def _as_chat_model(obj: Any) -> ChatModel | None:
     """A chat model, an ``EndpointConfig``, or its keyword dict (as Hydra's ``envace.agent.pool_kwargs`` gives:
-    ``{base_url: ..., model: ...}``)."""
+    ``{base_urls: [...], model: ...}``; an unknown key is a ValueError naming it)."""
     if obj is None or hasattr(obj, "complete"):
         return obj
     from envace.eval.client import ChatClient, EndpointConfig
 
     if isinstance(obj, Mapping):
-        try:
-            obj = EndpointConfig(**dict(obj))
-        except TypeError as exc:
-            raise TypeError(f"invalid endpoint for the τ² user/judge {dict(obj)}: {exc}; "
-                            "give base_url and model (and optionally api_key, temperature, max_tokens)") from None
+        obj = EndpointConfig.from_mapping(dict(obj), "the τ² user/judge endpoint")
     if isinstance(obj, EndpointConfig):
         return ChatClient(obj)
     raise TypeError(f"expected a chat model with .complete() or an EndpointConfig, got {type(obj).__name__}")

@@ -261,10 +261,11 @@ def agent_endpoint(args: argparse.Namespace, stack: contextlib.ExitStack, out_di
     if serve:
         base_url, model = stack.enter_context(_endpoint(args, out_dir))
     else:
-        base_url, model = args.base_url or "", args.model or args.checkpoint or ""
-    return EndpointConfig(base_url=base_url, model=model, api_key=_api_key(args), temperature=args.temperature,
+        # nothing to run, so nothing is called: without --base-url the address is a placeholder
+        base_url, model = args.base_url or "http://unused.invalid/v1", args.model or args.checkpoint or ""
+    return EndpointConfig(base_urls=base_url, model=model, api_key=_api_key(args), temperature=args.temperature,
                           top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
-                          timeout=args.request_timeout, extra_body=_extra_body(args))
+                          timeout_s=args.request_timeout, extra_body=_extra_body(args))
 
 
 @contextlib.contextmanager
@@ -403,22 +404,23 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         start_kwargs: dict[str, Any] = {}
         if bench.name == "tau2":
             start_kwargs["user"] = EndpointConfig(
-                base_url=args.user_base_url or base_url,
+                base_urls=args.user_base_url or base_url,
                 model=args.user_model or model,
                 api_key=args.user_api_key or api_key,
                 temperature=args.user_temperature,
                 max_tokens=args.user_max_tokens,
                 seed=args.seed,
-                timeout=args.request_timeout,
+                timeout_s=args.request_timeout,
                 extra_body=extra_body,
             )
             start_kwargs["judge"] = (
                 EndpointConfig(
-                    base_url=args.judge_base_url or base_url,
+                    base_urls=args.judge_base_url or base_url,
                     model=args.judge_model,
                     api_key=args.judge_api_key or api_key,
                     temperature=0.0,
-                    timeout=args.request_timeout,
+                    max_tokens=None,
+                    timeout_s=args.request_timeout,
                 )
                 if args.judge_model
                 else None

@@ -39,6 +39,7 @@ from envace.agents.engine import ModelError
 from envace.envs.base import ToolCall, ToolCallError, scrub_surrogates
 from envace.rewards.llm import ConfigurationError, InfrastructureError
 from envace.toolcall import THINK_END, parse_tool_calls
+from trace2env.endpoint import EndpointConfig
 from trace2env.llmcore import is_context_too_long, is_retryable_status, not_found_hint
 
 __all__ = [
@@ -166,27 +167,6 @@ def parse_assistant_output(content: str | None, api_tool_calls: Sequence[Any] | 
     )
 
 
-@dataclass(frozen=True)
-class EndpointConfig:
-    """Where and how to call an OpenAI-compatible chat endpoint."""
-
-    base_url: str
-    model: str
-    api_key: str = "EMPTY"
-    temperature: float | None = 0.0
-    top_p: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
-    timeout: float = 600.0
-    max_retries: int = 3
-    extra_body: dict[str, Any] = field(default_factory=dict)
-
-    def with_overrides(self, **changes: Any) -> EndpointConfig:
-        from dataclasses import replace
-
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
-
-
 class ChatClient:
     """Synchronous chat-completions client (thread-safe: one ``openai.OpenAI`` shared by threads).
 
@@ -198,12 +178,14 @@ class ChatClient:
     def __init__(self, config: EndpointConfig) -> None:
         import openai
 
+        if len(config.base_urls) != 1:
+            raise ValueError(f"ChatClient calls one base URL, got {len(config.base_urls)}: {config.base_urls}")
         self.config = config
         self._openai = openai
         self._client = openai.OpenAI(
             base_url=config.base_url,
-            api_key=config.api_key or "EMPTY",
-            timeout=config.timeout,
+            api_key=config.resolved_api_key(),
+            timeout=config.timeout_s,
             max_retries=config.max_retries,
         )
         self._lock = threading.Lock()
@@ -265,8 +247,8 @@ def check_model_served(config: EndpointConfig) -> None:
     """
     import openai
 
-    client = openai.OpenAI(base_url=config.base_url, api_key=config.api_key or "EMPTY",
-                           timeout=min(config.timeout, 60.0), max_retries=config.max_retries)
+    client = openai.OpenAI(base_url=config.base_url, api_key=config.resolved_api_key(),
+                           timeout=min(config.timeout_s, 60.0), max_retries=config.max_retries)
     try:
         served = [m.id for m in client.models.list().data]
     except openai.APIStatusError as exc:

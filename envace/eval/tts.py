@@ -550,10 +550,10 @@ class RehearsalRunner:
         self._prompts = {name: load_prompt(name, config.prompt_version) for name in PROMPT_NAMES}
         ep = client.config
         self.judge_config = LLMEndpointConfig(
-            base_urls=[ep.base_url], model=ep.model, api_key=ep.api_key or "EMPTY", timeout_s=ep.timeout,
-            max_retries=ep.max_retries, temperature=config.evaluate_temperature, top_p=config.evaluate_top_p,
-            max_tokens=config.judge_max_tokens or ep.max_tokens, use_json_schema=config.json_schema,
-            extra_body=dict(ep.extra_body), concurrency=max(4, config.rehearsals),
+            base_urls=list(ep.base_urls), model=ep.model, api_key=ep.api_key, api_key_env=ep.api_key_env,
+            timeout_s=ep.timeout_s, max_retries=ep.max_retries, temperature=config.evaluate_temperature,
+            top_p=config.evaluate_top_p, max_tokens=config.judge_max_tokens or ep.max_tokens,
+            use_json_schema=config.json_schema, extra_body=dict(ep.extra_body), concurrency=max(4, config.rehearsals),
         )
 
     # -- sampling per role --------------------------------------------------------------------------------

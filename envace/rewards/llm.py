@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import openai
 import pydantic
 
+from trace2env.endpoint import EndpointConfig
 from trace2env.llmcore import (
     ConfigurationError,
     InfrastructureError,
@@ -56,6 +56,7 @@ from trace2env.llmcore import short as _short
 __all__ = [
     "Completion",
     "ConfigurationError",
+    "EndpointConfig",
     "InfrastructureError",
     "JudgeFormatError",
     "LLMEndpointConfig",
@@ -69,69 +70,9 @@ T = TypeVar("T", bound=pydantic.BaseModel)
 
 
 # -- configuration --------------------------------------------------------------------------------------
-@dataclass
-class LLMEndpointConfig:
-    """Where and how to call one model behind one or several OpenAI-compatible base URLs."""
-
-    # OpenAI-compatible base URLs, all serving ``model`` (e.g. "http://judge-0:8000/v1"); one string is accepted.
-    base_urls: list[str]
-    # model name sent with every request (the served name, e.g. "Qwen/Qwen3-30B-A3B-Instruct-2507")
-    model: str
-    # API key; "EMPTY" for local servers that do not check it
-    api_key: str = "EMPTY"
-    # name of an environment variable holding the API key; when set and present it wins over ``api_key``
-    api_key_env: str | None = None
-    # wall-clock limit of one HTTP attempt, seconds (connect + generation)
-    timeout_s: float = 120.0
-    # retries after an infrastructure error (so at most 1 + max_retries attempts per call)
-    max_retries: int = 3
-    # first backoff delay, seconds; doubles every retry, times a random jitter factor in [0.5, 1.5)
-    backoff_base_s: float = 0.5
-    # upper bound of one backoff delay (also caps a server's Retry-After), seconds
-    backoff_max_s: float = 30.0
-    # most requests in flight over all base URLs together (the asyncio.Semaphore size)
-    concurrency: int = 64
-    # sampling temperature (None: the server's default)
-    temperature: float | None = 0.0
-    # nucleus sampling (None: the server's default)
-    top_p: float | None = None
-    # completion-token limit per reply (None: the server's default)
-    max_tokens: int | None = 2048
-    # send response_format={"type": "json_schema", ...} from the pydantic schema in complete_json
-    use_json_schema: bool = False
-    # how a request picks its base URL: "least_busy" (fewest in flight, ties round-robin) or "round_robin"
-    routing: Literal["least_busy", "round_robin"] = "least_busy"
-    # seconds a base URL that refused a connection or timed out is skipped while another one is healthy
-    unhealthy_cooldown_s: float = 10.0
-    # extra JSON merged into every request body (e.g. {"chat_template_kwargs": {"enable_thinking": False}})
-    extra_body: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.base_urls, str):
-            self.base_urls = [self.base_urls]
-        self.base_urls = [str(u).rstrip("/") for u in self.base_urls]
-        if not self.base_urls or not all(self.base_urls):
-            raise ValueError("LLMEndpointConfig.base_urls needs at least one non-empty URL")
-        if not self.model:
-            raise ValueError("LLMEndpointConfig.model is empty")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.backoff_base_s < 0 or self.backoff_max_s < 0:
-            raise ValueError("backoff delays must be >= 0")
-        if self.routing not in ("least_busy", "round_robin"):
-            raise ValueError(f"routing must be 'least_busy' or 'round_robin', got {self.routing!r}")
-
-    def resolved_api_key(self) -> str:
-        """The API key: ``$api_key_env`` when that variable is set and non-empty, else ``api_key``."""
-        if self.api_key_env:
-            value = os.environ.get(self.api_key_env)
-            if value:
-                return value
-        return self.api_key or "EMPTY"
+#: the pool's endpoint config is the project's one endpoint config (trace2env.endpoint), under the name envace
+#: has always imported it by
+LLMEndpointConfig = EndpointConfig
 
 
 @dataclass
@@ -279,7 +220,7 @@ class LLMPool:
     def _request_kwargs(self, messages: Sequence[Mapping[str, Any]], sampling: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         kwargs: dict[str, Any] = {"model": cfg.model, "messages": [dict(m) for m in messages]}
-        for key in ("temperature", "top_p", "max_tokens"):
+        for key in ("temperature", "top_p", "max_tokens", "seed"):
             value = sampling.pop(key, getattr(cfg, key))
             if value is not None:
                 kwargs[key] = value

@@ -117,7 +117,7 @@ def test_agent_over_http_with_the_openai_provider(fake_openai, replies, tmp_path
     turns = [{"thought": "look", "tool": "inspect_action", "arguments": {"name": "get"}},
              {"tool": "submit", "arguments": {"observation": '{"error": "not found", "key": "nope"}', "outcome": "failure"}}]
     srv = fake_openai(lambda body, n: replies.chat(json.dumps(turns[min(n, 1)])))
-    p = OpenAIProvider(OpenAIProviderConfig(base_url=srv.base_url, model="wm"))
+    p = OpenAIProvider(OpenAIProviderConfig(base_urls=srv.base_url, model="wm"))
     s = Session.start(wb, proposer=WorldModelAgent(p))
     r = s.step({"name": "get", "arguments": {"key": "nope"}})
     assert r.accepted and r.observation == FakeKV().call("get", {"key": "nope"})

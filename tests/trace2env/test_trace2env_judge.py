@@ -115,7 +115,7 @@ def test_judge_over_http_repairs_an_invalid_verdict_and_masks_a_hopeless_one(fak
     texts = ['{"format": 6, "factuality": 1, "consistency": 1, "realism": 1, "quality": 1}',  # out of range
              "<think>ok</think>" + json.dumps(verdict(5, 5, 4, 4, 3))]
     srv = fake_openai(lambda body, n: replies.chat(texts[min(n, 1)]))
-    p = OpenAIProvider(OpenAIProviderConfig(base_url=srv.base_url, model="judge", repair_rounds=1, backoff_base_s=0.0))
+    p = OpenAIProvider(OpenAIProviderConfig(base_urls=srv.base_url, model="judge", repair_rounds=1, backoff_base_s=0.0))
     j = LLMJudge(p)
     res = j.score(action=ActionCall(name="count"), predicted='{"count": 2}', reference='{"count": 3}')
     assert res is not None and res.total == pytest.approx(np.mean([100, 100, 75, 75, 50]))
@@ -124,6 +124,6 @@ def test_judge_over_http_repairs_an_invalid_verdict_and_masks_a_hopeless_one(fak
     sent = json.loads(srv.bodies[0]["messages"][1]["content"])
     assert sent["instructions"] == JUDGE_PROMPTS["judge_v1"] and sent["reference_observation"] == '{"count": 3}'
     bad = fake_openai(lambda body, n: replies.chat("I cannot judge this"))
-    j2 = LLMJudge(OpenAIProvider(OpenAIProviderConfig(base_url=bad.base_url, model="judge", repair_rounds=1)))
+    j2 = LLMJudge(OpenAIProvider(OpenAIProviderConfig(base_urls=bad.base_url, model="judge", repair_rounds=1)))
     assert j2.score(action=ActionCall(name="count"), predicted="a", reference="b") is None
     assert dict(j2.failures) == {"model_output": 1} and len(bad.bodies) == 2

@@ -21,7 +21,7 @@ from trace2env.providers import ConfigurationError, InfrastructureError, ModelOu
 
 def provider(url: str, **kw) -> OpenAIProvider:
     kw.setdefault("backoff_base_s", 0.0)
-    return OpenAIProvider(OpenAIProviderConfig(base_url=url, model="m", **kw))
+    return OpenAIProvider(OpenAIProviderConfig(base_urls=url, model="m", **kw))
 
 
 GOOD = {"rules": [{"id": "r", "action_type": "count", "observation_template": "{}"}]}
@@ -121,7 +121,7 @@ def test_cache_key_covers_every_parameter_that_changes_the_answer(fake_openai, r
     kw = {**base, **change}
     model = kw.pop("model", "m")
     provider(srv.base_url, **base).complete("induce_rules", {"x": 1}, RuleProposal)
-    changed = OpenAIProvider(OpenAIProviderConfig(base_url=srv.base_url, model=model, backoff_base_s=0.0, **kw))
+    changed = OpenAIProvider(OpenAIProviderConfig(base_urls=srv.base_url, model=model, backoff_base_s=0.0, **kw))
     changed.complete("induce_rules", {"x": 1}, RuleProposal)
     assert len(srv.bodies) == 2 and changed.usage["induce_rules"].cache_hits == 0  # a miss: asked again
     assert len(list((tmp_path / "cache" / "induce_rules").glob("*.json"))) == 2

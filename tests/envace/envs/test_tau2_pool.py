@@ -295,17 +295,23 @@ def test_nl_assertion_with_judge(nl_pool: Tau2Pool) -> None:
 
 
 def test_pool_kwargs_example_from_the_config_builds_a_user_endpoint():
-    """configs/envace/default.yaml documents pool_kwargs {tau2: {user: {base_url, model}}}: it must work."""
+    """configs/envace/default.yaml documents pool_kwargs {tau2: {user: {base_urls, model}}}: it must work."""
+    from pathlib import Path
+
     import yaml
 
     from envace.envs.base import get_pool
-
-    from pathlib import Path
 
     text = (Path(__file__).resolve().parents[3] / "configs" / "envace" / "default.yaml").read_text()
     line = next(line for line in text.splitlines() if "e.g. {tau2:" in line)
     example = yaml.safe_load(line.split("e.g.", 1)[1].strip())
     pool = get_pool("tau2", domains=("airline",), **example["tau2"])
-    assert pool.user is not None and pool.user.config.base_url == example["tau2"]["user"]["base_url"]
-    with pytest.raises(TypeError, match="give base_url and model"):
+    assert pool.user is not None and pool.user.config.base_urls == example["tau2"]["user"]["base_urls"]
+    with pytest.raises(ValueError, match="unknown endpoint key 'user_base_url'"):
         get_pool("tau2", domains=("airline",), user={"user_base_url": "http://x"})
+    with pytest.raises(ValueError, match="unknown endpoint key 'base_url' \\(renamed 'base_urls'\\)"):
+        get_pool("tau2", domains=("airline",), user={"base_url": "http://x", "model": "m"})
+    with pytest.raises(ValueError, match="unknown endpoint key 'timeout' \\(renamed 'timeout_s'\\)"):
+        get_pool("tau2", domains=("airline",), user={"base_urls": ["http://x"], "model": "m", "timeout": 3})
+    with pytest.raises(ValueError, match="needs base_urls"):
+        get_pool("tau2", domains=("airline",), user={"model": "m"})

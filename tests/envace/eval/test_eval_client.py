@@ -197,7 +197,7 @@ def test_client_transformers_serve_style_reply(stub: str) -> None:
     ]
     client = ChatClient(
         EndpointConfig(
-            base_url=stub,
+            base_urls=stub,
             model="m",
             temperature=0.6,
             top_p=0.95,
@@ -232,7 +232,7 @@ def test_client_transformers_serve_style_reply(stub: str) -> None:
     ],
 )
 def test_client_errors_follow_the_one_taxonomy(stub: str, status: int, message: str, kind: type) -> None:
-    client = ChatClient(EndpointConfig(base_url=stub, model="m", max_retries=0))
+    client = ChatClient(EndpointConfig(base_urls=stub, model="m", max_retries=0))
     _Stub.responses = [(status, {"error": {"message": message}})]
     with pytest.raises(kind):
         client.complete([{"role": "user", "content": "hi"}])
@@ -263,7 +263,7 @@ def test_is_context_too_long(status: int | None, message: str, expected: bool) -
 
 
 def test_unreachable_endpoint_is_infrastructure(dead_url: str) -> None:
-    client = ChatClient(EndpointConfig(base_url=dead_url, model="m", max_retries=0, timeout=5))
+    client = ChatClient(EndpointConfig(base_urls=dead_url, model="m", max_retries=0, timeout_s=5))
     with pytest.raises(InfrastructureError):
         client.complete([{"role": "user", "content": "hi"}])
 

@@ -253,7 +253,7 @@ def _t2e_provider(server: LaunchedServer, **config: object) -> tuple[OpenAIProvi
     from trace2env.llm import OpenAIProvider, OpenAIProviderConfig
 
     wire = _Wire(server.base_url)
-    return OpenAIProvider(OpenAIProviderConfig(base_url=server.base_url, model=server.model, **config),
+    return OpenAIProvider(OpenAIProviderConfig(base_urls=server.base_url, model=server.model, **config),
                           client=wire.client), wire
 
 

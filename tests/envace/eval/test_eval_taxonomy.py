@@ -98,7 +98,7 @@ def test_a_tool_call_that_breaks_the_environment_is_scored(fake_openai, replies,
     pool = get_pool("bfcl_multi_turn", categories=("multi_turn_base",))
     tid = "multi_turn_base_15"
     assert "MathAPI" in pool.entry(tid)["involved_classes"]
-    runner = AgentLoopRunner(ChatClient(EndpointConfig(base_url=server.base_url, model="m")),
+    runner = AgentLoopRunner(ChatClient(EndpointConfig(base_urls=server.base_url, model="m")),
                              LoopLimits(max_user_turns=1))
     rec = runner(pool, tid)
     ResultStore(tmp_path).append(rec)

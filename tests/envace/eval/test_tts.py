@@ -157,7 +157,7 @@ def run(fake_openai: Any, replies: Any, mode: str, n: int = 2, seed: int | None 
     gold = get_pool("bfcl_multi_turn", categories=("multi_turn_base",)).gold_actions(TASK)
     model = Model(replies, gold, **model_kw)
     server = fake_openai(model)
-    client = ChatClient(EndpointConfig(base_url=server.base_url, model="m", seed=seed, max_retries=0))
+    client = ChatClient(EndpointConfig(base_urls=server.base_url, model="m", seed=seed, max_retries=0))
     runner = RehearsalRunner(client, TTSConfig(mode=mode, rehearsals=n), FAST)
     pool = SpyPool(model)
     rec = runner(pool, TASK)

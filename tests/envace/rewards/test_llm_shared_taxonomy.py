@@ -29,7 +29,7 @@ def test_trace2env_names_are_the_core_objects():
 
 
 def _provider(url: str, **kw) -> OpenAIProvider:
-    return OpenAIProvider(OpenAIProviderConfig(base_url=url, model="m", backoff_base_s=0.0, **kw))
+    return OpenAIProvider(OpenAIProviderConfig(base_urls=url, model="m", backoff_base_s=0.0, **kw))
 
 
 def test_envace_except_clauses_catch_what_the_trace2env_provider_raises(fake_openai, replies):
