@@ -13,8 +13,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from envace.agents.engine import LoopLimits
-from envace.agents.sources import RehearsalPrompt
+from envace.loop_config import LoopLimits, RehearsalPrompt
+from envace.rewards.checklist import ChecklistJudgeConfig
+from trace2env.endpoint import RENAMED_KEYS, EndpointConfig
 
 __all__ = [
     "AdvantageConfig",
@@ -74,9 +75,10 @@ class AgentConfig:
     rehearsal: RehearsalPrompt = field(default_factory=RehearsalPrompt)
     # seconds one environment call or verification may take before the rollout is masked (unscored)
     env_timeout_s: float = 60.0
-    # external simulator endpoint (observation_source=simulator): envace.rewards.llm.LLMEndpointConfig keys;
-    # with a worldbook it drives the Trace2Env world-model agent for steps no rule or evidence covers
-    simulator: dict[str, Any] = field(default_factory=dict)
+    # external simulator endpoint (observation_source=simulator; trace2env.endpoint.EndpointConfig keys, e.g.
+    # {base_urls: [http://10.0.0.5:8000/v1], model: Qwen3-32B}); with a worldbook it drives the Trace2Env
+    # world-model agent for steps no rule or evidence covers. null: none
+    simulator: EndpointConfig | None = None
     # Trace2Env worldbook (observation_source=simulator): one package, or a directory of packages matched by
     # environment id (scripts/build_worldbook.sh); null: the external LLM alone writes tool responses
     worldbook: str | None = None
@@ -138,23 +140,15 @@ class RewardConfig:
     verifiable_weight: float = 1.0
     # weight of the checklist judge's reward (rows whose reward_model.style is "checklist", e.g. CM2)
     checklist_weight: float = 1.0
-    # judge endpoint for checklist rows: envace.rewards.llm.LLMEndpointConfig keys
-    # (e.g. {base_urls: [http://10.0.0.9:8000/v1], model: Qwen3-30B-A3B, concurrency: 500})
-    judge: dict[str, Any] = field(default_factory=dict)
-    # how the judge prompts and aggregates: envace.rewards.checklist.ChecklistJudgeConfig keys
-    checklist: dict[str, Any] = field(default_factory=dict)
+    # judge endpoint for checklist rows (trace2env.endpoint.EndpointConfig keys, e.g.
+    # {base_urls: [http://10.0.0.9:8000/v1], model: Qwen3-30B-A3B, concurrency: 500}); null: none
+    judge: EndpointConfig | None = None
+    # how the judge prompts and aggregates (envace.rewards.checklist.ChecklistJudgeConfig)
+    checklist: ChecklistJudgeConfig = field(default_factory=ChecklistJudgeConfig)
 
     def __post_init__(self) -> None:
         if self.verifiable_weight < 0 or self.checklist_weight < 0:
             raise ValueError("envace.reward weights must be >= 0")
-        if self.checklist:
-            from envace.rewards.checklist import ChecklistJudgeConfig
-
-            ChecklistJudgeConfig(**self.checklist)  # unknown keys / bad values fail before launch
-        if self.judge:
-            from envace.rewards.llm import LLMEndpointConfig
-
-            LLMEndpointConfig(**self.judge)
 
 
 @dataclass
@@ -192,9 +186,13 @@ def validate_envace_config(cfg: DictConfig) -> EnvAceConfig:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
-        raise ConfigError(f"invalid envace config key 'envace.{key}': {exc.msg if hasattr(exc, 'msg') else exc}") from exc
-    except (ValueError, TypeError) as exc:  # a dataclass's own checks (e.g. LoopLimits, judge endpoint keys)
-        raise ConfigError(f"invalid envace config: {exc}") from exc
+        msg = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
+        last = key.rsplit(".", 1)[-1]
+        if last in RENAMED_KEYS:  # an endpoint key of the configs the shared one replaced
+            msg = f"endpoint key {last!r} was renamed {RENAMED_KEYS[last]!r}"
+        raise ConfigError(f"invalid envace config key 'envace.{key}': {msg}") from exc
+    except (ValueError, TypeError) as exc:  # a dataclass's own checks (e.g. LoopLimits, an endpoint's values)
+        raise ConfigError(f"invalid envace config: {str(exc).splitlines()[0]}") from exc
 
 
 _CACHE: dict[int, tuple[Any, EnvAceConfig]] = {}

@@ -30,12 +30,12 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from envace.agents.engine import CallContext, Observation, Policy, Role, assistant_message
 from envace.envs.base import ToolCall, scrub_surrogates
 from envace.envs.sandbox import BoundExceeded, Bounds, ChildFailed, run_bounded
+from envace.loop_config import RehearsalPrompt
 from envace.toolcall import THINK_END, THINK_START, render_tool_call
 
 logger = logging.getLogger(__name__)
@@ -141,18 +141,6 @@ _SYSTEM = """You are the environment behind a set of tools. You receive the conv
 1. Check the call. An unknown tool, or arguments that do not satisfy the tool's parameter schema, give a JSON object {"error": "<what is wrong>"}.
 2. Otherwise write the result the tool would return: consistent with its description, with the example responses, and with every earlier call in the conversation (changes made by earlier calls persist).
 Answer with the response only: one JSON value between <execution_result> and </execution_result>. No explanation, no markdown."""
-
-
-@dataclass
-class RehearsalPrompt:
-    """How the rehearsal prompt is built (``envace.agent.rehearsal``)."""
-
-    # characters of conversation history kept (the oldest part is cut first; the system prompt never)
-    max_history_chars: int = 6000
-    # real example responses of the called tool shown to the rehearsal role (0: none)
-    max_examples: int = 3
-    # show every tool's full schema (True) or only the called tool's schema plus the other tools' names
-    all_schemas: bool = False
 
 
 def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -321,7 +321,7 @@ class ChecklistJudgeConfig:
     repair_rounds: int = 1
     # "turn": a tool error anywhere in the turn zeroes the tool-focused items of that turn;
     # "step": only the steps followed by an error fail them (other steps are still judged)
-    tool_error_scope: Literal["turn", "step"] = "turn"
+    tool_error_scope: str = "turn"
     # an item focuses on tool calls when its focus_on starts with one of these (case-insensitive)
     tool_focus_prefixes: tuple[str, ...] = ("assistant.tool_calls", "tool.content")
     # show the assistant's private reasoning (reasoning_content / <think>) to the judge
