@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import tokenize
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
-from sklearn.feature_extraction.text import TfidfVectorizer
 
 from .config import EnvSchedConfig
 from .operations import (
@@ -46,7 +45,8 @@ from .operations import (
     concrete_text,
     extract_all,
 )
-from .pool import TaskPool
+from .pool import Task, TaskPool
+from .tfidf import CHUNK_ROWS, DiskCSR, DiskCSRWriter, tfidf_chunks
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,36 @@ def _fallback_code_tokens(code: str) -> list[str]:
     return out
 
 
-def _tfidf(texts: Sequence[str], cfg: EnvSchedConfig, **kw: Any) -> sp.csr_matrix:
-    """One view's TF-IDF encoder (App. D settings); rows are L2-normalised, empty rows stay zero."""
+def _tfidf_kwargs(cfg: EnvSchedConfig, **kw: Any) -> dict[str, Any]:
     dtype = np.float32 if cfg.tfidf_float32 else np.float64
+    return {"min_df": cfg.tfidf_min_df, "max_features": cfg.tfidf_max_features, "sublinear_tf": cfg.tfidf_sublinear_tf, "dtype": dtype, **kw}
+
+
+def _tfidf_row_chunks(texts: Sequence[str], cfg: EnvSchedConfig, chunk_rows: int = CHUNK_ROWS, **kw: Any) -> list[sp.csr_matrix] | Any:
+    """One view's TF-IDF encoder (App. D settings) in row chunks: ``TfidfVectorizer.fit_transform`` of all texts
+    (``tfidf.tfidf_chunks``); rows are L2-normalised, empty rows stay zero.  A view without any term is one
+    zero column."""
+    args = _tfidf_kwargs(cfg, **kw)
+    n = len(texts)
+    empty = [sp.csr_matrix((min(chunk_rows, n - a), 1), dtype=args["dtype"]) for a in range(0, n, chunk_rows)]
     if not any(t.strip() for t in texts):
-        return sp.csr_matrix((len(texts), 1), dtype=dtype)
-    vec = TfidfVectorizer(min_df=cfg.tfidf_min_df, max_features=cfg.tfidf_max_features, sublinear_tf=cfg.tfidf_sublinear_tf, dtype=dtype, **kw)
+        return empty
+    gen = tfidf_chunks(texts, chunk_rows=chunk_rows, **args)
     try:
-        return vec.fit_transform(texts).tocsr()
+        first = next(gen)
     except ValueError:  # e.g. only stop-word-like tokens
-        return sp.csr_matrix((len(texts), 1), dtype=dtype)
+        return empty
+    return _chain(first, gen)
+
+
+def _chain(first: sp.csr_matrix, rest: Any) -> Any:
+    yield first
+    yield from rest
+
+
+def _tfidf(texts: Sequence[str], cfg: EnvSchedConfig, **kw: Any) -> sp.csr_matrix:
+    """The whole view as one matrix (``_tfidf_row_chunks`` stacked)."""
+    return sp.vstack(list(_tfidf_row_chunks(texts, cfg, **kw)), format="csr")
 
 
 @dataclass
@@ -130,6 +150,7 @@ class StaticGraph:
     view_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     abstraction: dict[str, float] = field(default_factory=dict)  # abstraction_report (resolution of S_abs)
     cache: str = "off"  # graph cache: "off" (no graph_cache_dir), "miss" (built and stored), "hit" (loaded), "skip"
+    disk: DiskCSR | None = field(default=None, repr=False)  # x_full memory-mapped from disk (built graphs)
     _rep_score: np.ndarray | None = field(default=None, repr=False)
     _fmap: np.ndarray | None = field(default=None, repr=False)
     _block_values: np.ndarray | None = field(default=None, repr=False)
@@ -167,18 +188,29 @@ class StaticGraph:
         ``sim_abs(None, cols)`` before its cast to float64."""
         return np.asarray(self.x_abs @ self.x_abs[cols].T.toarray())
 
+    def release_pages(self) -> None:
+        """Drop the pages of the memory-mapped x_full read so far from the resident set (a no-op in memory)."""
+        if self.disk is not None:
+            self.disk.release()
+
     def mean_within_env_similarity(self) -> np.ndarray:
         """mean_{j in env(i), j != i} S_full_ij for every i (static; computed once, then cached)."""
         if self._rep_score is None:
             out = np.zeros(self.n)
+            rows_read = 0
             for members in self.env_members:
                 if len(members) < 2:
                     continue
+                rows_read += len(members)
+                if rows_read >= CHUNK_ROWS:  # a memory-mapped x_full is read once: keep it out of the resident set
+                    self.release_pages()
+                    rows_read = 0
                 xe = self.x_full[members]
                 total = np.asarray(xe.sum(axis=0), dtype=np.float64).ravel()  # environment centroid * n_e
                 dots = np.asarray(xe @ total).ravel()
                 self_sim = np.asarray(xe.multiply(xe).sum(axis=1)).ravel()
                 out[members] = (dots - self_sim) / (len(members) - 1)
+            self.release_pages()
             self._rep_score = out
         return self._rep_score
 
@@ -292,15 +324,49 @@ def sparse_row_block_dot(x: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -
 
 
 def view_texts(pool: TaskPool, descriptions: Sequence[OperationDescription]) -> dict[str, list[str]]:
-    tasks = pool.tasks
-    return {
-        "instruction_words": [t.instruction for t in tasks],
-        "instruction_chars": [t.instruction for t in tasks],
-        "verifier_checks": ["\n".join(t.verifier_checks) for t in tasks],
-        "verifier_code": [code_structure(t.verifier_code) for t in tasks],
-        "initial_context": [t.initial_state for t in tasks],
-        "operations": [concrete_text(d) for d in descriptions],
-    }
+    ops = [concrete_text(d) for d in descriptions]
+    return {name: view_text(name, pool.tasks, ops) for name in VIEW_NAMES}
+
+
+def view_text(name: str, tasks: Sequence[Task], operations: Sequence[str]) -> list[str]:
+    """The texts of one of the six concrete views (``operations``: the concrete operation descriptions)."""
+    if name in ("instruction_words", "instruction_chars"):
+        return [t.instruction for t in tasks]
+    if name == "verifier_checks":
+        return ["\n".join(t.verifier_checks) for t in tasks]
+    if name == "verifier_code":
+        return [code_structure(t.verifier_code) for t in tasks]
+    if name == "initial_context":
+        return [t.initial_state for t in tasks]
+    if name == "operations":
+        return list(operations)
+    raise KeyError(name)
+
+
+_VIEW_KWARGS: dict[str, dict[str, Any]] = {
+    "instruction_words": {"ngram_range": (1, 2)},
+    "instruction_chars": {"analyzer": "char_wb", "ngram_range": (3, 5)},
+    "verifier_checks": {"ngram_range": (1, 2)},
+    "verifier_code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)},
+    "initial_context": {"ngram_range": (1, 2)},
+    "operations": {"ngram_range": (1, 2)},
+}
+
+
+class DescribedTasks(Sequence):
+    """The operation descriptions of a pool, derived on access from the tasks by a deterministic extractor
+    (a million descriptions would take gigabytes; scheduling never reads them)."""
+
+    def __init__(self, tasks: Sequence[Task], extractor: Any):
+        self.tasks, self.extractor = tasks, extractor
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.extractor.describe(t) for t in self.tasks[i]]
+        return self.extractor.describe(self.tasks[i])
 
 
 def _env_members(pool: TaskPool) -> list[np.ndarray]:
@@ -352,41 +418,84 @@ def build_static_graph(
     *,
     extractor: Any = None,
     extractions: Sequence[Extraction] | None = None,
+    store: Path | None = None,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> StaticGraph:
-    """Build the six concrete views and the abstract view (EnvSched Eq. 1, App. D–E)."""
+    """Build the six concrete views and the abstract view (EnvSched Eq. 1, App. D–E).
+
+    Memory stays bounded by one chunk of ``chunk_rows`` tasks plus one view's texts: operation descriptions are
+    extracted chunk by chunk and only their texts kept (a deterministic extractor's descriptions are derived
+    again on access, ``DescribedTasks``); each view's TF-IDF is computed in row chunks (``tfidf.tfidf_chunks``,
+    equal to ``TfidfVectorizer.fit_transform``) and spilled to disk; x_full is written row chunk by row chunk
+    to ``store`` (default: a temporary folder, removed once the files are mapped) and memory-mapped.  x_abs
+    (about 25 entries a row) stays in memory: every step multiplies all of it (``NeighborIndex._add_cross``).
+    """
     t0 = time.perf_counter()
+    n = len(pool)
+    if extractions is not None and len(extractions) != n:
+        raise ValueError(f"{len(extractions)} extractions for {n} tasks")
     if extractions is None:
         extractor = extractor if extractor is not None else make_extractor(cfg)
-        extractions = extract_all(pool.tasks, extractor)
-    if len(extractions) != len(pool):
-        raise ValueError(f"{len(extractions)} extractions for {len(pool)} tasks")
-    descriptions = [e.description for e in extractions]
-    counts = Counter(e.extractor for e in extractions)
-    fallbacks = {pool.task_ids[i]: e.reason for i, e in enumerate(extractions) if e.reason}
+    derive = extractions is None and type(extractor) is DeterministicExtractor
+    counts: Counter[str] = Counter()
+    fallbacks: dict[str, str] = {}
+    kept: list[OperationDescription] = []
+    ops_texts: list[str] = []
+    abstract: list[str] = []
+    for a in range(0, n, chunk_rows):
+        part = extractions[a : a + chunk_rows] if extractions is not None else extract_all(pool.tasks[a : a + chunk_rows], extractor)
+        for k, e in enumerate(part):
+            counts[e.extractor] += 1
+            if e.reason:
+                fallbacks[pool.task_ids[a + k]] = e.reason
+            ops_texts.append(concrete_text(e.description))
+            abstract.append(abstract_text(e.description))
+            if not derive:
+                kept.append(e.description)
+    descriptions: Sequence[OperationDescription] = DescribedTasks(pool.tasks, extractor) if derive else kept
     log.info("envsched: operation descriptions by extractor: %s", dict(counts))
-
-    texts = view_texts(pool, descriptions)
-    kwargs = {
-        "instruction_words": {"ngram_range": (1, 2)},
-        "instruction_chars": {"analyzer": "char_wb", "ngram_range": (3, 5)},
-        "verifier_checks": {"ngram_range": (1, 2)},
-        "verifier_code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)},
-        "initial_context": {"ngram_range": (1, 2)},
-        "operations": {"ngram_range": (1, 2)},
-    }
-    blocks, shapes = [], {}
-    for name, weight in zip(VIEW_NAMES, cfg.view_weights):
-        h = _tfidf(texts[name], cfg, **kwargs[name])
-        shapes[name] = h.shape
-        blocks.append(h * np.sqrt(weight))
-    x_full = sp.hstack(blocks, format="csr")
-    abstract = [abstract_text(d) for d in descriptions]
-    x_abs = _tfidf(abstract, cfg, token_pattern=r"\S+", lowercase=False)
     members = _env_members(pool)
+    abstraction = abstraction_report(pool, abstract, members, cfg.abstraction_min_distinct_fraction)
+    x_abs = _tfidf(abstract, cfg, token_pattern=r"\S+", lowercase=False)
+    del abstract
+
+    own = store is None
+    folder = Path(tempfile.mkdtemp(prefix="envsched-graph-")) if own else Path(store)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        shapes: dict[str, tuple[int, int]] = {}
+        chunk_nnz = np.zeros(-(-n // chunk_rows), dtype=np.int64)
+        for v, (name, weight) in enumerate(zip(VIEW_NAMES, cfg.view_weights)):
+            texts = view_text(name, pool.tasks, ops_texts)
+            width = 0
+            for c, h in enumerate(_tfidf_row_chunks(texts, cfg, chunk_rows, **_VIEW_KWARGS[name])):
+                h = sp.csr_matrix(h * np.sqrt(weight))  # x_i = [sqrt(alpha_a) h_i^(a)]_a
+                width = h.shape[1]
+                chunk_nnz[c] += h.nnz
+                np.save(folder / f"view{v}_c{c}_data.npy", h.data)
+                np.save(folder / f"view{v}_c{c}_indices.npy", h.indices)
+                np.save(folder / f"view{v}_c{c}_indptr.npy", h.indptr)
+            shapes[name] = (n, width)
+            del texts
+        del ops_texts
+        writer = DiskCSRWriter(folder, "x_full", n, sum(w for _, w in shapes.values()), int(chunk_nnz.sum()), np.float64)
+        for c in range(len(chunk_nnz)):
+            blocks = []
+            for v, name in enumerate(VIEW_NAMES):
+                parts = [np.load(folder / f"view{v}_c{c}_{p}.npy") for p in ("data", "indices", "indptr")]
+                blocks.append(sp.csr_matrix(tuple(parts), shape=(len(parts[2]) - 1, shapes[name][1])))
+                for p in ("data", "indices", "indptr"):
+                    (folder / f"view{v}_c{c}_{p}.npy").unlink()
+            writer.append(sp.hstack(blocks, format="csr"))
+        writer.finish()
+        disk = DiskCSR(folder, "x_full")
+    finally:
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)  # the mappings stay valid
     graph = StaticGraph(
-        x_full=x_full, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,
+        x_full=disk.matrix, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,  # type: ignore[arg-type]
         extractor_counts=dict(counts), fallback_reasons=fallbacks, build_seconds=time.perf_counter() - t0,
-        view_shapes=shapes, abstraction=abstraction_report(pool, abstract, members, cfg.abstraction_min_distinct_fraction),
+        view_shapes=shapes, abstraction=abstraction, disk=disk,
     )
     graph.mean_within_env_similarity()  # cold-start representatives use static structure only
     graph.build_seconds = time.perf_counter() - t0
@@ -397,7 +506,7 @@ def build_static_graph(
 # On-disk cache of the static graph (a restart with the same pool and config does not rebuild)
 # ---------------------------------------------------------------------------------------------------
 
-GRAPH_CACHE_VERSION = 1
+GRAPH_CACHE_VERSION = 2  # 2: x_full as memory-mappable .npy files, derived descriptions not stored
 # config fields the static graph depends on (Eq. 1 views and the operation extractor of App. E)
 _GRAPH_FIELDS = ("view_weights", "tfidf_min_df", "tfidf_max_features", "tfidf_sublinear_tf", "tfidf_float32", "operation_extractor")
 # LLM settings that can change the extracted descriptions (not the transport: workers, timeout, key, cache)
@@ -409,17 +518,17 @@ _DESCRIPTIONS = "descriptions.jsonl"
 
 def graph_cache_key(pool: TaskPool, cfg: EnvSchedConfig) -> str:
     """SHA-256 of everything the static graph is a function of: the pool's content (``TaskPool.content_hash``),
-    the graph's config fields, the scikit-learn version (TF-IDF) and the source of this module and of
-    ``operations`` (so a code change never reuses a stale graph)."""
+    the graph's config fields, the scikit-learn version (TF-IDF) and the source of this module, ``operations``
+    and ``tfidf`` (so a code change never reuses a stale graph)."""
     import sklearn
 
-    from . import operations
+    from . import operations, tfidf
 
     settings = {k: getattr(cfg, k) for k in _GRAPH_FIELDS}
     if cfg.operation_extractor == "llm":
         settings["llm"] = {k: getattr(cfg.llm, k) for k in _LLM_FIELDS}
     code = hashlib.sha256()
-    for mod_file in (__file__, operations.__file__):
+    for mod_file in (__file__, operations.__file__, tfidf.__file__):
         code.update(Path(mod_file).read_bytes())
     payload = {
         "version": GRAPH_CACHE_VERSION,
@@ -461,18 +570,26 @@ def _load_csr(prefix: str, z: Any) -> sp.csr_matrix:
     return sp.csr_matrix((z[f"{prefix}_data"], z[f"{prefix}_indices"], z[f"{prefix}_indptr"]), shape=tuple(int(s) for s in z[f"{prefix}_shape"]))
 
 
-def save_graph(graph: StaticGraph, folder: Path, key: str) -> None:
-    """Write ``graph`` to ``folder/key`` atomically (a temporary folder renamed into place)."""
+def save_graph(graph: StaticGraph, folder: Path, key: str, *, built_in: Path | None = None) -> None:
+    """Write ``graph`` to ``folder/key`` atomically (a temporary folder renamed into place).
+
+    ``built_in``: the temporary folder under ``folder`` that ``build_static_graph(store=...)`` wrote x_full's
+    files to (they are kept, not copied); otherwise x_full is written from ``graph``."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / key
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=folder))
+    tmp = built_in if built_in is not None else Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=folder))
     try:
+        if built_in is None:
+            x = graph.x_full
+            writer = DiskCSRWriter(tmp, "x_full", x.shape[0], x.shape[1], x.nnz, x.dtype)
+            writer.append(x)
+            writer.finish()
         arrays: dict[str, np.ndarray] = {"env": graph.env, "rep_score": graph.mean_within_env_similarity()}
-        _save_csr("x_full", graph.x_full, arrays)
         _save_csr("x_abs", graph.x_abs, arrays)
         np.savez(tmp / _ARRAYS, **arrays)
-        with (tmp / _DESCRIPTIONS).open("w", encoding="utf-8") as fh:
-            fh.writelines(d.model_dump_json() + "\n" for d in graph.descriptions)
+        if not isinstance(graph.descriptions, DescribedTasks):  # derived descriptions are derived again on load
+            with (tmp / _DESCRIPTIONS).open("w", encoding="utf-8") as fh:
+                fh.writelines(d.model_dump_json() + "\n" for d in graph.descriptions)
         meta = {
             "key": key, "n": graph.n, "extractor_counts": graph.extractor_counts, "fallback_reasons": graph.fallback_reasons,
             "build_seconds": graph.build_seconds, "view_shapes": {k: list(v) for k, v in graph.view_shapes.items()},
@@ -490,7 +607,9 @@ def save_graph(graph: StaticGraph, folder: Path, key: str) -> None:
 
 
 def load_graph(folder: Path, key: str, pool: TaskPool) -> StaticGraph | None:
-    """The cached graph ``folder/key`` for ``pool``, or None when absent or unreadable (then rebuilt)."""
+    """The cached graph ``folder/key`` for ``pool``, or None when absent or unreadable (then rebuilt).
+
+    x_full is memory-mapped from the entry's files (read on demand), the rest is read into memory."""
     entry = folder / key
     if not (entry / _META).is_file():
         return None
@@ -499,19 +618,26 @@ def load_graph(folder: Path, key: str, pool: TaskPool) -> StaticGraph | None:
         if meta.get("key") != key or meta.get("n") != len(pool):
             return None
         with np.load(entry / _ARRAYS, allow_pickle=False) as z:
-            x_full, x_abs = _load_csr("x_full", z), _load_csr("x_abs", z)
+            x_abs = _load_csr("x_abs", z)
             rep_score, env = np.array(z["rep_score"]), np.array(z["env"])
+        disk = DiskCSR(entry, "x_full")
+        if disk.shape[0] != len(pool):
+            return None
     except (OSError, ValueError, KeyError) as exc:
         log.warning("envsched: graph cache entry %s unreadable (%s); rebuilding it", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     if not np.array_equal(env, pool.env):
         return None
+    if (entry / _DESCRIPTIONS).is_file():
+        descriptions: Sequence[OperationDescription] = _DescriptionFile(entry / _DESCRIPTIONS, len(pool))
+    else:
+        descriptions = DescribedTasks(pool.tasks, DeterministicExtractor())
     graph = StaticGraph(
-        x_full=x_full, x_abs=x_abs, env=pool.env, env_members=_env_members(pool), descriptions=_DescriptionFile(entry / _DESCRIPTIONS, len(pool)),  # type: ignore[arg-type]
+        x_full=disk.matrix, x_abs=x_abs, env=pool.env, env_members=_env_members(pool), descriptions=descriptions,  # type: ignore[arg-type]
         extractor_counts=dict(meta["extractor_counts"]), fallback_reasons=dict(meta["fallback_reasons"]),
         build_seconds=float(meta["build_seconds"]), view_shapes={k: tuple(v) for k, v in meta["view_shapes"].items()}, cache="hit",
-        abstraction=dict(meta.get("abstraction", {})),
+        abstraction=dict(meta.get("abstraction", {})), disk=disk,
     )
     graph._rep_score = rep_score
     return graph
@@ -522,7 +648,8 @@ def load_or_build_graph(pool: TaskPool, cfg: EnvSchedConfig, *, extractor: Any =
 
     The cache is used only when the graph is a function of (pool, config): with the config's own extractor
     (or a plain ``DeterministicExtractor``), and for the LLM extractor only when no task fell back to the
-    deterministic one (a later run may get valid answers for them).
+    deterministic one (a later run may get valid answers for them).  A miss builds x_full's files straight
+    into the new entry's folder.
     """
     if cfg.graph_cache_dir is None:
         return build_static_graph(pool, cfg, extractor=extractor)
@@ -539,12 +666,27 @@ def load_or_build_graph(pool: TaskPool, cfg: EnvSchedConfig, *, extractor: Any =
     if graph is not None:
         log.info("envsched: static graph loaded from cache %s in %.2fs", folder / key, time.perf_counter() - t0)
         return graph
-    graph = build_static_graph(pool, cfg, extractor=extractor)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=folder))
+    except OSError as exc:
+        log.warning("envsched: could not use the graph cache folder %s (%s)", folder, exc)
+        tmp = None
+    try:
+        graph = build_static_graph(pool, cfg, extractor=extractor, store=tmp)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tmp is None:
+        graph.cache = "skip"
+        return graph
     if graph.fallback_reasons:
+        shutil.rmtree(tmp, ignore_errors=True)  # the mapping stays valid
         graph.cache = "skip"
         return graph
     try:
-        save_graph(graph, folder, key)
+        save_graph(graph, folder, key, built_in=tmp)
         graph.cache = "miss"
     except OSError as exc:
         log.warning("envsched: could not store the static graph in %s (%s)", folder, exc)
@@ -560,6 +702,7 @@ _IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
 _SIM_SCALE = float(2**30)
 _SIM_RES = 1.0 / _SIM_SCALE
 _ENV_BLOCK_MAX = 2048  # environments up to this size keep their within-environment S_full block cached
+_ENV_BLOCK_BYTES = 256 * 2**20  # ... up to this many bytes of blocks in all (least recently used dropped first)
 
 
 def merge_topk(idx: np.ndarray, sim: np.ndarray, cand_idx: np.ndarray, cand_sim: np.ndarray, k: int, min_sim: float) -> tuple[np.ndarray, np.ndarray]:
@@ -610,7 +753,8 @@ class NeighborIndex:
         self._pos = np.zeros(n, dtype=np.int64)  # position of each node in its environment's member list
         for members in graph.env_members:
             self._pos[members] = np.arange(len(members))
-        self._env_sim: dict[int, np.ndarray] = {}
+        self._env_sim: OrderedDict[int, np.ndarray] = OrderedDict()  # least recently used first
+        self._env_sim_bytes = 0
 
     def add_observed(self, nodes: np.ndarray) -> None:
         """Merge nodes that became observed this step into every target's neighbour arrays."""
@@ -648,13 +792,21 @@ class NeighborIndex:
 
         Each entry is scipy's CSR product x_i . x_j, summed in x_i's stored feature order, so it does not
         depend on which other nodes are in the same call; blocks of environments with <= _ENV_BLOCK_MAX
-        members are computed once and cached (n_e^2 float64 each), larger ones column by column.
+        members are cached (n_e^2 float64 each) up to _ENV_BLOCK_BYTES in all, the least recently used block
+        dropped first (2,000 environments of 500 tasks would hold 4 GB; a dropped block is computed again,
+        to the same values), larger environments column by column.
         """
         blk = self._env_sim.get(e)
         members = self.graph.env_members[e]
-        if blk is None and len(members) <= _ENV_BLOCK_MAX:
+        if blk is not None:
+            self._env_sim.move_to_end(e)
+        elif len(members) <= _ENV_BLOCK_MAX:
             xe = self._x64[members]
             blk = self._env_sim[e] = np.asarray((xe @ xe.T).toarray(), dtype=np.float64)
+            self._env_sim_bytes += blk.nbytes
+            while self._env_sim_bytes > _ENV_BLOCK_BYTES and len(self._env_sim) > 1:
+                _, old = self._env_sim.popitem(last=False)
+                self._env_sim_bytes -= old.nbytes
         if blk is not None:
             return blk[:, pos]
         return np.asarray((self._x64[members] @ self._x64[members[pos]].T).toarray(), dtype=np.float64)

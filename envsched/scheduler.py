@@ -199,6 +199,8 @@ class EnvScheduler:
             self.selection_predictions[step] = {"q": pred.q[sel].copy(), "v": pred.v[sel].copy(), "evidence": code}
             metrics.update({f"selected_{name}": float(np.sum(code == c)) for c, name in enumerate(EVIDENCE_TYPES)})
         metrics.update(self._selection_metrics(step, sel, phases))
+        if self._graph is not None:
+            self._graph.release_pages()  # rows of a memory-mapped x_full read by this selection leave the resident set
         metrics["select_time_s"] = time.perf_counter() - t0
         self._metrics[step] = {**self._metrics.get(step, {}), **metrics}
         return [self.pool.task_ids[i] for i in sel]
@@ -290,6 +292,7 @@ class EnvScheduler:
         self.obs_count[nodes_a] += 1
         if self._neighbors is not None:
             self._neighbors.add_observed(nodes_a)
+            self.graph.release_pages()
         self.progress.observe(step, nodes_a, np.asarray(ms), np.asarray(vs))
         self._apply_identifier_checks(checks)
         self._pred_cache = None

@@ -14,6 +14,7 @@ frontier — the situation EnvSched is designed for.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +48,12 @@ ARCHETYPES = [
 
 def synthetic_records(n_envs: int, tasks_per_env: int, seed: int = 0, text_words: int = 18) -> list[dict[str, Any]]:
     """Pool records (JSONL format) for ``n_envs`` x ``tasks_per_env`` tasks."""
+    return list(iter_synthetic_records(n_envs, tasks_per_env, seed, text_words))
+
+
+def iter_synthetic_records(n_envs: int, tasks_per_env: int, seed: int = 0, text_words: int = 18) -> Iterator[dict[str, Any]]:
+    """The records of ``synthetic_records``, one at a time (a million-task pool without the list of dicts)."""
     rng = np.random.default_rng(seed)
-    records = []
     for e in range(n_envs):
         dom = _DOMAINS[e % len(_DOMAINS)]
         suffix = "" if e < len(_DOMAINS) else f"{e // len(_DOMAINS)}"
@@ -75,13 +80,12 @@ def synthetic_records(n_envs: int, tasks_per_env: int, seed: int = 0, text_words
             extra = " ".join(rng.choice(list(words) + _ADJ, size=max(text_words - 10, 2)))
             instr = f"As {person}, {arch[-1][0]} the {words[arch[-1][1]]} {ids[arch[-1][1]]} and {arch[0][0]} the {words[arch[0][1]]}; {extra}."
             code = "\n".join(f"assert db['{words[s]}']['{ids[s]}'].status == '{_ADJ[(s + k) % len(_ADJ)]}'" for _, s, _k in arch if _k)
-            records.append({
+            yield {
                 "task_id": f"{env_id}-task_{k}", "env_id": env_id, "instruction": instr,
                 "initial_state": f"{words[0]} {ids[0]} owned by {person}; {words[1]} {ids[1]} {_ADJ[k % len(_ADJ)]}",
                 "tools": list(tools.values()), "verifier_checks": checks or [f"{words[0]} unchanged"], "verifier_code": code,
                 "gold_actions": actions, "meta": {"archetype": a},
-            })
-    return records
+            }
 
 
 @dataclass

@@ -1,0 +1,243 @@
+"""Row-chunked TF-IDF equal to scikit-learn's ``TfidfVectorizer.fit_transform``, and CSR matrices on disk.
+
+At a million tasks one ``TfidfVectorizer.fit_transform`` of the character 3-5-gram view holds every raw
+(document, n-gram) pair as Python integers before it prunes the vocabulary (about 10 GiB), and the finished
+S_full feature matrix of Eq. 1 takes 4.7 GiB.  ``tfidf_chunks`` gives the same matrix, chunk of rows by chunk
+of rows, holding one chunk at a time:
+
+1. pass 1 counts each chunk with scikit-learn's ``CountVectorizer`` (the vectorizer's own analyzer), merges the
+   vocabularies in first-appearance order, and adds up term counts and document frequencies; the chunk count
+   matrices go to a scratch folder;
+2. the vocabulary is cut as ``TfidfVectorizer`` cuts it (``_sort_features`` then ``_limit_features``:
+   document-frequency bounds, then the ``max_features`` most frequent terms chosen by the same
+   ``(-tf).argsort()`` over the alphabetically sorted terms) and the idf is computed as ``TfidfTransformer.fit``
+   computes it, in the same dtype;
+3. pass 2 maps each stored chunk to the kept columns (entries keep sklearn's in-row order: first appearance in
+   the corpus) and applies ``TfidfTransformer.transform`` (sublinear tf, idf, L2 rows: all row-local).
+
+Every stored value, column index and in-row order equals ``TfidfVectorizer(...).fit_transform(texts)``
+(tests/envsched/test_envsched_scale.py checks ``array_equal`` on data, indices and indptr).
+
+``DiskCSR`` writes a CSR matrix chunk by chunk to ``.npy`` files and opens it memory-mapped, read-only: a
+step reads only the rows it needs, and ``release()`` drops the pages a step touched from the resident set
+(they stay in the page cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.feature_extraction.text import CountVectorizer, TfidfTransformer, TfidfVectorizer
+
+CHUNK_ROWS = 50_000
+
+
+def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch: Path | None = None, **vectorizer_kwargs: Any) -> Iterator[sp.csr_matrix]:
+    """Row chunks (``chunk_rows`` rows each, in order) of ``TfidfVectorizer(**vectorizer_kwargs).fit_transform(texts)``.
+
+    Raises ValueError as ``fit_transform`` does when the vocabulary is empty (before anything is yielded).
+    """
+    vec = TfidfVectorizer(**vectorizer_kwargs)
+    dtype = vec.dtype
+    counter_kwargs = {k: v for k, v in vec.get_params().items() if k not in ("norm", "use_idf", "smooth_idf", "sublinear_tf", "max_df", "min_df", "max_features", "dtype", "vocabulary")}
+    n_doc = len(texts)
+    own = scratch is None
+    folder = Path(tempfile.mkdtemp(prefix="envsched-tfidf-")) if own else Path(scratch)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        vocab: dict[str, int] = {}  # term -> global first-appearance id
+        tf = np.zeros(0, dtype=np.int64)
+        df = np.zeros(0, dtype=np.int64)
+        bounds = list(range(0, n_doc, chunk_rows)) + [n_doc]
+        for c, (a, b) in enumerate(itertools.pairwise(bounds)):
+            cv = CountVectorizer(**counter_kwargs, dtype=np.int64)
+            try:
+                x = cv.fit_transform(texts[a:b]).tocsr()
+            except ValueError:  # a chunk without any term
+                x = sp.csr_matrix((b - a, 0), dtype=np.int64)
+                local_terms: list[str] = []
+            else:
+                by_col = [""] * len(cv.vocabulary_)
+                for t, j in cv.vocabulary_.items():
+                    by_col[j] = t
+                # new terms get global ids in order of first appearance (the order of x.indices, row by row)
+                cols, first = np.unique(x.indices, return_index=True)
+                local_terms = [by_col[j] for j in cols[np.argsort(first, kind="stable")]]
+            order = np.fromiter((vocab.setdefault(t, len(vocab)) for t in local_terms), dtype=np.int64, count=len(local_terms))
+            gid = np.zeros(x.shape[1], dtype=np.int64)
+            if len(local_terms):
+                gid[cols[np.argsort(first, kind="stable")]] = order
+            if len(vocab) > len(tf):
+                tf = np.concatenate([tf, np.zeros(len(vocab) - len(tf), dtype=np.int64)])
+                df = np.concatenate([df, np.zeros(len(vocab) - len(df), dtype=np.int64)])
+            np.add.at(tf, gid[x.indices], x.data)
+            np.add.at(df, gid[x.indices], 1)
+            # rows in sklearn's in-row order: by first appearance of the term in the whole corpus
+            g = sp.csr_matrix((x.data.astype(np.int32), gid[x.indices], x.indptr), shape=(b - a, max(len(vocab), 1)))
+            g.has_sorted_indices = False
+            g.sort_indices()
+            np.save(folder / f"c{c}_data.npy", g.data)
+            np.save(folder / f"c{c}_indices.npy", g.indices.astype(np.int64))
+            np.save(folder / f"c{c}_indptr.npy", g.indptr.astype(np.int64))
+            del x, g
+        if not vocab:
+            raise ValueError("empty vocabulary; perhaps the documents only contain stop words")
+        col = _kept_columns(vocab, tf, df, n_doc, vec)
+        del vocab
+        n_features = int(col.max()) + 1
+        kept_df = np.zeros(n_features, dtype=np.int64)
+        kept_df[col[col >= 0]] = df[col >= 0]
+        transformer = _transformer(vec, kept_df, n_doc, dtype)
+        for c in range(len(bounds) - 1):
+            data = np.load(folder / f"c{c}_data.npy")
+            idx = col[np.load(folder / f"c{c}_indices.npy")]
+            indptr = np.load(folder / f"c{c}_indptr.npy")
+            keep = idx >= 0
+            rows = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+            new_indptr = np.zeros_like(indptr)
+            np.cumsum(np.bincount(rows[keep], minlength=len(indptr) - 1), out=new_indptr[1:])
+            counts = sp.csr_matrix((data[keep].astype(dtype), idx[keep].astype(np.int32), new_indptr.astype(np.int32)), shape=(len(indptr) - 1, n_features))
+            yield sp.csr_matrix(transformer.transform(counts, copy=False))
+    finally:
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            for f in folder.glob("c*_*.npy"):
+                f.unlink()
+
+
+def _kept_columns(vocab: dict[str, int], tf: np.ndarray, df: np.ndarray, n_doc: int, vec: TfidfVectorizer) -> np.ndarray:
+    """Final column of each global term id (-1: pruned), as ``CountVectorizer.fit_transform`` decides it."""
+    max_df, min_df, limit = vec.max_df, vec.min_df, vec.max_features
+    high = max_df if isinstance(max_df, Integral) else max_df * n_doc
+    low = min_df if isinstance(min_df, Integral) else min_df * n_doc
+    if limit is not None:  # _sort_features: alphabetical order
+        order = np.fromiter((g for _, g in sorted(vocab.items())), dtype=np.int64, count=len(vocab))
+    else:
+        order = np.arange(len(vocab))
+    dfs = df[order]
+    mask = (dfs <= high) & (dfs >= low)
+    if limit is not None and mask.sum() > limit:  # _limit_features: tf summed in the vectorizer's dtype
+        tfs = tf[order].astype(vec.dtype)
+        mask_inds = (-tfs[mask]).argsort()[:limit]
+        new_mask = np.zeros(len(dfs), dtype=bool)
+        new_mask[np.where(mask)[0][mask_inds]] = True
+        mask = new_mask
+    if not mask.any():
+        raise ValueError("After pruning, no terms remain. Try a lower min_df or a higher max_df.")
+    new_index = np.cumsum(mask) - 1
+    col = np.full(len(vocab), -1, dtype=np.int64)
+    col[order[mask]] = new_index[mask]
+    return col
+
+
+def _transformer(vec: TfidfVectorizer, df: np.ndarray, n_doc: int, dtype: Any) -> TfidfTransformer:
+    """A ``TfidfTransformer`` with the idf ``TfidfTransformer.fit`` computes from document frequencies ``df``
+    over ``n_doc`` documents (fitted on an empty matrix of the right width, then given the corpus idf)."""
+    tr = TfidfTransformer(norm=vec.norm, use_idf=vec.use_idf, smooth_idf=vec.smooth_idf, sublinear_tf=vec.sublinear_tf)
+    tr.fit(sp.csr_matrix((1, len(df)), dtype=dtype))
+    if vec.use_idf:
+        fdf = df.astype(dtype, copy=False)
+        fdf += float(vec.smooth_idf)
+        n = n_doc + int(vec.smooth_idf)
+        idf = np.full_like(fdf, fill_value=n, dtype=dtype)
+        idf /= fdf
+        np.log(idf, out=idf)
+        idf += 1.0
+        tr.idf_ = idf
+    return tr
+
+
+# ---------------------------------------------------------------------------------------------------
+# CSR matrices on disk
+# ---------------------------------------------------------------------------------------------------
+
+
+class DiskCSRWriter:
+    """Append row chunks of a CSR matrix to ``folder/<name>_{data,indices,indptr}.npy`` (plain ``.npy`` files).
+
+    ``total_nnz`` must be known up front (the ``.npy`` header holds the shape); rows are written in order.
+    """
+
+    def __init__(self, folder: Path, name: str, n_rows: int, n_cols: int, total_nnz: int, dtype: Any):
+        self.folder, self.name, self.shape = Path(folder), name, (n_rows, n_cols)
+        self.idx_dtype = np.int32 if max(total_nnz, n_cols) < 2**31 else np.int64
+        self.nnz, self.rows = 0, 0
+        self.indptr = np.zeros(n_rows + 1, dtype=np.int64)
+        self._data = self._open("data", total_nnz, dtype)
+        self._indices = self._open("indices", total_nnz, self.idx_dtype)
+        self.total = total_nnz
+
+    def _open(self, part: str, n: int, dtype: Any) -> Any:
+        fh = open(self.folder / f"{self.name}_{part}.npy", "wb")  # noqa: SIM115 - closed in finish()
+        np.lib.format.write_array_header_2_0(fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (n,)})
+        fh.dtype = np.dtype(dtype)  # type: ignore[attr-defined]
+        return fh
+
+    def append(self, x: sp.csr_matrix) -> None:
+        x = sp.csr_matrix(x)
+        self._data.write(np.ascontiguousarray(x.data, dtype=self._data.dtype).tobytes())
+        self._indices.write(np.ascontiguousarray(x.indices, dtype=self.idx_dtype).tobytes())
+        self.indptr[self.rows + 1 : self.rows + x.shape[0] + 1] = self.nnz + x.indptr[1:]
+        self.rows += x.shape[0]
+        self.nnz += x.nnz
+
+    def finish(self) -> None:
+        self._data.close()
+        self._indices.close()
+        if self.rows != self.shape[0] or self.nnz != self.total:
+            raise RuntimeError(f"{self.name}: wrote {self.rows} rows / {self.nnz} entries, expected {self.shape[0]} / {self.total}")
+        np.save(self.folder / f"{self.name}_indptr.npy", self.indptr.astype(self.idx_dtype))
+        np.save(self.folder / f"{self.name}_shape.npy", np.asarray(self.shape, dtype=np.int64))
+
+
+class DiskCSR:
+    """A read-only CSR matrix whose arrays are memory-mapped ``.npy`` files (see ``DiskCSRWriter``).
+
+    ``matrix`` is a ``scipy.sparse.csr_matrix`` over the mapped arrays (no copy); ``release()`` tells the kernel
+    the touched pages are not needed now (``MADV_DONTNEED``): they leave the resident set and are read again
+    from the page cache on the next access.  The files may be deleted once opened (the mappings stay valid).
+    """
+
+    def __init__(self, folder: Path, name: str):
+        folder = Path(folder)
+        self.shape = tuple(int(s) for s in np.load(folder / f"{name}_shape.npy"))
+        self._maps: list[mmap.mmap] = []
+        data = self._map(folder / f"{name}_data.npy")
+        indices = self._map(folder / f"{name}_indices.npy")
+        indptr = np.load(folder / f"{name}_indptr.npy")
+        if indices.dtype != indptr.dtype:
+            raise ValueError(f"{folder / name}: index dtypes differ ({indices.dtype}, {indptr.dtype})")
+        m = sp.csr_matrix(self.shape, dtype=data.dtype)
+        m.data, m.indices, m.indptr = data, indices, indptr  # no copy, no check that would write
+        m.has_sorted_indices = False
+        self.matrix = m
+
+    def _map(self, path: Path) -> np.ndarray:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            offset = fh.tell()
+            n = int(np.prod(shape))
+            if n == 0:
+                return np.zeros(shape, dtype=dtype)
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._maps.append(mm)
+        return np.frombuffer(mm, dtype=dtype, count=n, offset=offset)
+
+    def release(self) -> None:
+        for mm in self._maps:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (AttributeError, OSError, ValueError):  # platform without madvise: pages stay until evicted
+                pass

@@ -1,0 +1,117 @@
+"""The data structures that let EnvSched hold a million tasks equal the in-memory ones they replace.
+
+* ``tfidf.tfidf_chunks`` (row-chunked TF-IDF) gives exactly ``TfidfVectorizer.fit_transform`` (values, column
+  indices, in-row order), with and without a binding ``max_features``, for every view's analyzer;
+* the graph built in chunks equals the graph built in one chunk, and x_full is memory-mapped from disk;
+* the graph cache: the key changes with the pool's content and with a graph config field, a hit reproduces
+  the same matrices, and ``release_pages`` leaves the mapped matrix readable;
+* the least-recently-used bound on cached within-environment blocks gives the same neighbour arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from sklearn.feature_extraction.text import TfidfVectorizer
+
+from envsched import EnvSchedConfig, TaskPool, build_static_graph
+from envsched import graph as graph_mod
+from envsched.graph import NeighborIndex, code_structure, graph_cache_key, load_or_build_graph
+from envsched.synthetic import synthetic_records
+from envsched.tfidf import DiskCSR, DiskCSRWriter, tfidf_chunks
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return TaskPool.from_records(synthetic_records(6, 40, seed=3))
+
+
+def _same(a: sp.csr_matrix, b: sp.csr_matrix) -> bool:
+    a, b = sp.csr_matrix(a), sp.csr_matrix(b)
+    return a.shape == b.shape and a.dtype == b.dtype and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("indptr", "indices", "data"))
+
+
+@pytest.mark.parametrize("view", ["words", "chars", "code"])
+@pytest.mark.parametrize("max_features", [35_000, 150, 5])
+def test_chunked_tfidf_equals_sklearn(pool, view, max_features):
+    kw = {"words": {"ngram_range": (1, 2)}, "chars": {"analyzer": "char_wb", "ngram_range": (3, 5)},
+          "code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)}}[view]
+    texts = [code_structure(t.verifier_code) for t in pool.tasks] if view == "code" else [t.instruction for t in pool.tasks]
+    texts[3] = ""  # an empty document stays an empty row
+    args = {"min_df": 1, "max_features": max_features, "sublinear_tf": True, "dtype": np.float32, **kw}
+    want = TfidfVectorizer(**args).fit_transform(texts)
+    for chunk_rows in (len(texts), 37, 4):
+        got = sp.vstack(list(tfidf_chunks(texts, chunk_rows=chunk_rows, **args)), format="csr")
+        assert _same(got, want), (view, max_features, chunk_rows)
+
+
+def test_graph_built_in_chunks_equals_one_chunk(pool):
+    cfg = EnvSchedConfig()
+    one = build_static_graph(pool, cfg, chunk_rows=len(pool))
+    many = build_static_graph(pool, cfg, chunk_rows=17)
+    assert _same(one.x_full, many.x_full) and _same(one.x_abs, many.x_abs)
+    assert np.array_equal(one.mean_within_env_similarity(), many.mean_within_env_similarity())
+    assert one.view_shapes == many.view_shapes and one.abstraction == many.abstraction
+    assert isinstance(one.x_full.data, np.ndarray) and not one.x_full.data.flags.writeable  # mapped read-only
+    assert [d.model_dump() for d in one.descriptions[:3]] == [d.model_dump() for d in many.descriptions[:3]]
+    # S_full from the mapped matrix equals S_full from an in-memory copy, also after its pages are released
+    mem = sp.csr_matrix((np.array(one.x_full.data), np.array(one.x_full.indices), np.array(one.x_full.indptr)), shape=one.x_full.shape)
+    in_memory = dataclasses.replace(one, x_full=mem, disk=None)
+    rows, cols = np.arange(0, len(pool), 7), np.arange(3, len(pool), 11)
+    want = in_memory.sim_full(rows, cols)
+    assert np.array_equal(one.sim_full(rows, cols), want)
+    one.release_pages()
+    assert np.array_equal(one.sim_full(rows, cols), want)
+
+
+def test_disk_csr_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    x = sp.random(50, 30, density=0.2, format="csr", random_state=rng, dtype=np.float64)
+    w = DiskCSRWriter(tmp_path, "m", 50, 30, x.nnz, np.float64)
+    for a in range(0, 50, 13):
+        w.append(x[a : a + 13])
+    w.finish()
+    assert _same(DiskCSR(tmp_path, "m").matrix, x)
+    w = DiskCSRWriter(tmp_path, "bad", 50, 30, x.nnz + 1, np.float64)
+    w.append(x)
+    with pytest.raises(RuntimeError, match="expected"):
+        w.finish()
+
+
+def test_graph_cache_key_and_hit(pool, tmp_path):
+    cfg = EnvSchedConfig(graph_cache_dir=str(tmp_path))
+    key = graph_cache_key(pool, cfg)
+    t0 = pool.tasks[0]
+    changed = TaskPool([dataclasses.replace(t0, instruction=t0.instruction + " today"), *pool.tasks[1:]])
+    assert graph_cache_key(changed, cfg) != key  # pool content
+    assert graph_cache_key(pool, cfg.replace(view_weights=(0.3, 0.06, 0.16, 0.12, 0.16, 0.2))) != key  # config
+    assert graph_cache_key(pool, cfg.replace(k_within=3)) == key  # a field the graph does not depend on
+    built = load_or_build_graph(pool, cfg)
+    assert built.cache == "miss"
+    hit = load_or_build_graph(TaskPool(pool.tasks), cfg)
+    assert hit.cache == "hit"
+    plain = build_static_graph(pool, EnvSchedConfig())
+    for g in (built, hit):
+        assert _same(g.x_full, plain.x_full) and _same(g.x_abs, plain.x_abs)
+        assert np.array_equal(g.mean_within_env_similarity(), plain.mean_within_env_similarity())
+    assert [d.model_dump() for d in hit.descriptions[:3]] == [d.model_dump() for d in plain.descriptions[:3]]
+    assert load_or_build_graph(changed, cfg).cache == "miss"
+
+
+def test_env_block_budget_gives_the_same_neighbours(pool, monkeypatch):
+    graph = build_static_graph(pool, EnvSchedConfig())
+    rng = np.random.default_rng(1)
+    steps = [rng.choice(len(pool), 20, replace=False) for _ in range(5)]
+    full = NeighborIndex(graph, 6, 12)
+    for s in steps:
+        full.add_observed(s)
+    monkeypatch.setattr(graph_mod, "_ENV_BLOCK_BYTES", 1)  # keep one block at a time
+    tight = NeighborIndex(graph, 6, 12)
+    for s in steps:
+        tight.add_observed(s)
+    assert len(tight._env_sim) == 1
+    for rel in ("in", "cross"):
+        assert np.array_equal(full.idx[rel], tight.idx[rel]) and np.array_equal(full.sim[rel], tight.sim[rel])
