@@ -12,11 +12,13 @@ resumable on its own, so rerunning the sweep finishes what is missing), then wri
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from envace.eval.args import read_summary, validate_args
 from envace.eval.report import format_table
 from trace2env.cliargs import UsageError
 
@@ -44,33 +46,32 @@ def tts_row_label(summary: dict[str, Any]) -> str:
 
 def tts_table(runs: Sequence[str | Path], *, markdown: bool = False) -> str:
     """The Table-3 layout over run directories (τ² and BFCL runs of one configuration share a row)."""
-    from envace.eval.cli import _read_summary
-
     rows: dict[str, dict[str, Any]] = {}
     for run in runs:
         path = Path(run) / "summary.json"
         if not path.exists():
             raise UsageError(f"{path} not found (is {run} an envace.eval output directory?)")
-        data = _read_summary(path)
+        data = read_summary(path)
         rows.setdefault(tts_row_label(data), {})[data["benchmark"]] = data["summary"]
     order = sorted(rows, key=lambda r: (0 if r == "Non-TTS" else 1 if r.startswith("Par.") else 2, r))
     return format_table([(r, rows[r]) for r in order], markdown=markdown)
 
 
 def run_sweep(bench: str, out: Path, modes: Sequence[str], budgets: Sequence[int], eval_args: Sequence[str],
-              *, baseline: bool = False) -> dict[str, Any]:
-    """Run every (mode, N) evaluation (resumable), then collect, tabulate and plot the averages."""
-    from envace.eval.cli import main as eval_main
+              *, parser: argparse.ArgumentParser, run_eval: Callable[[list[str]], int],
+              baseline: bool = False) -> dict[str, Any]:
+    """Run every (mode, N) evaluation (resumable), then collect, tabulate and plot the averages.
 
+    ``parser`` is the evaluation CLI's parser (pre-flight: EVAL_ARGS as the first run will get them, before
+    anything is written) and ``run_eval(argv)`` runs one evaluation with the CLI's arguments and exit status
+    (:func:`envace.eval.cli.main`); the CLI passes both, so this module does not import it.
+    """
     if any("--tts" == a or "--rehearsals" == a or a == "--out" for a in eval_args):
         raise UsageError("sweep sets --tts, --rehearsals and --out itself; drop them from EVAL_ARGS")
     if any(n < 1 for n in budgets):  # the CLI's parser refuses them first
         raise UsageError("--budgets must be >= 1")
-    from envace.eval.cli import _validate, build_parser
-
-    parser = build_parser()  # pre-flight: EVAL_ARGS as the first run will get them, before anything is written
     first = ["--tts", modes[0], "--rehearsals", str(budgets[0])] if modes and budgets else []
-    _validate(parser.parse_args([bench, *eval_args, "--out", str(out / "preflight"), *first]), parser)
+    validate_args(parser.parse_args([bench, *eval_args, "--out", str(out / "preflight"), *first]), parser)
     out.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, int, Path]] = [(m, n, out / f"{m}-n{n}") for m in modes for n in budgets]
     if baseline:
@@ -81,7 +82,7 @@ def run_sweep(bench: str, out: Path, modes: Sequence[str], budgets: Sequence[int
         if mode != "none":
             argv += ["--tts", mode, "--rehearsals", str(n)]
         print(f"[envace.eval sweep] {mode} N={n} -> {run_dir}", flush=True)
-        if eval_main(argv) != 0:
+        if run_eval(argv) != 0:
             failed.append(str(run_dir))
     points: list[dict[str, Any]] = []
     for mode, n, run_dir in plan:

@@ -311,12 +311,12 @@ def _worldbook_identity(library: WorldbookLibrary, envs: Sequence[str]) -> dict[
 
 def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from envace.envs.base import get_pool
-    from envace.eval.cli import _default_label, _identity, _slug, _validate, agent_endpoint, limits_from_args
+    from envace.eval.args import agent_endpoint, default_label, limits_from_args, run_identity, slug, validate_args
     from envace.eval.client import check_model_served
     from envace.eval.driver import evaluate
     from envace.eval.store import ResultStore
 
-    _validate(args, parser)
+    validate_args(args, parser)
     if args.runner != "agent_loop" or args.runner_arg:
         parser.error("w2r runs the agent loop in both arms; drop --runner / --runner-arg / --tts")
     if bool(args.simulator_base_url) != bool(args.simulator_model):
@@ -336,10 +336,10 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         library.for_env(env, pool.name)  # ValueError for a book of another pool's traces
     bench = Benchmark(name="w2r", pool=args.pool, title=f"{args.pool} W2R", categories=tuple(dict.fromkeys(
         selected.values())), labels=tuple(dict.fromkeys(selected.values())))
-    label = args.label or _default_label(args)
-    out_dir = Path(args.out or Path("results") / "eval" / "w2r" / _slug(label))
+    label = args.label or default_label(args)
+    out_dir = Path(args.out or Path("results") / "eval" / "w2r" / slug(label))
     stores = {arm: ResultStore(out_dir / arm, create=False) for arm in ARMS}  # nothing written before pre-flight
-    base = {**_identity(args, bench, args.model or ""), "pool": args.pool, "pool_kwargs": args.pool_kwargs}
+    base = {**run_identity(args, bench, args.model or ""), "pool": args.pool, "pool_kwargs": args.pool_kwargs}
     sim_endpoint = ({"base_urls": args.simulator_base_url, "model": args.simulator_model,
                      "api_key": args.simulator_api_key} if args.simulator_base_url else {})
     identities = {

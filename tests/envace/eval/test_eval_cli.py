@@ -15,7 +15,8 @@ import pytest
 
 from envace.agents.engine import LoopLimits
 from envace.envs.base import get_pool
-from envace.eval.cli import build_parser, limits_from_args, main
+from envace.eval.args import limits_from_args
+from envace.eval.cli import build_parser, main
 from envace.toolcall import render_tool_call
 
 ENDPOINT = ["--base-url", "http://127.0.0.1:9/v1", "--model", "m"]
