@@ -1,2 +1,20 @@
-"""envace: multi-turn tool-use RL on verl."""
+"""envace: multi-turn tool-use RL on verl.
+
+The sub-packages and top-level modules form layers; a module imports only from lower layers (or its own unit),
+checked by ``tests/test_dependency_direction.py``. Lowest first:
+
+1. ``cache``, ``loop_config``, ``metrics``, ``trackers``, ``advantage`` (role-wise GRPO, pure math), ``platform``
+   (verl's CPU device backend);
+2. ``envs`` — environment pools, verifiers, EnvSched pool records;
+3. ``toolcall``, ``rewards``;
+4. ``config`` — the typed ``envace:`` config schema;
+5. ``agents`` — the turn engine, observation sources, verl's agent loop;
+6. ``models`` — tiny models and the warm start;
+7. ``eval`` — benchmark evaluation;
+8. ``verl`` — everything plugged into verl's trainer (:mod:`envace.verl`);
+9. ``launch``, then ``train``, then ``gpu_smoke`` and ``cli`` — the commands.
+
+``envsched`` and ``trace2env`` never import envace.
+"""
+
 __version__ = "0.1.0"

@@ -63,11 +63,14 @@ PINS = [
         "(self, num_prompts: int | None = None) -> tensordict._td.TensorDict", f"{SCHED} overrides"),
     Pin(f"{SYNC}._save_checkpoint", f"{BASE}._save_checkpoint", "(self)", f"{SCHED} overrides"),
     Pin(f"{SYNC}._load_checkpoint", f"{BASE}._load_checkpoint", "(self)", f"{SCHED} overrides"),
-    Pin("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__", "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
-        "(self, trainer_mode: str, trainer_config: omegaconf.dictconfig.DictConfig, max_off_policy_threshold: int | None, "
-        "max_off_policy_strategy: str, sampler_kwargs: omegaconf.dictconfig.DictConfig, poll_interval: float = 2.0, "
-        "refill_fn=None, filter_groups_metric: str | None = None, train_batch_size: int | None = None, "
-        "gen_batch_size: int | None = None, max_inflight_gen_batches: int = 1, sync_refill_failed_groups: bool = False)",
+    Pin("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
+        "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
+        "(self, trainer_mode: str, trainer_config: omegaconf.dictconfig.DictConfig, "
+        "max_off_policy_threshold: int | None, max_off_policy_strategy: str, "
+        "sampler_kwargs: omegaconf.dictconfig.DictConfig, poll_interval: float = 2.0, refill_fn=None, "
+        "filter_groups_metric: str | None = None, train_batch_size: int | None = None, "
+        "gen_batch_size: int | None = None, max_inflight_gen_batches: int = 1, "
+        "sync_refill_failed_groups: bool = False)",
         f"{TRAINER}._build_replay_buffer sets the buffer's poll_interval"),
     Pin("verl.trainer.ppo.v1.trainer_base:register_trainer", "verl.trainer.ppo.v1.trainer_base:register_trainer",
         "(name: str)", f"{TRAINER}, {SCHED} register"),
@@ -89,7 +92,8 @@ PINS = [
     Pin("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__", "verl.trainer.main_ppo:TaskRunnerV1",
         "(*, _ray_trace_ctx=None)", f"{RUNNER} EnvaceTaskRunner subclasses"),
     Pin("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__.run", "verl.trainer.main_ppo:TaskRunnerV1.run",
-        "(self, config: omegaconf.dictconfig.DictConfig, *, _ray_trace_ctx=None)", f"{RUNNER} EnvaceTaskRunner overrides"),
+        "(self, config: omegaconf.dictconfig.DictConfig, *, _ray_trace_ctx=None)",
+        f"{RUNNER} EnvaceTaskRunner overrides"),
     Pin("verl.trainer.main_ppo_v0:TaskRunner.__ray_actor_class__", "verl.trainer.main_ppo_v0:TaskRunner",
         "(*, _ray_trace_ctx=None)", f"{RUNNER} run (trainer.use_v1=false)"),
     Pin("verl.trainer.main_ppo:run_ppo", "verl.trainer.main_ppo:run_ppo", "(config, task_runner_class) -> None",
@@ -120,7 +124,8 @@ PINS = [
         "(self, previous_messages: list[dict], updated_messages: list[dict], runtime_token_ids: list[int], "
         "response_mask: list[int], response_logprobs: Optional[list[float]] = None, tools: list[dict] = None)",
         f"{LOOP} continuous-token bookkeeping"),
-    Pin("verl.workers.rollout.llm_server:LLMServerClient.generate", "verl.workers.rollout.llm_server:LLMServerClient.generate",
+    Pin("verl.workers.rollout.llm_server:LLMServerClient.generate",
+        "verl.workers.rollout.llm_server:LLMServerClient.generate",
         "(self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, typing.Any], "
         "image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None, "
         "audio_data: Optional[list[Any]] = None, mm_processor_kwargs: Optional[dict[str, Any]] = None, "
@@ -139,7 +144,8 @@ def check_pin(pin: Pin, import_module: Callable[[str], ModuleType] = importlib.i
     object envace reaches it through, where it is defined, or its signature."""
     where = f"{pin.dist} {VERSIONS[pin.dist]}: {pin.target}"
     installed = md.version(pin.dist)
-    assert installed == VERSIONS[pin.dist], f"{pin.dist} {installed} is installed, the pins hold for {VERSIONS[pin.dist]}"
+    assert installed == VERSIONS[pin.dist], (
+        f"{pin.dist} {installed} is installed, the pins hold for {VERSIONS[pin.dist]}")
     module_name, _, path = pin.target.partition(":")
     obj: Any = import_module(module_name)
     for i, name in enumerate(path.split(".")):
