@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import tokenize
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -701,8 +701,6 @@ def load_or_build_graph(pool: TaskPool, cfg: EnvSchedConfig, *, extractor: Any =
 _IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
 _SIM_SCALE = float(2**30)
 _SIM_RES = 1.0 / _SIM_SCALE
-_ENV_BLOCK_MAX = 2048  # environments up to this size keep their within-environment S_full block cached
-_ENV_BLOCK_BYTES = 256 * 2**20  # ... up to this many bytes of blocks in all (least recently used dropped first)
 
 
 def merge_topk(idx: np.ndarray, sim: np.ndarray, cand_idx: np.ndarray, cand_sim: np.ndarray, k: int, min_sim: float) -> tuple[np.ndarray, np.ndarray]:
@@ -746,15 +744,13 @@ class NeighborIndex:
         self.idx = {r: np.full((n, k), -1, dtype=np.int64) for r, k in self.k.items()}
         self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
         self.observed = np.zeros(n, dtype=bool)
-        # within-environment S_full is static: each environment's block is computed once (on first use) and
-        # cached; every entry is the same value whichever nodes are observed together (see ``within_sim``)
+        # within-environment S_full: every entry is the same value whichever nodes are observed together
+        # (see ``within_sim``)
         x = graph.x_full
         self._x64 = x if x.dtype == np.float64 else x.astype(np.float64)
         self._pos = np.zeros(n, dtype=np.int64)  # position of each node in its environment's member list
         for members in graph.env_members:
             self._pos[members] = np.arange(len(members))
-        self._env_sim: OrderedDict[int, np.ndarray] = OrderedDict()  # least recently used first
-        self._env_sim_bytes = 0
 
     def add_observed(self, nodes: np.ndarray) -> None:
         """Merge nodes that became observed this step into every target's neighbour arrays."""
@@ -791,24 +787,11 @@ class NeighborIndex:
         (dense |members| x |pos|, float64).
 
         Each entry is scipy's CSR product x_i . x_j, summed in x_i's stored feature order, so it does not
-        depend on which other nodes are in the same call; blocks of environments with <= _ENV_BLOCK_MAX
-        members are cached (n_e^2 float64 each) up to _ENV_BLOCK_BYTES in all, the least recently used block
-        dropped first (2,000 environments of 500 tasks would hold 4 GB; a dropped block is computed again,
-        to the same values), larger environments column by column.
+        depend on which other nodes are in the same call: only the |pos| columns of the step's new nodes are
+        computed.  Whole n_e x n_e blocks are not cached: one costs n_e^2 products where a step needs n_e |pos|,
+        and 2,000 cached blocks of 500 tasks would hold 4 GB.
         """
-        blk = self._env_sim.get(e)
         members = self.graph.env_members[e]
-        if blk is not None:
-            self._env_sim.move_to_end(e)
-        elif len(members) <= _ENV_BLOCK_MAX:
-            xe = self._x64[members]
-            blk = self._env_sim[e] = np.asarray((xe @ xe.T).toarray(), dtype=np.float64)
-            self._env_sim_bytes += blk.nbytes
-            while self._env_sim_bytes > _ENV_BLOCK_BYTES and len(self._env_sim) > 1:
-                _, old = self._env_sim.popitem(last=False)
-                self._env_sim_bytes -= old.nbytes
-        if blk is not None:
-            return blk[:, pos]
         return np.asarray((self._x64[members] @ self._x64[members[pos]].T).toarray(), dtype=np.float64)
 
     def _add_cross(self, nodes: np.ndarray) -> None:

@@ -243,9 +243,10 @@ class EnvScheduler:
             nb = self.neighbors
             progress_block = self.progress.blocked([nb.idx["in"], nb.idx["cross"]])
         score = q * exposure_factor(self.sel_count, cfg.exposure_c0)
+        order = np.argsort(-score, kind="stable")  # one O(N log N) sort per batch; each pick scans its head
         ignored_progress = 0
         while len(builder.selected) < B:
-            i, used_filtered = builder.exploitation_pick(score, ~progress_block)
+            i, used_filtered = builder.exploitation_pick(score, ~progress_block, order)
             if i is None:
                 break
             ignored_progress += used_filtered

@@ -21,7 +21,8 @@ from .config import EnvSchedConfig
 from .graph import StaticGraph, _gather_rows
 
 try:  # scipy's compiled CSR x dense kernels, called without building matrix objects (many tiny products)
-    from scipy.sparse._sparsetools import csr_matvec as _csr_matvec, csr_matvecs as _csr_matvecs
+    from scipy.sparse._sparsetools import csr_matvec as _csr_matvec
+    from scipy.sparse._sparsetools import csr_matvecs as _csr_matvecs
 except ImportError:  # pragma: no cover - private module moved: same kernels through the public API
     _csr_matvec = _csr_matvecs = None
 
@@ -154,6 +155,12 @@ class BatchBuilder:
         self.pen = np.zeros(n)
         self.pen_upto = np.zeros(n, dtype=np.int64)
         self.block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(self.cfg.batch_size, 1))
+        # per environment: members not yet in the batch that are available (level >= 1) and, in addition, not
+        # blocked by C_task (level 0); kept up to date by add(), so the coverage phase works on environments
+        n_env = len(self.graph.env_members)
+        free = self.available & ~self.in_batch
+        self.env_free = np.bincount(self.env[free], minlength=n_env)
+        self.env_free_unblocked = np.bincount(self.env[free & ~self.caps.blocked_tasks], minlength=n_env)
 
     # ---- eligibility ---------------------------------------------------------------------------
     def eligible(self, level: int = 0, extra: np.ndarray | None = None) -> np.ndarray:
@@ -168,6 +175,31 @@ class BatchBuilder:
             ok &= (self.caps.window_env_count + self.batch_env_count)[self.env] < cfg.cap_env_window
         if level < 3:
             ok &= self.batch_env_count[self.env] < cfg.cap_env_round
+        return ok
+
+    def eligible_nodes(self, nodes: np.ndarray, level: int = 0, extra: np.ndarray | None = None) -> np.ndarray:
+        """``eligible(level, extra)[nodes]``, computed for ``nodes`` only."""
+        ok = self.available[nodes] & ~self.in_batch[nodes]
+        if extra is not None:
+            ok &= extra[nodes]
+        cfg, env = self.cfg, self.env[nodes]
+        if level < 1:
+            ok &= ~self.caps.blocked_tasks[nodes]
+        if level < 2:
+            ok &= (self.caps.window_env_count[env] + self.batch_env_count[env]) < cfg.cap_env_window
+        if level < 3:
+            ok &= self.batch_env_count[env] < cfg.cap_env_round
+        return ok
+
+    def eligible_envs(self, level: int = 0) -> np.ndarray:
+        """Environments with at least one member in ``eligible(level)`` (the caps C1 and C3 are per environment,
+        C_task and batch membership per task: ``env_free_unblocked`` / ``env_free`` count what is left)."""
+        cfg = self.cfg
+        ok = (self.env_free_unblocked if level < 1 else self.env_free) > 0
+        if level < 2:
+            ok &= (self.caps.window_env_count + self.batch_env_count) < cfg.cap_env_window
+        if level < 3:
+            ok &= self.batch_env_count < cfg.cap_env_round
         return ok
 
     def candidates(self, extra: np.ndarray | None = None) -> np.ndarray:
@@ -226,9 +258,49 @@ class BatchBuilder:
             size *= 4
         return best
 
+    def scan_pick(self, order: np.ndarray, score: np.ndarray, level: int, extra: np.ndarray | None = None) -> int | None:
+        """EnvSched Eq. 5 over ``eligible(level, extra)`` with a = ``score``, scanning the nodes in ``order``
+        (every node, by descending score, ties by ascending index): the same node ``pick`` returns over
+        ``flatnonzero(eligible(level, extra))``, or None when no node is eligible.
+
+        Candidate pruning, exact: a value score - lambda_sim * penalty never exceeds its score (penalties are
+        similarities of non-negative TF-IDF rows, >= 0), so once the next score in the order is below the best
+        value found, no later node can reach it.  Only the nodes scanned so far are checked against the caps
+        and refreshed; at 1,000,000 tasks that is a few thousand nodes a pick instead of N.
+        """
+        lam = self.cfg.lambda_sim
+        best, best_val = -1, -np.inf
+        pos, size, n = 0, _CHUNK * 4, len(order)
+        while pos < n:
+            blk = order[pos : pos + size]
+            pos, size = pos + size, min(size * 4, 1 << 16)
+            if best >= 0 and score[blk[0]] < best_val:
+                break
+            cand = blk[self.eligible_nodes(blk, level, extra)]
+            if not len(cand):
+                continue
+            if not self.selected or lam == 0.0:
+                return int(cand[0])  # value = score: the first eligible node in the order
+            ub = score[cand] - lam * self.pen[cand]  # the cached penalty only grows: an upper bound
+            nodes = cand[(ub > best_val) | ((ub == best_val) & (cand < best))]
+            if not len(nodes):
+                continue
+            self._refresh(nodes)
+            val = score[nodes] - lam * self.pen[nodes]
+            vmax = float(val.max())
+            if vmax >= best_val:
+                i = int(nodes[val == vmax].min())
+                best = i if vmax > best_val or best < 0 else min(best, i)
+                best_val = vmax
+        return best if best >= 0 else None
+
     def add(self, i: int, phase: str) -> None:
         self.selected.append(int(i))
         self.phases.append(phase)
+        if self.available[i] and not self.in_batch[i]:
+            self.env_free[self.env[i]] -= 1
+            if not self.caps.blocked_tasks[i]:
+                self.env_free_unblocked[self.env[i]] -= 1
         self.in_batch[i] = True
         self.batch_env_count[self.env[i]] += 1
         self.block.add(int(i))
@@ -240,26 +312,42 @@ class BatchBuilder:
     # ---- phases (§2.4) -----------------------------------------------------------------------------
     def coverage_pick(self, q: np.ndarray, env_exposure: np.ndarray, obs_count: np.ndarray) -> int | None:
         """Coverage: restrict lexicographically by (batch env coverage, cumulative env exposure, task
-        observation count), then Eq. 5 with a = q."""
-        c = self.candidates()
-        if len(c) == 0:
-            return None
-        for key_of in (lambda c: self.batch_env_count[self.env[c]], lambda c: env_exposure[self.env[c]], lambda c: obs_count[c]):
-            key = key_of(c)
-            c = c[key == key.min()]
-        return self.pick(c, q[c])
+        observation count), then Eq. 5 with a = q.
 
-    def exploitation_pick(self, score: np.ndarray, progress_ok: np.ndarray) -> tuple[int | None, bool]:
+        The candidates are those of ``candidates()`` (lowest cap-relaxation level with any); the first two keys
+        are per environment, so they are minimised over the environments with an eligible member and only the
+        members of the winning environments are looked at (not all N nodes)."""
+        top = 3 if self.cfg.relax_caps_when_short else 0
+        for level in range(top + 1):
+            envs = np.flatnonzero(self.eligible_envs(level))
+            if not len(envs):
+                continue
+            self.relaxations += level > 0
+            for key in (self.batch_env_count, env_exposure):
+                envs = envs[key[envs] == key[envs].min()]
+            members = np.sort(np.concatenate([self.graph.env_members[e] for e in envs]))
+            c = members[self.eligible_nodes(members, level)]
+            key3 = obs_count[c]
+            c = c[key3 == key3.min()]
+            return self.pick(c, q[c])
+        return None
+
+    def exploitation_pick(self, score: np.ndarray, progress_ok: np.ndarray, order: np.ndarray | None = None) -> tuple[int | None, bool]:
         """Exploitation: Eq. 5 with a = q * omega over candidates that pass the progress filter.
-        Returns (node, used_filtered) where used_filtered says the progress filter had to be ignored."""
-        c = self.candidates(progress_ok)
-        used_filtered = False
-        if len(c) == 0:
-            c = self.candidates()
-            used_filtered = len(c) > 0
-        if len(c) == 0:
-            return None, False
-        return self.pick(c, score[c]), used_filtered
+        Returns (node, used_filtered) where used_filtered says the progress filter had to be ignored.
+
+        ``order``: all nodes by descending score, ties by ascending index (``np.argsort(-score, kind="stable")``,
+        computed once per batch by the caller); the pick scans it (``scan_pick``)."""
+        if order is None:
+            order = np.argsort(-score, kind="stable")
+        top = 3 if self.cfg.relax_caps_when_short else 0
+        for extra in (progress_ok, None):
+            for level in range(top + 1):
+                i = self.scan_pick(order, score, level, extra)
+                if i is not None:
+                    self.relaxations += level > 0
+                    return i, extra is None
+        return None, False
 
 
 def cold_start_batch(graph: StaticGraph, cfg: EnvSchedConfig, batch_size: int, available: np.ndarray) -> list[int]:

@@ -5,7 +5,7 @@
 * the graph built in chunks equals the graph built in one chunk, and x_full is memory-mapped from disk;
 * the graph cache: the key changes with the pool's content and with a graph config field, a hit reproduces
   the same matrices, and ``release_pages`` leaves the mapped matrix readable;
-* the least-recently-used bound on cached within-environment blocks gives the same neighbour arrays.
+* within-environment S_full computed for the new nodes' columns only equals the whole block's columns.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import scipy.sparse as sp
 from sklearn.feature_extraction.text import TfidfVectorizer
 
 from envsched import EnvSchedConfig, TaskPool, build_static_graph
-from envsched import graph as graph_mod
 from envsched.graph import NeighborIndex, code_structure, graph_cache_key, load_or_build_graph
 from envsched.synthetic import synthetic_records
 from envsched.tfidf import DiskCSR, DiskCSRWriter, tfidf_chunks
@@ -101,17 +100,72 @@ def test_graph_cache_key_and_hit(pool, tmp_path):
     assert load_or_build_graph(changed, cfg).cache == "miss"
 
 
-def test_env_block_budget_gives_the_same_neighbours(pool, monkeypatch):
+def test_within_env_columns_equal_the_whole_block(pool):
+    """NeighborIndex computes only the new nodes' columns of an environment's S_full block: each entry is the
+    value the whole block holds (a pinned run's neighbour lists depend on it bit for bit)."""
     graph = build_static_graph(pool, EnvSchedConfig())
-    rng = np.random.default_rng(1)
-    steps = [rng.choice(len(pool), 20, replace=False) for _ in range(5)]
-    full = NeighborIndex(graph, 6, 12)
-    for s in steps:
-        full.add_observed(s)
-    monkeypatch.setattr(graph_mod, "_ENV_BLOCK_BYTES", 1)  # keep one block at a time
-    tight = NeighborIndex(graph, 6, 12)
-    for s in steps:
-        tight.add_observed(s)
-    assert len(tight._env_sim) == 1
-    for rel in ("in", "cross"):
-        assert np.array_equal(full.idx[rel], tight.idx[rel]) and np.array_equal(full.sim[rel], tight.sim[rel])
+    nb = NeighborIndex(graph, 6, 12)
+    for e in range(3):
+        members = graph.env_members[e]
+        x = graph.x_full[members]
+        block = (x @ x.T).toarray()
+        for pos in (np.array([0]), np.array([5, 1, 30]), np.arange(len(members))):
+            assert np.array_equal(nb.within_sim(e, pos), block[:, pos])
+
+
+def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, batch):
+    """The batch the unpruned selection builds: every pick over ``candidates()`` (all N nodes)."""
+    for _ in range(n_cov):
+        c = b.candidates()
+        if not len(c):
+            break
+        for key_of in (lambda c: b.batch_env_count[b.env[c]], lambda c: env_exposure[b.env[c]], lambda c: obs_count[c]):
+            key = key_of(c)
+            c = c[key == key.min()]
+        b.add(b.pick(c, q[c]), "coverage")
+    while len(b.selected) < batch:
+        c = b.candidates(progress_ok)
+        if not len(c):
+            c = b.candidates()
+        if not len(c):
+            break
+        b.add(b.pick(c, score[c]), "exploitation")
+    return b.selected, b.relaxations
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pruned_picks_equal_the_full_scan(pool, seed):
+    """coverage_pick (per-environment keys) and exploitation_pick (scan by descending score, stop when no
+    later score can reach the best value) choose the nodes the unpruned Eq. 5 arg-max over all candidates
+    chooses, with ties, C_task / C3 / progress masks and cap relaxation (tiny caps)."""
+    from envsched.select import BatchBuilder, CapState
+
+    graph = build_static_graph(pool, EnvSchedConfig())
+    rng = np.random.default_rng(seed)
+    n, n_env = graph.n, len(graph.env_members)
+    cfg = EnvSchedConfig(cap_env_round=[4, 1, 2, 4, 3, 1][seed], cap_env_window=[11, 2, 5, 11, 6, 3][seed], lambda_sim=[0.08, 0.08, 0.5, 0.0, 0.3, 0.08][seed])
+    q = np.round(rng.random(n), 2)  # many exact ties
+    score = q * (1.0 + rng.integers(0, 3, n) / 16.0) ** -0.5
+    env_exposure = rng.integers(0, 3, n_env).astype(float)
+    obs_count = rng.integers(0, 2, n)
+    progress_ok = rng.random(n) < [1.0, 0.5, 0.05, 0.9, 0.0, 0.7][seed]
+    caps = CapState(rng.integers(0, 4, n_env), rng.random(n) < 0.2)
+    available = rng.random(n) < 0.95
+    batch = [64, 30, 40, 64, 64, 50][seed]
+    ref = BatchBuilder(graph, cfg, caps, available.copy())
+    want = _reference_batch(ref, q, score, env_exposure, obs_count, progress_ok, batch // 2, batch)
+    ref.close()
+    new = BatchBuilder(graph, cfg, caps, available.copy())
+    order = np.argsort(-score, kind="stable")
+    for _ in range(batch // 2):
+        i = new.coverage_pick(q, env_exposure, obs_count)
+        if i is None:
+            break
+        new.add(i, "coverage")
+    while len(new.selected) < batch:
+        i, _ = new.exploitation_pick(score, progress_ok, order)
+        if i is None:
+            break
+        new.add(i, "exploitation")
+    new.close()
+    assert (new.selected, new.relaxations) == want
