@@ -15,10 +15,10 @@ loop                   source       what answers the agent's tool calls
 =====================  ===========  =============================================================
 
 Only ``server_manager.generate`` touches the model, so the loops run unchanged on vLLM (GPU) and on
-the ``hfcpu`` rollout (CPU). The acting context is one growing token sequence: each generation's tokens
-are appended exactly as generated and new context (tool responses, user turns) is appended with verl's
-Continuous Token builder — earlier turns are never decoded and re-encoded, and every call checks that
-the engine's messages extend the ones already tokenised (:class:`PrefixError` otherwise).
+the ``hfcpu`` rollout (CPU). The policy is :class:`VerlPolicy`: the token-level policy of
+:mod:`envace.agents.token_policy` (one growing acting context in verl's continuous tokens, the response budget)
+with ``server_manager.generate`` plugged in; the warm start's evaluation runs the same policy over an in-process
+decoder.
 
 Training samples (``envace.agent.act_layout``):
 
@@ -31,9 +31,10 @@ Training samples (``envace.agent.act_layout``):
 Every output carries ``extra_fields.role`` (``act`` / ``rehearse``), ``trajectory_id`` and the
 trajectory's reward; only model tokens have loss mask 1. The reward is the pool's official verifier
 run on the real environment the actor's calls were executed in (directly with ``real``; as a shadow
-execution with ``rehearse`` / ``simulator``: the same calls in the same order, i.e. a replay). A verifier
-crash or an environment time-out masks the sample (loss mask 0, ``verify_failed=1``, left out of
-every baseline) instead of scoring it 0.
+execution with ``rehearse`` / ``simulator``: the same calls in the same order, i.e. a replay), scored by
+:func:`envace.rewards.score.score_episode` as evaluation scores it. A rollout that could not be judged (a
+verifier crash or time-out, an environment time-out) masks the sample (loss mask 0, ``verify_failed=1``, left out
+of every baseline) instead of scoring it 0.
 """
 
 from __future__ import annotations
@@ -42,26 +43,25 @@ import asyncio
 import json
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from envace.agents import LOOP_NAMES
-from envace.agents.engine import Reply, Role, Transcript, TurnEngine, assistant_message
-from envace.agents.sources import (
-    RealSource,
-    RehearsalFormatError,
-    RehearseSource,
-    SimulatorSource,
-    parse_rehearsal,
+from envace.agents.engine import Role, Transcript, TurnEngine
+from envace.agents.sources import RealSource, RehearseSource, SimulatorSource
+from envace.agents.token_policy import (  # noqa: F401  (PrefixError, Generation, announce_tools: re-exported)
+    Generation,
+    LoopTokenContext,
+    PrefixError,
+    TokenPolicy,
+    announce_tools,
 )
 from envace.config import AgentConfig, envace_config_from
 from envace.envs import cm2
 from envace.envs.base import EnvironmentPool, Episode, get_pool
-from envace.rewards.mix import mix_rewards
-from envace.toolcall import parse_tool_calls
+from envace.rewards.score import score_episode
 
 logger = logging.getLogger(__name__)
 
@@ -96,97 +96,26 @@ class RolloutAbortedError(RuntimeError):
     a reply of the model's."""
 
 
-class PrefixError(RuntimeError):
-    """The engine's conversation does not extend what was already tokenised (a bug, never data)."""
-
-
-@dataclass
-class Generation:
-    """One ``generate`` call: one training output."""
-
-    role: Role
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float] | None
-    text: str
-    format_error: bool = False
-
-
-@dataclass
-class _ActState:
-    ids: list[int]
-    prompt_len: int
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    seen: list[dict[str, Any]] = field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
-
-
-def _tool_name(tool: dict[str, Any]) -> str:
-    return str((tool.get("function") or tool).get("name"))
-
-
-def _added_tools(before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    known = {_tool_name(t) for t in before or []}
-    return [t for t in after or [] if _tool_name(t) not in known]
-
-
-def announce_tools(tools: list[dict[str, Any]]) -> str:
-    """The text that hands the model tools added mid-episode (e.g. BFCL ``miss_func``), in the chat template's
-    own ``<tools>`` notation. An OpenAI endpoint re-renders the system prompt with the new tool list on every
-    request; a token-in/token-out context cannot change its tokenised system prompt, so the tools are
-    announced in the next user message instead (BFCL's own format for prompted models does the same)."""
-    body = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)  # one tool per line, as the template does
-    return f"You can now also call these functions (signatures within <tools></tools> XML tags):\n<tools>\n{body}\n</tools>"
-
-
-class VerlPolicy:
-    """The engine's :class:`~envace.agents.engine.Policy` over ``server_manager.generate``."""
+class VerlPolicy(TokenPolicy):
+    """The token-level policy (:class:`~envace.agents.token_policy.TokenPolicy`) over ``server_manager.generate``,
+    with the agent loop's own continuous-token bookkeeping. Every generation of a rollout goes out under one
+    request id (verl's sticky routing), one after another."""
 
     def __init__(self, loop: AgentLoopBase, sampling_params: dict[str, Any], cfg: AgentConfig) -> None:
+        super().__init__(
+            LoopTokenContext(loop), self._server_generate,
+            lambda ids: loop.tokenizer.decode(ids, skip_special_tokens=True),
+            sampling=sampling_params, budget=int(loop.rollout_config.response_length),
+            act_max_tokens=cfg.act_max_tokens, rehearse_max_tokens=cfg.rehearse_max_tokens,
+            rehearse_temperature=cfg.rehearse_temperature,
+        )
         self.loop = loop
-        self.sampling = dict(sampling_params)
         self.cfg = cfg
         self.request_id = uuid4().hex
-        self.budget = int(loop.rollout_config.response_length)  # acting-context growth, all turns
-        self.act: _ActState | None = None
-        self.generations: list[Generation] = []
         self.global_steps: dict[str, Any] = {}
-        self.pending_call_ids: list[str] = []
 
-    # -- token bookkeeping ---------------------------------------------------------------------
-    async def _sync_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
-        st = self.act
-        if st is None:
-            ids = await self.loop.ct_build_initial_tokens(messages, tools=tools)
-            want_lp = bool(self.sampling.get("logprobs"))
-            self.act = _ActState(ids=list(ids), prompt_len=len(ids), logprobs=[] if want_lp else None,
-                                 seen=[dict(m) for m in messages], tools=tools)
-            return
-        n = len(st.seen)
-        if len(messages) < n or messages[:n] != st.seen:
-            raise PrefixError("the conversation does not extend the tokenised acting context")
-        if len(messages) > n:
-            appended = [dict(m) for m in messages[n:]]
-            added = _added_tools(st.tools, tools)
-            if added:  # the chat template put the tools in the system prompt, which is already tokenised
-                for m in appended:
-                    if m.get("role") == "user":
-                        m["content"] = announce_tools(added) + "\n\n" + str(m.get("content") or "")
-                        break
-            merge, st.mask, st.logprobs = await self.loop.ct_merge_context_msg(
-                st.seen, st.seen + appended, st.ids, st.mask, st.logprobs, tools=tools
-            )
-            st.ids = list(merge.token_ids)
-            st.seen = [dict(m) for m in messages]
-            st.tools = tools
-
-    async def _generate(self, prompt_ids: list[int], max_tokens: int, role: Role) -> tuple[list[int], list[float] | None]:
-        params = dict(self.sampling)
-        params["max_tokens"] = int(max_tokens)
-        temperature = self.cfg.rehearse_temperature if role is Role.REHEARSE else None
-        if temperature is not None:
-            params["temperature"] = float(temperature)
+    async def _server_generate(self, prompt_ids: list[int], params: dict[str, Any],
+                               role: Role) -> tuple[list[int], list[float] | None]:
         out = await self.loop.server_manager.generate(
             request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=params
         )
@@ -199,56 +128,7 @@ class VerlPolicy:
         if "min_global_steps" in fields:
             self.global_steps.setdefault("min_global_steps", fields["min_global_steps"])
         self.global_steps.update({k: fields[k] for k in ("max_global_steps", "global_steps") if k in fields})
-        logprobs = list(out.log_probs) if (out.log_probs is not None and self.sampling.get("logprobs")) else None
-        return list(out.token_ids), logprobs
-
-    # -- the Policy interface --------------------------------------------------------------------
-    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, role: Role) -> Reply:
-        if role is Role.REHEARSE:
-            return await self._rehearse(messages)
-        await self._sync_context(messages, tools)
-        st = self.act
-        assert st is not None
-        left = self.budget - len(st.mask)
-        if left <= 0:
-            return Reply(text="", budget_exhausted=True, generated=False)
-        max_tokens = min(left, self.cfg.act_max_tokens) if self.cfg.act_max_tokens else left
-        prompt = list(st.ids)
-        tokens, logprobs = await self._generate(prompt, max_tokens, Role.ACT)
-        merge, st.mask, st.logprobs = await self.loop.ct_merge_assistant_token(
-            st.ids, tokens, st.mask, st.logprobs, assistant_logprobs=logprobs if st.logprobs is not None else None
-        )
-        st.ids = list(merge.token_ids)
-        text = self.loop.tokenizer.decode(tokens, skip_special_tokens=True)
-        parsed = parse_tool_calls(text)
-        reply = Reply(
-            text=text,
-            content=parsed.content,
-            calls=parsed.calls,
-            errors=parsed.errors,
-            reasoning=parsed.reasoning,
-            budget_exhausted=len(st.mask) >= self.budget,
-            completion_tokens=len(tokens),
-            prompt_tokens=len(prompt),
-        )
-        self.generations.append(Generation(Role.ACT, prompt, tokens, logprobs, text, format_error=bool(parsed.errors)))
-        # what the engine will append next; the next call's prefix check compares against it
-        n_before = sum(len(m.get("tool_calls") or []) for m in st.seen if m.get("role") == "assistant")
-        ids = [f"call_{n_before + i}" for i in range(len(parsed.calls))]
-        st.seen = [dict(m) for m in messages] + [assistant_message(reply, ids)]
-        return reply
-
-    async def _rehearse(self, messages: list[dict[str, Any]]) -> Reply:
-        prompt = await self.loop.ct_build_initial_tokens(messages, tools=None)
-        tokens, logprobs = await self._generate(prompt, self.cfg.rehearse_max_tokens, Role.REHEARSE)
-        text = self.loop.tokenizer.decode(tokens, skip_special_tokens=True)
-        try:
-            parse_rehearsal(text)
-            bad = False
-        except RehearsalFormatError:
-            bad = True
-        self.generations.append(Generation(Role.REHEARSE, list(prompt), tokens, logprobs, text, format_error=bad))
-        return Reply(text=text, content=text, completion_tokens=len(tokens), prompt_tokens=len(prompt))
+        return list(out.token_ids), out.log_probs
 
 
 class EnvaceAgentLoop(AgentLoopBase):
@@ -305,53 +185,25 @@ class EnvaceAgentLoop(AgentLoopBase):
                              pool_name, task_id, episode.spec.env_id, trajectory_id)
 
     async def _score(self, episode: Episode, t: Transcript, row: dict[str, Any]) -> tuple[float, bool, str, dict]:
-        """The trajectory reward: the mix of the components this row has (verifier, checklist judge).
-
-        Returns (reward, masked, reason, details); a masked reward is never used (loss mask 0).
-        """
+        """The trajectory reward (:func:`envace.rewards.score.score_episode`: the verifier and, on checklist rows,
+        the checklist judge). Returns (reward, masked, reason, details); a masked reward is never used (loss
+        mask 0, ``verify_failed=1``): the rollout could not be judged, and a verl step cannot re-run it."""
         rcfg = self.envace_cfg.reward
-        if t.masked:
-            return 0.0, True, t.mask_reason, {}
-        components: dict[str, float | None] = {}
-        reasons: dict[str, str] = {}
-        details: dict[str, Any] = {}
-        weights: dict[str, float] = {}
-        if episode.executable:
-            weights["verifiable"] = rcfg.verifiable_weight
-            try:
-                verdict = await asyncio.wait_for(asyncio.to_thread(episode.verify), self.agent_cfg.env_timeout_s)
-                components["verifiable"] = float(verdict.reward)
-                details["verifier"] = dict(verdict.details)
-            except Exception as exc:  # noqa: BLE001  (verifier crash or time-out: unscored, never 0)
-                logger.warning("verifier failed for %s/%s: %s", episode.spec.pool, episode.spec.task_id, exc)
-                components["verifiable"], reasons["verifiable"] = None, f"{type(exc).__name__}: {exc}"
         reward_model = row.get("reward_model") or {}
-        if reward_model.get("style") == "checklist":
-            weights["checklist"] = rcfg.checklist_weight
-            if rcfg.checklist_weight > 0:
-                result = await self._judge(t, reward_model.get("ground_truth"))
-                components["checklist"] = result.reward
-                details["checklist"] = {"per_turn": result.per_turn, "n_calls": result.n_calls,
-                                        "n_failures": result.n_failures}
-                if result.masked:
-                    reasons["checklist"] = result.reason
-        weights = {k: w for k, w in weights.items() if w > 0}
-        if not weights:
-            raise ValueError(f"no reward component with a positive weight applies to {episode.spec.task_id}")
-        reward, mix = mix_rewards(components, weights, normalize=True, reasons=reasons)
-        details["mix"] = mix
-        if reward is None:
-            return 0.0, True, str(mix.get("reason", "masked reward")), details
-        return float(reward), False, "", details
+        checklists = reward_model.get("ground_truth") if reward_model.get("style") == "checklist" else None
+        score = await score_episode(episode, t, verifiable_weight=rcfg.verifiable_weight,
+                                    checklist_weight=rcfg.checklist_weight, checklists=checklists,
+                                    judge=self._judge, timeout_s=self.agent_cfg.env_timeout_s)
+        return score.reward, score.masked, score.reason, score.details
 
-    async def _judge(self, t: Transcript, checklists: Any):
+    async def _judge(self, messages: list[dict[str, Any]], checklists: Any):
         from envace.rewards.checklist import ChecklistJudge
 
         rcfg = self.envace_cfg.reward
         if not rcfg.judge:
             raise ValueError("checklist rows need a judge endpoint: set envace.reward.judge (base_urls, model)")
         judge = ChecklistJudge(_llm_pool("judge", rcfg.judge), rcfg.checklist)
-        return await judge.judge(t.messages, checklists)
+        return await judge.judge(messages, checklists)
 
     # -- training samples ---------------------------------------------------------------------------
     def _outputs(

@@ -6,14 +6,15 @@ registering a factory with :func:`register_runner` and selecting it with ``--run
 (options through ``--runner-arg KEY=VALUE``). The default, ``agent_loop``, is :class:`AgentLoopRunner`:
 one rollout through :class:`envace.agents.engine.TurnEngine` — the same turn logic, limits and error
 observations as training — with :class:`ChatPolicy` (an OpenAI-compatible endpoint) acting and the real
-environment answering tool calls; then the benchmark's official verifier.
+environment answering tool calls; then the benchmark's official verifier, scored by
+:func:`envace.rewards.score.score_episode` as training scores it (a rollout that could not be judged raises
+:class:`~envace.rewards.llm.InfrastructureError`: the task is retried on the next run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -22,9 +23,10 @@ from typing import Any, Protocol
 
 from envace.agents.engine import LoopLimits, ObservationSource, Reply, Role, TurnEngine
 from envace.agents.sources import RealSource
-from envace.envs.base import EnvironmentPool, TaskSpec, Verdict, scrub_surrogates
+from envace.envs.base import EnvironmentPool, TaskSpec, scrub_surrogates
 from envace.eval.client import ChatClient
 from envace.rewards.llm import InfrastructureError
+from envace.rewards.score import score_episode
 
 __all__ = [
     "AgentLoopRunner",
@@ -188,42 +190,17 @@ class AgentLoopRunner:
         rec.malformed_tool_calls = transcript.malformed_calls
         rec.bound_hits = transcript.bound_hits
         rec.prompt_tokens, rec.completion_tokens = policy.prompt_tokens, policy.completion_tokens
-        if transcript.masked:  # the real environment timed out: infrastructure, retried on the next run
-            raise InfrastructureError(f"task {task_id} could not be scored: {transcript.mask_reason}")
-        verdict = _verify(episode, self.env_timeout_s)
-        rec.reward, rec.passed = float(verdict.reward), bool(verdict.passed)
+        score = asyncio.run(score_episode(episode, transcript, timeout_s=self.env_timeout_s))
+        if score.masked:  # not judged (environment or verifier time-out, verifier crash): retried on the next run
+            raise InfrastructureError(f"task {task_id} could not be scored: {score.reason}")
+        verdict = score.verdict
+        rec.reward, rec.passed = score.reward, bool(verdict.passed)
         rec.details = _json_safe(verdict.details)
         rec.reason = str(verdict.details.get("reason", "")) if isinstance(verdict.details, dict) else ""
         rec.unjudged = list(verdict.details.get("unjudged", [])) if isinstance(verdict.details, dict) else []
         rec.messages = _json_safe(to_api_messages(transcript.messages)) if self.keep_transcript else None
         rec.elapsed_s = round(time.monotonic() - started, 3)
         return rec
-
-
-def _verify(episode: Any, timeout_s: float | None) -> Verdict:
-    """``episode.verify()`` in a worker thread, waited for at most ``timeout_s``.
-
-    The calls a verifier replays all finished within the tool bounds (a call past them never ran), so
-    a verifier that takes longer is stuck: InfrastructureError, the task is retried on the next run.
-    """
-    if not timeout_s:
-        return episode.verify()
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["verdict"] = episode.verify()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = exc
-
-    worker = threading.Thread(target=target, name="envace-verify", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise InfrastructureError(f"the verifier did not finish within {timeout_s:g}s")
-    if "error" in box:
-        raise box["error"]
-    return box["verdict"]
 
 
 def _json_safe(obj: Any) -> Any:

@@ -5,6 +5,8 @@
 * :mod:`envace.rewards.checklist` - :class:`ChecklistJudge`, the CM2-style checklist reward (masked,
   never a silent 0, when the judge fails).
 * :mod:`envace.rewards.mix` - :func:`mix_rewards`, weighted mix of reward components with masking.
+* :mod:`envace.rewards.score` - :func:`score_episode`, the one scoring path of training and evaluation (verifier,
+  checklist, mix) and its masking rule.
 """
 
 from envace.rewards.checklist import (
@@ -31,6 +33,7 @@ from envace.rewards.llm import (
     extract_json_object,
 )
 from envace.rewards.mix import mix_rewards
+from envace.rewards.score import Score, score_episode
 
 __all__ = [
     "ChecklistItem",
@@ -48,9 +51,11 @@ __all__ = [
     "LLMError",
     "LLMPool",
     "ModelOutputError",
+    "Score",
     "aggregate_checklist",
     "default_is_tool_error",
     "extract_json_object",
     "mix_rewards",
     "parse_checklists",
+    "score_episode",
 ]

@@ -495,7 +495,7 @@ def test_tau2_in_the_training_loop_with_a_simulated_user(tokenizer, fake_openai,
                                           "agent": {}}},
         "envace": {"agent": {"limits": {"max_steps_per_turn": 4, "max_user_turns": 8},
                              "pool_kwargs": {"tau2": {"domains": ["telecom"],
-                                                      "user": {"base_url": user.base_url, "model": "user"}}}}},
+                                                      "user": {"base_urls": [user.base_url], "model": "user"}}}}},
     })
     server = ScriptedServer(tokenizer, act)
     loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,

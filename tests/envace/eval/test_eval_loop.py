@@ -4,6 +4,7 @@ a tiny in-test pool for the edge cases. The real-server end-to-end run is in tes
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -253,3 +254,36 @@ def test_runner_registry_is_the_hook_for_other_strategies() -> None:
         build_runner("nope", ctx)
     with pytest.raises(ValueError, match="takes no --runner-arg"):
         build_runner("agent_loop", ctx)
+
+
+def test_a_verifier_failure_is_retried_not_scored() -> None:
+    """The rule of envace.rewards.score.score_episode, shared with training (which masks the sample instead,
+    tests/envace/agents/test_verl_loop.py): a verifier that crashes or hangs leaves the task unscored, and the
+    runner raises InfrastructureError so the driver retries it on the next run; a verifier that reports a
+    configuration error aborts."""
+    from envace.rewards.llm import ConfigurationError
+
+    def failing(exc: BaseException | None, hang: bool = False) -> EchoPool:
+        class Pool(EchoPool):
+            def start(self, task_id: str, **kwargs: Any) -> Episode:
+                episode = super().start(task_id, **kwargs)
+
+                def verify() -> Verdict:
+                    if hang:
+                        time.sleep(5)
+                    raise exc  # type: ignore[misc]
+
+                episode.verify = verify  # type: ignore[method-assign]
+                return episode
+
+        return Pool(turns=1)
+
+    ok = FakeClient(lambda m, t: say("ok"))
+    with pytest.raises(InfrastructureError, match="could not be scored: .*RuntimeError: checker exploded"):
+        AgentLoopRunner(ok)(failing(RuntimeError("checker exploded")), "echo_0")  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(InfrastructureError, match="did not finish within 0.3s"):
+        AgentLoopRunner(ok, env_timeout_s=0.3)(failing(None, hang=True), "echo_0")  # type: ignore[arg-type]
+    assert time.monotonic() - started < 4
+    with pytest.raises(ConfigurationError, match="bad key"):
+        AgentLoopRunner(ok)(failing(ConfigurationError("bad key")), "echo_0")  # type: ignore[arg-type]
