@@ -169,3 +169,17 @@ def test_pruned_picks_equal_the_full_scan(pool, seed):
         new.add(i, "exploitation")
     new.close()
     assert (new.selected, new.relaxations) == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_linear_quantiles_equal_numpy(seed):
+    """Eq. 12's Q_{v-hat}[p] from one sort equals np.quantile(..., method="linear") float for float."""
+    from envsched.estimate import linear_quantiles
+
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 3, 17, 5000):
+        x = np.round(rng.random(n) * 0.25, seed + 1)
+        x[rng.random(n) < 0.5] = 0.1  # a tie block, as cold tasks share the reference
+        p = rng.random(n)
+        p[: min(n, 3)] = [0.0, 1.0, 0.5][: min(n, 3)]
+        assert np.array_equal(linear_quantiles(x, p), np.quantile(x, p, method="linear"))
