@@ -154,6 +154,7 @@ class StaticGraph:
     _rep_score: np.ndarray | None = field(default=None, repr=False)
     _fmap: np.ndarray | None = field(default=None, repr=False)
     _block_values: np.ndarray | None = field(default=None, repr=False)
+    _abs_groups: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -187,6 +188,22 @@ class StaticGraph:
         """N x |cols| block of S_abs in the dtype of the abstract view (float32 by default); equals
         ``sim_abs(None, cols)`` before its cast to float64."""
         return np.asarray(self.x_abs @ self.x_abs[cols].T.toarray())
+
+    def abs_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first node of each distinct row of x_abs, group of every node): nodes whose abstract view rows are
+        identical (same stored indices and values in the same order) have bit-identical S_abs products."""
+        if self._abs_groups is None:
+            x = self.x_abs
+            first: dict[bytes, int] = {}
+            group = np.empty(self.n, dtype=np.int64)
+            ind, dat, ptr = x.indices, x.data, x.indptr
+            for i in range(self.n):
+                a, b = ptr[i], ptr[i + 1]
+                group[i] = first.setdefault(ind[a:b].tobytes() + dat[a:b].tobytes(), len(first))
+            reps = np.zeros(len(first), dtype=np.int64)
+            reps[group[::-1]] = np.arange(self.n)[::-1]  # the lowest node of each group
+            self._abs_groups = (reps, group)
+        return self._abs_groups
 
     def release_pages(self) -> None:
         """Drop the pages of the memory-mapped x_full read so far from the resident set (a no-op in memory)."""
@@ -701,6 +718,7 @@ def load_or_build_graph(pool: TaskPool, cfg: EnvSchedConfig, *, extractor: Any =
 _IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
 _SIM_SCALE = float(2**30)
 _SIM_RES = 1.0 / _SIM_SCALE
+_CROSS_BLOCK = 1 << 16  # rows per block of the N x Delta cross-environment update (bounded memory)
 
 
 def merge_topk(idx: np.ndarray, sim: np.ndarray, cand_idx: np.ndarray, cand_sim: np.ndarray, k: int, min_sim: float) -> tuple[np.ndarray, np.ndarray]:
@@ -797,23 +815,34 @@ class NeighborIndex:
     def _add_cross(self, nodes: np.ndarray) -> None:
         """Merge ``nodes`` into N^cross of every node of another environment.
 
-        Only rows whose top-K can change are merged: a candidate enters a full row only if its quantised
-        similarity is >= that of the row's K-th entry, i.e. (since floor(x) > x - 1) only if its similarity is
-        >= the K-th similarity - 2^-30.  Rows below that bound keep exactly the entries ``merge_topk`` would
-        return.  The N x Delta block stays float32 (the precision of the S_abs product) until the merged rows.
+        This is the part of a step whose cost must grow with N: any node's top-K may gain a newly observed node,
+        so S_abs of the Delta new nodes to all N nodes is needed (O(N Delta)).  It is kept cheap: S_abs is
+        computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows give
+        bit-identical products; App. E abstractions repeat across tasks) and gathered, in blocks of rows.  Only
+        rows whose top-K changes are merged: a candidate enters a row exactly when its key in ``merge_topk``'s
+        total order (quantised similarity, then lower index) beats the row's K-th entry (or the row is not
+        full); the other rows would come back unchanged.  Values stay float32 (the precision of the S_abs
+        product) until they are compared, as float64, exactly as ``merge_topk`` compares them.
         """
         g, env = self.graph, self.graph.env
-        s = g.sim_abs32(nodes)  # N x Delta, float32 (exactly the values sim_abs returns, before the float64 cast)
-        node_env = env[nodes]
-        for e in np.unique(node_env):  # same environment -> not a cross edge
-            s[np.ix_(g.env_members[e], np.flatnonzero(node_env == e))] = -np.inf
-        best = s.max(axis=1).astype(np.float64)
         k = self.k["cross"]
-        kth_idx, kth_sim = self.idx["cross"][:, k - 1], self.sim["cross"][:, k - 1]
-        may_enter = (kth_idx < 0) | (best >= kth_sim - 2.0 * _SIM_RES)
-        rows = np.flatnonzero((best > self.min_sim) & may_enter)
-        if len(rows):
-            self._merge("cross", rows, np.broadcast_to(nodes, (len(rows), len(nodes))), s[rows].astype(np.float64))
+        reps, group = g.abs_groups()
+        s_rep = np.asarray(g.x_abs[reps] @ g.x_abs[nodes].T.toarray())  # distinct rows x Delta, float32
+        node_env = env[nodes]
+        cand_tie = (1 << _IDX_BITS) - 1 - nodes  # the index part of merge_topk's key
+        for start in range(0, g.n, _CROSS_BLOCK):
+            rows = np.arange(start, min(g.n, start + _CROSS_BLOCK))
+            s = s_rep[group[rows]].astype(np.float64)
+            s[env[rows][:, None] == node_env[None, :]] = -np.inf  # same environment -> not a cross edge
+            valid = s > self.min_sim
+            key = np.where(valid, np.floor(np.clip(s, 0.0, 1.0) * _SIM_SCALE), -1.0).astype(np.int64) * (1 << _IDX_BITS) + cand_tie
+            kth_idx, kth_sim = self.idx["cross"][rows, k - 1], self.sim["cross"][rows, k - 1]
+            kth_key = np.floor(np.clip(np.where(kth_idx >= 0, kth_sim, 0.0), 0.0, 1.0) * _SIM_SCALE).astype(np.int64) * (1 << _IDX_BITS) + (
+                (1 << _IDX_BITS) - 1 - np.maximum(kth_idx, 0))
+            enter = valid & ((kth_idx < 0)[:, None] | (key > kth_key[:, None]))
+            hit = np.flatnonzero(enter.any(axis=1))
+            if len(hit):
+                self._merge("cross", rows[hit], np.broadcast_to(nodes, (len(hit), len(nodes))), s[hit])
 
     def _merge(self, rel: str, rows: np.ndarray, cand_idx: np.ndarray, s: np.ndarray) -> None:
         self.idx[rel][rows], self.sim[rel][rows] = merge_topk(self.idx[rel][rows], self.sim[rel][rows], cand_idx, s, self.k[rel], self.min_sim)

@@ -183,3 +183,41 @@ def test_linear_quantiles_equal_numpy(seed):
         p = rng.random(n)
         p[: min(n, 3)] = [0.0, 1.0, 0.5][: min(n, 3)]
         assert np.array_equal(linear_quantiles(x, p), np.quantile(x, p, method="linear"))
+
+
+def _reference_add_cross(nb, nodes):
+    """The cross-environment merge before row blocks, distinct-row products and the exact entry test: S_abs of
+    the new nodes to all N rows, every row whose best candidate is within 2^-30 of its K-th entry merged."""
+    g, env = nb.graph, nb.graph.env
+    s = g.sim_abs32(nodes)
+    node_env = env[nodes]
+    for e in np.unique(node_env):
+        s[np.ix_(g.env_members[e], np.flatnonzero(node_env == e))] = -np.inf
+    best = s.max(axis=1).astype(np.float64)
+    k = nb.k["cross"]
+    kth_idx, kth_sim = nb.idx["cross"][:, k - 1], nb.sim["cross"][:, k - 1]
+    rows = np.flatnonzero((best > nb.min_sim) & ((kth_idx < 0) | (best >= kth_sim - 2.0 * 2.0**-30)))
+    if len(rows):
+        nb._merge("cross", rows, np.broadcast_to(nodes, (len(rows), len(nodes))), s[rows].astype(np.float64))
+
+
+@pytest.mark.parametrize("min_sim", [0.0, 0.3])
+def test_cross_update_equals_the_full_merge(pool, monkeypatch, min_sim):
+    """NeighborIndex._add_cross (distinct abstract rows, blocks of rows, merge only where a candidate beats the
+    K-th entry) gives the neighbour arrays of merging every row that may change; the synthetic pool's
+    abstractions repeat, so similarities tie and the index tie-break decides."""
+    from envsched import graph as graph_mod
+
+    graph = build_static_graph(pool, EnvSchedConfig())
+    reps, group = graph.abs_groups()
+    assert len(reps) < graph.n and np.array_equal(group[reps], np.arange(len(reps)))
+    monkeypatch.setattr(graph_mod, "_CROSS_BLOCK", 50)
+    rng = np.random.default_rng(int(min_sim * 10))
+    new, ref = NeighborIndex(graph, 0, 12, min_sim), NeighborIndex(graph, 0, 12, min_sim)
+    for _ in range(6):
+        nodes = np.unique(rng.choice(np.flatnonzero(~new.observed), 15, replace=False))
+        new.add_observed(nodes)
+        ref.observed[nodes] = True
+        _reference_add_cross(ref, nodes)
+        assert np.array_equal(new.idx["cross"], ref.idx["cross"]) and np.array_equal(new.sim["cross"], ref.sim["cross"])
+    assert (new.idx["cross"] >= 0).any()
