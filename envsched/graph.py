@@ -762,6 +762,7 @@ class NeighborIndex:
         self.idx = {r: np.full((n, k), -1, dtype=np.int64) for r, k in self.k.items()}
         self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
         self.observed = np.zeros(n, dtype=bool)
+        self.kernel_cache: dict[str, Any] = {}  # Eq. 7 kernels of the last prediction (estimate.predict_all)
         # within-environment S_full: every entry is the same value whichever nodes are observed together
         # (see ``within_sim``)
         x = graph.x_full
@@ -855,6 +856,7 @@ class NeighborIndex:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kernel_cache = {}
         self.observed = np.asarray(state["observed"], dtype=bool).copy()
         for r in self.idx:
             self.idx[r] = np.asarray(state[f"idx_{r}"], dtype=np.int64).copy()

@@ -156,7 +156,7 @@ class EnvScheduler:
             # the nodes observed since, with the later ones masked out (that would leave fewer than K)
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
-        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env)
+        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache)
         self._pred_cache = (*key, pred)
         return pred
 

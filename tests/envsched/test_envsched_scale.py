@@ -221,3 +221,25 @@ def test_cross_update_equals_the_full_merge(pool, monkeypatch, min_sim):
         _reference_add_cross(ref, nodes)
         assert np.array_equal(new.idx["cross"], ref.idx["cross"]) and np.array_equal(new.sim["cross"], ref.sim["cross"])
     assert (new.idx["cross"] >= 0).any()
+
+
+def test_kernel_cache_kept_between_steps_gives_the_uncached_prediction(pool):
+    """The Eq. 7 kernels kept in NeighborIndex.kernel_cache from step to step (only rows whose mask or
+    neighbour list changed are recomputed) give every step the prediction of a pass without any cache."""
+    from envsched import EnvScheduler
+    from envsched.estimate import predict_all
+
+    sched = EnvScheduler(pool, EnvSchedConfig(batch_size=16))
+    rng = np.random.default_rng(5)
+    masks = []
+    for step in range(6):
+        ids = sched.select(step)
+        nb = sched.neighbors
+        cached = sched.predict(step)
+        plain = predict_all(sched.log, nb.idx, nb.sim, step, pool.task_ids, sched.cfg, sched.env)
+        for name in ("v", "m", "d", "u_long", "u_short", "q"):
+            assert np.array_equal(getattr(cached, name), getattr(plain, name)), (step, name)
+        if "cross" in nb.kernel_cache:
+            masks.append(nb.kernel_cache["cross"][0].copy())
+        sched.observe(step, {t: rng.integers(0, 2, 8).tolist() for t in ids})
+    assert len(masks) >= 4  # the cache was kept over the steps
