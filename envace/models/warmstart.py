@@ -54,7 +54,12 @@ of the (tied) embedding stay at their random init. The hidden states go through 
 target positions.
 
 The result is cached like the tiny model (``$ENVACE_CACHE/models/tiny-qwen3-warm``, atomic directory
-build, ``envace_manifest.json`` written last with the recipe hash).
+build, ``envace_manifest.json`` written last with the recipe hash; the evaluation is not part of the recipe).
+
+The held-out success (:func:`evaluate_policy`, printed by a build and kept in its manifest) is RL validation's
+metric: the rollouts run through the turn engine (:class:`~envace.agents.engine.TurnEngine`) with the token-level
+policy training runs, over an in-process decoder, under the CPU default run's validation limits
+(:class:`EvalSettings`), scored by :func:`envace.rewards.score.score_episode`; there is no second turn loop here.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +88,7 @@ __all__ = [
     "WARM_NAME",
     "WARM_RECIPE_VERSION",
     "WARM_SPEC",
+    "EvalSettings",
     "SFTExample",
     "WarmStartConfig",
     "act_examples",
@@ -95,6 +101,7 @@ __all__ = [
     "rehearse_examples",
     "run_episodes",
     "task_success",
+    "token_policy",
     "train_sft",
 ]
 
@@ -549,110 +556,98 @@ def _policy(model_dir: str | os.PathLike[str] | None, pool: Any) -> tuple[Any, A
     return model, tok, pool if pool is not None else learning_pool()
 
 
-def _stop_ids(tok: Any) -> set[int]:
-    """The tokens that end a generation: ``<|im_end|>`` and ``<|endoftext|>``."""
-    return {_ids_of(tok, _tok.EOS_TOKEN), _tok.QWEN3_SPECIAL_START_ID}
-
-
-def _sampling_spec(temperature: float, max_new: int, stop: set[int]) -> Any:
-    """Temperature sampling (greedy at 0) over the full vocabulary, at most ``max_new`` tokens, ending at ``stop``."""
-    from envace.platform.rollout import SamplingSpec
-
-    return SamplingSpec({"temperature": temperature, "max_tokens": max_new, "stop_token_ids": sorted(stop)}, max_new)
-
-
-def _sample(model: Any, prompt: list[int], max_new: int, temperature: float, gen: Any, stop: set[int]) -> list[int]:
-    """One generation with the ``hfcpu`` rollout's own sampler."""
-    from envace.platform.rollout import sample_tokens
-
-    return sample_tokens(model, prompt, _sampling_spec(temperature, max_new, stop), eos_ids=set(), generator=gen)[0]
-
-
 def _split_test(pool: Any, n: int, seed: int) -> list[str]:
     ids = list(pool.task_ids("test"))
     random.Random(f"{seed}:eval").shuffle(ids)
     return ids[:n] if n else ids
 
 
-def _episode(tok: Any, pool: Any, task_id: str, max_steps_per_turn: int = 6,
-             max_calls: int = 8) -> Generator[list[int], list[int], dict[str, Any]]:
-    """One rollout against the real environment in verl's continuous-token layout, as a generator: it yields
-    each prompt (the token stream so far), is sent the tokens generated for it, and returns the reward and
-    counters."""
-    from envace.agents.engine import malformed_call_observation
-    from envace.toolcall import parse_tool_calls
+def _default_limits() -> Any:
+    from envace.agents.engine import LoopLimits
 
-    ep = pool.start(task_id)
-    im_end = _ids_of(tok, _tok.EOS_TOKEN)
-    nl = _encode(tok, "\n")
-    ids = _encode(tok, _render(tok, ep.initial_messages(), ep.tools(), gen=True))
-    n_calls = n_bad = 0
-    stop_reason = "completed"
-    while True:
-        final = None
-        for _ in range(max_steps_per_turn):
-            new = yield list(ids)
-            ids += new
-            text = tok.decode(new, skip_special_tokens=True)
-            parsed = parse_tool_calls(text)
-            if not parsed.calls and not parsed.errors:
-                final = parsed.content
-                break
-            obs = [malformed_call_observation(e) for e in parsed.errors]
-            n_bad += len(parsed.errors)
-            for c in parsed.calls[:max_calls]:
-                obs.append(ep.execute(c))
-                n_calls += 1
-            if ids[-1] != im_end:
-                ids.append(im_end)  # cut at max_new_tokens: close the turn like a stop would
-            ids += nl + tool_delta(tok, obs)
-        if final is None:
-            stop_reason = "max_steps_per_turn"
-            break
-        nxt = ep.end_turn(final)
-        if nxt is None:
-            break
-        ids += nl + user_delta(tok, nxt)
-    return {"reward": ep.verify().reward if stop_reason == "completed" else 0.0, "calls": n_calls,
-            "malformed": n_bad, "stop": stop_reason}
+    return LoopLimits(max_user_turns=2, max_steps_per_turn=4, max_calls_per_message=2, max_observation_chars=1000)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The rules the warm start is evaluated under: those of the CPU default run's RL validation
+    (``configs/experiment/cpu_default.yaml``: ``envace.agent.limits`` / ``act_max_tokens`` / ``rehearse_max_tokens`` /
+    ``env_timeout_s``, ``data.max_prompt_length`` / ``max_response_length``, ``rollout.max_model_len``), so the
+    success printed here is the metric validation reports on the same model and tasks
+    (tests/envace/models/test_eval_parity.py keeps the two equal)."""
+
+    limits: Any = field(default_factory=_default_limits)  # envace.agents.engine.LoopLimits
+    act_max_tokens: int | None = 64  # tokens one acting message may generate
+    rehearse_max_tokens: int = 64  # tokens one rehearsal may generate
+    response_length: int = 320  # the acting context's growth over all turns (verl's rollout.response_length)
+    prompt_length: int = 1024  # prompts are cut to their last prompt_length tokens (verl's rollout.prompt_length)
+    max_model_len: int = 1344  # prompt + generation (the rollout server's context window)
+    env_timeout_s: float = 60.0  # one environment call or verification (then: infrastructure)
 
 
 def _episode_seed(seed: int, task_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{task_id}".encode()).digest()[:8], "little") >> 1
 
 
+def token_policy(tok: Any, generate: Any, temperature: float, settings: EvalSettings | None = None,
+                 logprobs: bool = False) -> Any:
+    """The token-level policy training runs (:class:`~envace.agents.token_policy.TokenPolicy`: continuous tokens,
+    the response budget, per-message token caps), with ``generate`` plugged in and verl's sampling parameters at
+    ``temperature`` (top-p 1, top-k off)."""
+    from envace.agents.token_policy import BuilderTokenContext, TokenPolicy
+
+    s = settings if settings is not None else EvalSettings()
+    context = BuilderTokenContext(tok, hf_model_type="qwen3", chat_template_kwargs=_TEMPLATE_KW,
+                                  prompt_length=s.prompt_length)
+    sampling = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": logprobs}
+    return TokenPolicy(context, generate, lambda ids: tok.decode(ids, skip_special_tokens=True), sampling=sampling,
+                       budget=s.response_length, act_max_tokens=s.act_max_tokens,
+                       rehearse_max_tokens=s.rehearse_max_tokens)
+
+
 def run_episodes(model: Any, tok: Any, pool: Any, task_ids: Sequence[str], temperature: float, seed: int = 0,
-                 max_new_tokens: int = 96, max_rows: int = 32) -> list[dict[str, Any]]:
-    """Roll out ``task_ids`` against the real environment, up to ``max_rows`` episodes decoding together (the
-    ``hfcpu`` rollout's :class:`~envace.platform.rollout.DecodeBatch` and sampler); per task, the reward and
-    counters of :func:`_episode`. Each episode samples from its own generator, seeded by ``seed`` and its task
-    id, so a task's rollout does not depend on which others run beside it."""
+                 settings: EvalSettings | None = None, max_rows: int = 32) -> list[dict[str, Any]]:
+    """Roll out ``task_ids`` against the real environment through the turn engine, as RL validation does: the
+    engine (:class:`~envace.agents.engine.TurnEngine`) with ``settings.limits``, the token-level policy training
+    runs (:func:`token_policy`) over an in-process decoder (:class:`~envace.models.decoder.LocalDecoder`, up to
+    ``max_rows`` rollouts decoding together), the real environment's source
+    (:class:`~envace.agents.sources.RealSource`: the tool bounds, errors as observations) and the one scoring
+    path (:func:`envace.rewards.score.score_episode`: the verifier whatever the stop reason).
+
+    Each rollout samples from its own generator, seeded by ``seed`` and its task id, so a task's rollout does not
+    depend on which others run beside it. Per task: ``reward``, ``stop`` (the engine's stop reason), the
+    transcript's counters and ``generations`` (each generation's prompt and response ids). A rollout that could not
+    be judged raises :class:`~envace.rewards.llm.InfrastructureError` (nothing here retries it)."""
+    import asyncio
+
     import torch
 
-    from envace.platform.rollout import DecodeBatch
+    from envace.agents.engine import TurnEngine
+    from envace.agents.sources import RealSource
+    from envace.models.decoder import LocalDecoder
+    from envace.rewards.llm import InfrastructureError
+    from envace.rewards.score import score_episode
 
-    spec = _sampling_spec(temperature, max_new_tokens, _stop_ids(tok))
-    batch = DecodeBatch(model, eos_ids=set())
-    episodes: dict[int, tuple[Generator[list[int], list[int], dict[str, Any]], Any]] = {}
-    results: list[dict[str, Any]] = [{} for _ in task_ids]
-    waiting = list(enumerate(task_ids))[::-1]
-    prompts: dict[int, list[int]] = {}  # episodes whose next prompt awaits a place in the batch
-    while waiting or prompts or batch:
-        while waiting and len(episodes) < max_rows:
-            i, tid = waiting.pop()
-            episode = _episode(tok, pool, tid)
-            episodes[i] = (episode, torch.Generator().manual_seed(_episode_seed(seed, tid)))
-            prompts[i] = next(episode)
-        keys = sorted(prompts)
-        batch.add(keys, [prompts[i] for i in keys], [spec] * len(keys), [episodes[i][1] for i in keys])
-        prompts.clear()
-        for i, (new, _, _) in batch.step().items():
-            try:
-                prompts[i] = episodes[i][0].send(new)
-            except StopIteration as done:
-                results[i] = done.value
-                del episodes[i]
-    return results
+    s = settings if settings is not None else EvalSettings()
+
+    async def one(decoder: LocalDecoder, slots: asyncio.Semaphore, tid: str) -> dict[str, Any]:
+        async with slots:
+            episode = await asyncio.to_thread(pool.start, tid)
+            generator = torch.Generator().manual_seed(_episode_seed(seed, tid))
+            policy = token_policy(tok, decoder.generate_with(generator), temperature, s)
+            t = await TurnEngine(s.limits).run(episode, policy, RealSource(timeout_s=s.env_timeout_s))
+            score = await score_episode(episode, t, timeout_s=s.env_timeout_s)
+        if score.masked:
+            raise InfrastructureError(f"task {tid} could not be scored: {score.reason}")
+        return {"reward": score.reward, "stop": t.stop_reason, **t.counters(),
+                "generations": [(g.prompt_ids, g.response_ids) for g in policy.generations]}
+
+    async def main() -> list[dict[str, Any]]:
+        decoder = LocalDecoder(model, max_model_len=s.max_model_len, max_rows=max_rows)
+        slots = asyncio.Semaphore(max(1, max_rows))
+        return list(await asyncio.gather(*(one(decoder, slots, tid) for tid in task_ids)))
+
+    return asyncio.run(main())
 
 
 def learning_pool(cfg: WarmStartConfig | None = None) -> Any:
@@ -665,25 +660,24 @@ def learning_pool(cfg: WarmStartConfig | None = None) -> Any:
 
 def evaluate_policy(model_dir: str | os.PathLike[str] | None = None, n_tasks: int = 64, temperature: float = 1.0,
                     seed: int = 0, pool: Any = None, verbose: bool = False, threads: int = 1,
-                    per_category: bool = False) -> Any:
-    """Mean reward of the model acting on ``n_tasks`` held-out (test split) tasks of ``pool``.
+                    per_category: bool = False, settings: EvalSettings | None = None) -> Any:
+    """Mean reward of the model acting on ``n_tasks`` held-out (test split) tasks of ``pool``, under RL
+    validation's rules (:func:`run_episodes`, ``settings``: the CPU default run's by default).
 
     ``pool`` defaults to :func:`learning_pool` (the ``synthetic`` pool with :data:`LEARNING_POOL_KWARGS`).
     With ``per_category`` the result is ``{"success": mean, "tasks": n, "per_category": {category: mean}}``.
-    The episodes decode together (:func:`run_episodes`): 48 tasks at temperature 1.0 in 10-17 s on 2 threads,
-    against 38 s one after another on one.
     """
     model, tok, pool = _policy(model_dir, pool)
     tids = _split_test(pool, n_tasks, seed)
     with _torch_threads(threads):
-        episodes = run_episodes(model, tok, pool, tids, temperature, seed)
+        episodes = run_episodes(model, tok, pool, tids, temperature, seed, settings)
     rewards: list[float] = []
     by_cat: dict[str, list[float]] = {}
     for tid, r in zip(tids, episodes, strict=True):
         rewards.append(r["reward"])
         by_cat.setdefault(pool.task(tid).category, []).append(r["reward"])
         if verbose:
-            print(tid, pool.task(tid).category, r, flush=True)
+            print(tid, pool.task(tid).category, {k: v for k, v in r.items() if k != "generations"}, flush=True)
     mean = sum(rewards) / max(1, len(rewards))
     if per_category:
         return {"success": mean, "tasks": len(rewards),
@@ -692,7 +686,8 @@ def evaluate_policy(model_dir: str | os.PathLike[str] | None = None, n_tasks: in
 
 
 def task_success(task_ids: Sequence[str], samples: int, model_dir: str | os.PathLike[str] | None = None,
-                 temperature: float = 1.0, seed: int = 0, pool: Any = None, threads: int = 1) -> dict[str, float]:
+                 temperature: float = 1.0, seed: int = 0, pool: Any = None, threads: int = 1,
+                 settings: EvalSettings | None = None) -> dict[str, float]:
     """Each task's success rate over ``samples`` rollouts of the model acting in the real environment
     (:func:`run_episodes`; sample ``s`` of every task uses seed ``seed + s``). Learnability sampling reads it: a task
     the policy solves sometimes but not always (0 < p < 1) gives GRPO groups with reward variance."""
@@ -702,29 +697,24 @@ def task_success(task_ids: Sequence[str], samples: int, model_dir: str | os.Path
     wins = dict.fromkeys(task_ids, 0.0)
     with _torch_threads(threads):
         for s in range(samples):
-            for tid, r in zip(task_ids, run_episodes(model, tok, pool, list(task_ids), temperature, seed + s),
-                              strict=True):
+            for tid, r in zip(task_ids, run_episodes(model, tok, pool, list(task_ids), temperature, seed + s,
+                                                     settings), strict=True):
                 wins[tid] += r["reward"]
     return {tid: w / samples for tid, w in wins.items()}
 
 
 def evaluate_rehearsal(model_dir: str | os.PathLike[str] | None = None, n_tasks: int = 32, temperature: float = 0.0,
-                       seed: int = 0, pool: Any = None, max_history_chars: int = 1500) -> dict[str, float]:
-    """Format-valid and exact-match rates of the model's rehearsals of held-out gold calls."""
+                       seed: int = 0, pool: Any = None, max_history_chars: int = 1500,
+                       max_new_tokens: int = 128) -> dict[str, float]:
+    """Format-valid and exact-match rates of the model's rehearsals of held-out gold calls: the rehearsal prompt
+    of :func:`~envace.agents.sources.rehearsal_messages` (no examples), generated by the token-level policy's
+    REHEARSE role (the tokens training's rehearsals see) over the in-process decoder, at most ``max_new_tokens``
+    tokens each."""
+    import asyncio
+
     import torch
 
-    model, tok, pool = _policy(model_dir, pool)
-    gen = torch.Generator().manual_seed(seed)
-    stop = _stop_ids(tok)
-    counts = [0, 0, 0]  # calls, format-valid, exact
-    with _torch_threads(1):
-        _rehearse_eval(model, tok, pool, n_tasks, temperature, seed, max_history_chars, gen, stop, counts)
-    n, valid, exact = counts
-    return {"calls": float(n), "valid": valid / max(1, n), "exact": exact / max(1, n)}
-
-
-def _rehearse_eval(model: Any, tok: Any, pool: Any, n_tasks: int, temperature: float, seed: int, max_history_chars: int,
-                   gen: Any, stop: set[int], counts: list[int]) -> None:
+    from envace.agents.engine import Role
     from envace.agents.sources import (
         RehearsalFormatError,
         RehearsalPrompt,
@@ -732,21 +722,33 @@ def _rehearse_eval(model: Any, tok: Any, pool: Any, n_tasks: int, temperature: f
         parse_rehearsal,
         rehearsal_messages,
     )
+    from envace.models.decoder import LocalDecoder
 
-    for tid in _split_test(pool, n_tasks, seed):
-        _, calls = act_examples(pool, tid, tok)
-        tools = pool.task(tid).tools
-        for call, history, obs in calls:
-            msgs = rehearsal_messages(call, history, tools, cfg=RehearsalPrompt(max_history_chars=max_history_chars))
-            prompt = _encode(tok, _render(tok, msgs, None, gen=True))
-            text = tok.decode(_sample(model, prompt, 128, temperature, gen, stop), skip_special_tokens=True)
-            counts[0] += 1
-            try:
-                result = parse_rehearsal(text)
-            except RehearsalFormatError:
-                continue
-            counts[1] += 1
-            counts[2] += int(fidelity(result, obs)["exact"])
+    model, tok, pool = _policy(model_dir, pool)
+    settings = dataclasses.replace(EvalSettings(), rehearse_max_tokens=max_new_tokens)
+    counts = [0, 0, 0]  # calls, format-valid, exact
+
+    async def main() -> None:
+        decoder = LocalDecoder(model, max_model_len=settings.max_model_len, max_rows=1)
+        policy = token_policy(tok, decoder.generate_with(torch.Generator().manual_seed(seed)), temperature, settings)
+        for tid in _split_test(pool, n_tasks, seed):
+            _, calls = act_examples(pool, tid, tok)
+            tools = pool.task(tid).tools
+            for call, history, obs in calls:
+                msgs = rehearsal_messages(call, history, tools, cfg=RehearsalPrompt(max_history_chars=max_history_chars))
+                text = (await policy.respond(msgs, None, Role.REHEARSE)).text
+                counts[0] += 1
+                try:
+                    result = parse_rehearsal(text)
+                except RehearsalFormatError:
+                    continue
+                counts[1] += 1
+                counts[2] += int(fidelity(result, obs)["exact"])
+
+    with _torch_threads(1):
+        asyncio.run(main())
+    n, valid, exact = counts
+    return {"calls": float(n), "valid": valid / max(1, n), "exact": exact / max(1, n)}
 
 
 # --------------------------------------------------------------------------------------------------

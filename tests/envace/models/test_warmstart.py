@@ -326,68 +326,23 @@ def test_full_warm_start_build():
     assert W.ensure_warm_model() == out  # cached
 
 
-def _drive(episode, replies):
-    """Run an ``_episode`` generator, answering its prompts with ``replies`` (token lists) in order."""
-    prompts = [next(episode)]
-    try:
-        for reply in replies:
-            prompts.append(episode.send(reply))
-    except StopIteration as done:
-        return prompts, done.value
-    raise AssertionError("the episode asked for more generations than given")
-
-
-def test_episode_replays_the_gold_trajectory_to_reward_one(tok):
-    from envace.toolcall import render_tool_call
-
-    p = W.learning_pool()
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    for shape in ("act", "lookup_query"):
-        tid = next(t for t in p.task_ids("test") if p.task(t).category == shape)
-        (turn,), (reply,) = p.gold_actions(tid), p.gold_replies(tid)
-        gold = [tok.encode(render_tool_call(c)) + [im_end] for c in turn] + [tok.encode(reply) + [im_end]]
-        prompts, result = _drive(W._episode(tok, p, tid), gold)
-        assert result == {"reward": 1.0, "calls": len(turn), "malformed": 0, "stop": "completed"}, (tid, result)
-        # each prompt extends the last by the generated tokens and the observation (continuous tokens)
-        for before, sent, after in zip(prompts, gold, prompts[1:], strict=False):
-            assert after[: len(before) + len(sent)] == before + sent
-        # perturbed: the write left out (act), a wrong answer (lookup_query)
-        wrong = [gold[-1]] if shape == "act" else [*gold[:-1], tok.encode("The answer is 0.") + [im_end]]
-        assert _drive(W._episode(tok, p, tid), wrong)[1]["reward"] < 1.0, (tid, wrong)
-
-
-def test_episodes_sample_alike_alone_and_in_a_batch(tok, monkeypatch):
-    """``run_episodes`` decodes several episodes together; each samples from its own seeded generator, so a
-    task's tokens are the same alone, beside others and with fewer rows at a time."""
+def test_episodes_sample_alike_alone_and_in_a_batch(tok):
+    """``run_episodes`` decodes several rollouts together; each samples from its own seeded generator, so a task's
+    tokens are the same alone, beside others and with fewer rows at a time."""
     from envace.models.tokenizer import QWEN3_SPECIAL_START_ID
 
     p = W.learning_pool()
     tids = p.task_ids("test")[:3]
-    seen: dict[str, list[list[int]]] = {}
-    real = W._episode
-
-    def recording(tok_, pool_, tid, **kw):
-        episode = real(tok_, pool_, tid, **kw)
-        prompt = next(episode)
-        while True:
-            new = yield prompt
-            seen.setdefault(tid, []).append(list(new))
-            try:
-                prompt = episode.send(new)
-            except StopIteration as done:
-                return done.value
-
-    monkeypatch.setattr(W, "_episode", recording)
     model = _tiny_model()
+    settings = W.EvalSettings(act_max_tokens=12)
     runs = []
     for ids, rows in ((tids, 8), (tids, 2), (tids[1:2], 8)):
-        seen.clear()
-        results = W.run_episodes(model, tok, p, ids, temperature=1.0, seed=3, max_new_tokens=12, max_rows=rows)
-        assert len(results) == len(ids) and all(r["stop"] in ("completed", "max_steps_per_turn") for r in results)
-        runs.append(dict(seen))
+        results = W.run_episodes(model, tok, p, ids, temperature=1.0, seed=3, settings=settings, max_rows=rows)
+        assert len(results) == len(ids)
+        runs.append({tid: r["generations"] for tid, r in zip(ids, results, strict=True)})
     assert runs[0] == runs[1] and runs[2][tids[1]] == runs[0][tids[1]]
     stops = {tok.convert_tokens_to_ids("<|im_end|>"), QWEN3_SPECIAL_START_ID}
-    assert all(len(t) == 12 or (len(t) < 12 and t[-1] in stops) for g in runs[0].values() for t in g)
-    seen.clear()
-    W.run_episodes(model, tok, p, tids, temperature=1.0, seed=4, max_new_tokens=12)
-    assert seen != runs[0]  # the seed matters
+    responses = [resp for gens in runs[0].values() for _, resp in gens]
+    assert all(len(t) == 12 or (len(t) < 12 and t[-1] in stops) for t in responses)
+    other = W.run_episodes(model, tok, p, tids, temperature=1.0, seed=4, settings=settings)
+    assert {tid: r["generations"] for tid, r in zip(tids, other, strict=True)} != runs[0]  # the seed matters
