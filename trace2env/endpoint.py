@@ -3,7 +3,7 @@
 Every client of a chat endpoint in the project takes this dataclass: Trace2Env's model stages
 (:class:`trace2env.llm.OpenAIProviderConfig` extends it with the stages' own knobs), envace's async judge and
 simulator pool (``envace.rewards.llm.LLMPool``; ``envace.reward.judge`` and ``envace.agent.simulator`` in the
-Hydra config) and envace's synchronous evaluation client (``envace.eval.client.ChatClient``). It lives here
+Hydra config) and envace's synchronous evaluation client (``envace.agents.client.ChatClient``). It lives here
 because envace may import trace2env and trace2env never imports envace.
 
 Keys have one spelling. A mapping built by hand or read from a config goes through

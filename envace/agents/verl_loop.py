@@ -49,6 +49,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from envace.agents import LOOP_NAMES
+from envace.agents.client import connect_endpoints
 from envace.agents.engine import Role, Transcript, TurnEngine
 from envace.agents.sources import RealSource, RehearseSource, SimulatorSource
 from envace.agents.token_policy import (  # noqa: F401  (PrefixError, Generation, announce_tools: re-exported)
@@ -75,7 +76,7 @@ def shared_pool(name: str, kwargs: dict[str, Any] | None = None) -> EnvironmentP
     key = f"{name}:{json.dumps(kwargs or {}, sort_keys=True)}"
     with _POOLS_LOCK:
         if key not in _POOLS:
-            _POOLS[key] = get_pool(name, **(kwargs or {}))
+            _POOLS[key] = get_pool(name, **connect_endpoints(name, kwargs or {}))
         return _POOLS[key]
 
 

@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "ToolCall",
-    "Verdict",
-    "TaskSpec",
-    "Episode",
-    "EnvironmentPool",
-    "register_pool",
-    "get_pool",
-    "available_pools",
-    "ToolCallError",
     "END_TURN",
+    "EnvironmentPool",
+    "Episode",
+    "TaskSpec",
+    "ToolCall",
+    "ToolCallError",
+    "Verdict",
+    "available_pools",
     "flatten_turns",
+    "get_pool",
+    "register_pool",
     "scrub_surrogates",
     "split_turns",
 ]
@@ -287,6 +287,13 @@ def get_pool(name: str, **kwargs: Any) -> EnvironmentPool:
     except KeyError:
         raise KeyError(f"unknown environment pool {name!r}; available: {sorted(_POOLS)}") from None
     return factory(**kwargs)
+
+
+def chat_model_args(name: str) -> tuple[str, ...]:
+    """The constructor arguments of pool ``name`` that take a chat model (e.g. τ²'s simulated user); given as
+    endpoint configs they are connected by the caller (:func:`envace.agents.client.connect_endpoints`)."""
+    _import_builtin_pools()
+    return tuple(getattr(_POOLS.get(name), "CHAT_MODEL_ARGS", ()))
 
 
 def _import_builtin_pools() -> None:

@@ -10,7 +10,7 @@ protocol:
 * the agent's system prompt is τ²'s own LLM-agent prompt (its agent instructions + the domain policy);
 * an episode opens like a τ² simulation: the agent's fixed greeting, then the user's first message.
   With a user model configured (any object with ``complete(messages, tools) -> reply``, e.g.
-  :class:`envace.eval.client.ChatClient`, or an :class:`envace.eval.client.EndpointConfig`) the user
+  :class:`envace.agents.client.ChatClient`; an ``EndpointConfig`` is connected by the caller) the user
   is simulated the way τ²'s ``UserSimulator`` does it: τ²'s guideline text plus the task's scenario
   as system prompt, roles flipped, ``###STOP###`` / ``###TRANSFER###`` / ``###OUT-OF-SCOPE###`` end
   the conversation, and in telecom the user acts on their phone through the user tools, executed in
@@ -49,6 +49,8 @@ from envace.envs.base import (
     Verdict,
     register_pool,
 )
+from trace2env.endpoint import EndpointConfig
+from trace2env.llmcore import ConfigurationError
 
 __all__ = [
     "DOMAINS",
@@ -138,24 +140,40 @@ class ChatReplyLike(Protocol):
 
 
 class ChatModel(Protocol):
-    """What a simulated user / judge must offer (``envace.eval.client.ChatClient`` does)."""
+    """What a simulated user / judge must offer (``envace.agents.client.ChatClient`` does)."""
 
     def complete(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> ChatReplyLike: ...
 
 
-def _as_chat_model(obj: Any) -> ChatModel | None:
-    """A chat model, an ``EndpointConfig``, or its keyword dict (as Hydra's ``envace.agent.pool_kwargs`` gives:
-    ``{base_urls: [...], model: ...}``; an unknown key is a ValueError naming it)."""
+class _UnconnectedEndpoint:
+    """A user or judge endpoint given as configuration to a pool built without chat clients: the environment
+    layer makes no clients; the caller that runs episodes connects the pool's :data:`Tau2Pool.CHAT_MODEL_ARGS`
+    (:func:`envace.agents.client.connect_endpoints`, as envace's agent loop does). Replays and verifications
+    that need no reply never call it; a call says what is missing."""
+
+    def __init__(self, role: str, config: EndpointConfig) -> None:
+        self.role, self.config = role, config
+
+    def complete(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> Any:
+        raise ConfigurationError(
+            f"the τ² {self.role} endpoint ({self.config.model} at {self.config.base_url}) is a config the pool was "
+            "built with, not a connected chat client: build the pool through envace.agents.client.connect_endpoints "
+            f"(envace's agent loop does), or pass {self.role}= a chat model"
+        )
+
+
+def _as_chat_model(obj: Any, role: str) -> ChatModel | None:
+    """A chat model as given; an ``EndpointConfig`` or its keyword dict (as Hydra's ``envace.agent.pool_kwargs``
+    gives: ``{base_urls: [...], model: ...}``; an unknown key is a ValueError naming it) is validated and kept
+    unconnected (:class:`_UnconnectedEndpoint`)."""
     if obj is None or hasattr(obj, "complete"):
         return obj
-    from envace.eval.client import ChatClient, EndpointConfig
-
     if isinstance(obj, Mapping):
-        obj = EndpointConfig.from_mapping(dict(obj), "the τ² user/judge endpoint")
+        obj = EndpointConfig.from_mapping(dict(obj), f"the τ² {role} endpoint")
     if isinstance(obj, EndpointConfig):
-        return ChatClient(obj)
+        return _UnconnectedEndpoint(role, obj)
     raise TypeError(f"expected a chat model with .complete() or an EndpointConfig, got {type(obj).__name__}")
 
 
@@ -555,9 +573,9 @@ class Tau2Pool(EnvironmentPool):
 
     Args:
         domains: which domains to load.
-        user: default simulated user for episodes (chat model or ``EndpointConfig``); ``None`` means
-            replay / verification only.
-        judge: default NL-assertion judge (chat model or ``EndpointConfig``).
+        user: default simulated user for episodes (a chat model, or an ``EndpointConfig`` the caller connects:
+            :data:`CHAT_MODEL_ARGS`); ``None`` means replay / verification only.
+        judge: default NL-assertion judge (the same forms).
         max_steps, max_errors: τ²'s orchestrator limits (defaults: τ²'s 200 and 10); reaching one
             ends the conversation with that termination reason, which τ² scores 0.
         max_user_tool_rounds: how many rounds of tool calls the simulated user may make before it
@@ -565,6 +583,9 @@ class Tau2Pool(EnvironmentPool):
     """
 
     name = "tau2"
+    #: constructor arguments that take a chat model; given as endpoint configs, the caller that runs episodes
+    #: connects them (the environment layer makes no clients)
+    CHAT_MODEL_ARGS = ("user", "judge")
 
     def __init__(
         self,
@@ -580,8 +601,8 @@ class Tau2Pool(EnvironmentPool):
         if unknown:
             raise ValueError(f"unknown τ² domain(s) {unknown}; available: {list(DOMAINS)}")
         self.domains = tuple(domains)
-        self.user = _as_chat_model(user)
-        self.judge = _as_chat_model(judge)
+        self.user = _as_chat_model(user, "user")
+        self.judge = _as_chat_model(judge, "judge")
         self.max_steps = max_steps
         self.max_errors = max_errors
         self.max_user_tool_rounds = max_user_tool_rounds
@@ -658,8 +679,8 @@ class Tau2Pool(EnvironmentPool):
             spec,
             task,
             env,
-            user=self.user if user is _UNSET else _as_chat_model(user),
-            judge=self.judge if judge is _UNSET else _as_chat_model(judge),
+            user=self.user if user is _UNSET else _as_chat_model(user, "user"),
+            judge=self.judge if judge is _UNSET else _as_chat_model(judge, "judge"),
             max_steps=self.max_steps,
             max_errors=self.max_errors,
             max_user_tool_rounds=self.max_user_tool_rounds,

@@ -3,7 +3,6 @@
 Entry point: ``python -m envace.eval {bfcl,tau2,table,tts-table,sweep} ...`` (see :mod:`envace.eval.cli`), wrapped by
 ``scripts/eval_bfcl.sh`` and ``scripts/eval_tau2.sh``. Building blocks:
 
-* :mod:`envace.eval.client`: chat client with robust tool-call parsing (:class:`ChatClient`);
 * :mod:`envace.eval.runner`: the agent loop and the per-task runner hook (:func:`register_runner`);
 * :mod:`envace.eval.driver`: task selection and the resumable, concurrent driver (:func:`evaluate`);
 * :mod:`envace.eval.store`: the append-only result files;
@@ -13,16 +12,11 @@ Entry point: ``python -m envace.eval {bfcl,tau2,table,tts-table,sweep} ...`` (se
 * :mod:`envace.eval.server`: serving a checkpoint with vLLM or ``transformers serve``.
 """
 
-from envace.eval.client import ChatClient, ChatReply, EndpointConfig, parse_assistant_output
 from envace.eval.runner import AgentLoopRunner, LoopLimits, TaskRecord, register_runner
 
 __all__ = [
     "AgentLoopRunner",
-    "ChatClient",
-    "ChatReply",
-    "EndpointConfig",
     "LoopLimits",
     "TaskRecord",
-    "parse_assistant_output",
     "register_runner",
 ]

@@ -27,7 +27,7 @@ from envace.eval.report import Benchmark
 from trace2env.cliargs import UsageError, json_object, number
 
 if typing.TYPE_CHECKING:
-    from envace.eval.client import EndpointConfig
+    from envace.agents.client import EndpointConfig
 
 __all__ = [
     "add_common_arguments",
@@ -187,7 +187,7 @@ def agent_endpoint(args: argparse.Namespace, stack: contextlib.ExitStack, out_di
                    ) -> EndpointConfig:
     """The agent's endpoint from the common flags. With ``serve`` (there is work to do), ``--checkpoint`` is
     launched for the life of ``stack``; without, nothing starts and the names come from the flags."""
-    from envace.eval.client import EndpointConfig
+    from envace.agents.client import EndpointConfig
 
     if serve:
         base_url, model = stack.enter_context(_endpoint(args, out_dir))

@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from envace.agents.client import ChatClient, EndpointConfig
     from envace.envs.base import get_pool
-    from envace.eval.client import ChatClient, EndpointConfig
     from envace.eval.driver import evaluate, select_tasks
     from envace.eval.runner import RunContext, build_runner
     from envace.eval.store import ResultStore
@@ -192,7 +192,7 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             options=parse_runner_options(args.runner_arg),
             env_timeout_s=args.env_timeout,
         )
-        from envace.eval.client import check_model_served
+        from envace.agents.client import check_model_served
 
         if todo:  # a wrong --model / --base-url fails here, before any task runs
             launched = base_url if args.checkpoint else None  # serves exactly what we launched it with

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from envace.agents.client import ChatClient
 from envace.agents.engine import LoopLimits, ObservationSource, Reply, Role, TurnEngine
 from envace.agents.sources import RealSource
 from envace.envs.base import EnvironmentPool, TaskSpec, scrub_surrogates
-from envace.eval.client import ChatClient
 from envace.rewards.llm import InfrastructureError
 from envace.rewards.score import score_episode
 

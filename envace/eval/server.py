@@ -4,7 +4,7 @@
 * ``transformers``: ``transformers serve CKPT`` (CPU or small GPUs). In transformers 5.10 it serves
   ``/v1/chat/completions``, renders ``tools`` with the model's chat template and, for model types
   qwen2/qwen3/..., parses ``<tool_call>{json}</tool_call>`` into ``tool_calls`` (the raw blocks also
-  stay in ``content``; :mod:`envace.eval.client` handles both). Stock ``transformers serve`` fails the
+  stay in ``content``; :mod:`envace.agents.client` handles both). Stock ``transformers serve`` fails the
   whole request (HTTP 500, retried as an infrastructure error) when the model writes a block with invalid
   JSON; envace starts it through :mod:`envace.eval.tfserve`, which answers with the text instead, so the
   malformed call is the model's, fed back to it like in training.

@@ -57,10 +57,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictBool, field_validator
 
+from envace.agents.client import ChatClient, is_context_too_long
 from envace.agents.engine import LoopLimits, Reply, Role, Transcript, TurnEngine
 from envace.agents.sources import RehearseSource, render_history
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict
-from envace.eval.client import ChatClient, is_context_too_long
 from envace.eval.report import format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, RunContext, TaskRecord, register_runner, to_api_messages
 from envace.rewards.llm import ConfigurationError, JudgeFormatError, LLMEndpointConfig, LLMPool

@@ -52,11 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envace.agents.client import ChatClient
 from envace.agents.engine import CallContext, LoopLimits, Observation
 from envace.agents.sources import RealSource
 from envace.agents.worldbook import WorldbookLibrary, WorldbookSource, world_model_from_endpoint
 from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
-from envace.eval.client import ChatClient
 from envace.eval.report import Benchmark, format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, TaskRecord
 from trace2env import WorldbookIntegrityError
@@ -310,9 +310,9 @@ def _worldbook_identity(library: WorldbookLibrary, envs: Sequence[str]) -> dict[
 
 
 def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from envace.agents.client import check_model_served
     from envace.envs.base import get_pool
     from envace.eval.args import agent_endpoint, default_label, limits_from_args, run_identity, slug, validate_args
-    from envace.eval.client import check_model_served
     from envace.eval.driver import evaluate
     from envace.eval.store import ResultStore
 

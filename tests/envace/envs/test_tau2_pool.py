@@ -14,7 +14,7 @@ import pytest
 
 from envace.envs.base import ToolCall, get_pool
 from envace.envs.tau2 import Tau2Pool, Tau2ToolCall, UserSimulatorRequired
-from envace.eval.client import ChatReply, parse_assistant_output
+from envace.agents.client import ChatReply, parse_assistant_output
 
 TELECOM0 = "telecom/[mobile_data_issue]airplane_mode_on|user_abroad_roaming_enabled_off[PERSONA:None]"
 
@@ -295,18 +295,27 @@ def test_nl_assertion_with_judge(nl_pool: Tau2Pool) -> None:
 
 
 def test_pool_kwargs_example_from_the_config_builds_a_user_endpoint():
-    """configs/envace/default.yaml documents pool_kwargs {tau2: {user: {base_urls, model}}}: it must work."""
+    """configs/envace/default.yaml documents pool_kwargs {tau2: {user: {base_urls, model}}}: it must work. The
+    environment layer makes no chat client: the pool keeps the validated endpoint, which says what is missing if
+    asked to reply; envace's agent loop connects it (``connect_endpoints``) before building the pool."""
     from pathlib import Path
 
     import yaml
 
+    from envace.agents.client import ChatClient, connect_endpoints
     from envace.envs.base import get_pool
+    from trace2env.llmcore import ConfigurationError
 
     text = (Path(__file__).resolve().parents[3] / "configs" / "envace" / "default.yaml").read_text()
     line = next(line for line in text.splitlines() if "e.g. {tau2:" in line)
     example = yaml.safe_load(line.split("e.g.", 1)[1].strip())
+    connected = get_pool("tau2", **connect_endpoints("tau2", {"domains": ("airline",), **example["tau2"]}))
+    assert isinstance(connected.user, ChatClient)
+    assert connected.user.config.base_urls == example["tau2"]["user"]["base_urls"]
     pool = get_pool("tau2", domains=("airline",), **example["tau2"])
-    assert pool.user is not None and pool.user.config.base_urls == example["tau2"]["user"]["base_urls"]
+    assert pool.user.config.base_urls == example["tau2"]["user"]["base_urls"]
+    with pytest.raises(ConfigurationError, match="τ² user endpoint .* not a connected chat client"):
+        pool.user.complete([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="unknown endpoint key 'user_base_url'"):
         get_pool("tau2", domains=("airline",), user={"user_base_url": "http://x"})
     with pytest.raises(ValueError, match="unknown endpoint key 'base_url' \\(renamed 'base_urls'\\)"):

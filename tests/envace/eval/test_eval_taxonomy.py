@@ -89,7 +89,7 @@ def test_a_tool_call_that_breaks_the_environment_is_scored(fake_openai, replies,
     limit). The model reads the error; the task is scored and stored, never retried."""
     from envace.agents.engine import LoopLimits
     from envace.envs.base import get_pool
-    from envace.eval.client import ChatClient, EndpointConfig
+    from envace.agents.client import ChatClient, EndpointConfig
     from envace.eval.runner import AgentLoopRunner
     from envace.eval.store import ResultStore
 

@@ -19,7 +19,7 @@ import pytest
 from envace.envs.base import EnvironmentPool, Episode, ToolCall, Verdict, get_pool
 from envace.eval.args import tts_from_args
 from envace.eval.cli import build_parser, main
-from envace.eval.client import ChatClient, EndpointConfig
+from envace.agents.client import ChatClient, EndpointConfig
 from envace.eval.runner import LoopLimits
 from envace.eval.tts import (
     RehearsalEpisode,

@@ -1,4 +1,6 @@
-"""Chat-completions client for evaluation: one OpenAI-compatible endpoint, robust tool-call parsing.
+"""Chat-completions client for one OpenAI-compatible endpoint, with robust tool-call parsing: the evaluation
+policy's transport, and the chat models an environment needs (τ²'s simulated user and judge, connected by
+:func:`connect_endpoints`).
 
 Servers differ in how much of the model's output they parse:
 
@@ -31,12 +33,12 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from envace.agents.engine import ModelError
-from envace.envs.base import ToolCall, ToolCallError, scrub_surrogates
+from envace.envs.base import ToolCall, ToolCallError, chat_model_args, scrub_surrogates
 from envace.rewards.llm import ConfigurationError, InfrastructureError
 from envace.toolcall import THINK_END, parse_tool_calls
 from trace2env.endpoint import EndpointConfig
@@ -49,6 +51,7 @@ __all__ = [
     "MalformedToolCall",
     "check_model_served",
     "classify_http_error",
+    "connect_endpoints",
     "is_context_too_long",
     "parse_assistant_output",
 ]
@@ -267,3 +270,17 @@ def check_model_served(config: EndpointConfig) -> None:
             status_code=404,
             base_url=config.base_url,
         )
+
+
+def connect_endpoints(pool: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for ``get_pool(pool, ...)`` with each chat-model argument of the pool
+    (:func:`~envace.envs.base.chat_model_args`) given as an endpoint config (an :class:`EndpointConfig` or its
+    keyword dict, as ``envace.agent.pool_kwargs`` carries it) replaced by a :class:`ChatClient` on it."""
+    out = dict(kwargs)
+    for arg in chat_model_args(pool):
+        value = out.get(arg)
+        if isinstance(value, Mapping):
+            value = EndpointConfig.from_mapping(dict(value), f"envace.agent.pool_kwargs.{pool}.{arg}")
+        if isinstance(value, EndpointConfig):
+            out[arg] = ChatClient(value)
+    return out

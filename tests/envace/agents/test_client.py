@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from envace.agents.client import ChatClient, EndpointConfig, is_context_too_long, parse_assistant_output
 from envace.agents.engine import ModelError
-from envace.eval.client import ChatClient, EndpointConfig, is_context_too_long, parse_assistant_output
 from envace.rewards.llm import ConfigurationError, InfrastructureError
 
 
