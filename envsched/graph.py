@@ -482,8 +482,13 @@ def build_static_graph(
     try:
         shapes: dict[str, tuple[int, int]] = {}
         chunk_nnz = np.zeros(-(-n // chunk_rows), dtype=np.int64)
-        for v, (name, weight) in enumerate(zip(VIEW_NAMES, cfg.view_weights)):
+        # the operations view first, so that its texts (one new string a task) are freed before the others
+        order = sorted(range(len(VIEW_NAMES)), key=lambda v: VIEW_NAMES[v] != "operations")
+        for v in order:
+            name, weight = VIEW_NAMES[v], cfg.view_weights[v]
             texts = view_text(name, pool.tasks, ops_texts)
+            if name == "operations":
+                ops_texts = []
             width = 0
             for c, h in enumerate(_tfidf_row_chunks(texts, cfg, chunk_rows, **_VIEW_KWARGS[name])):
                 h = sp.csr_matrix(h * np.sqrt(weight))  # x_i = [sqrt(alpha_a) h_i^(a)]_a
@@ -494,7 +499,7 @@ def build_static_graph(
                 np.save(folder / f"view{v}_c{c}_indptr.npy", h.indptr)
             shapes[name] = (n, width)
             del texts
-        del ops_texts
+        shapes = {name: shapes[name] for name in VIEW_NAMES}
         writer = DiskCSRWriter(folder, "x_full", n, sum(w for _, w in shapes.values()), int(chunk_nnz.sum()), np.float64)
         for c in range(len(chunk_nnz)):
             blocks = []
