@@ -270,7 +270,7 @@ class BatchBuilder:
         """
         lam = self.cfg.lambda_sim
         best, best_val = -1, -np.inf
-        pos, size, n = 0, _CHUNK * 4, len(order)
+        pos, size, n = 0, _CHUNK * 16, len(order)
         while pos < n:
             blk = order[pos : pos + size]
             pos, size = pos + size, min(size * 4, 1 << 16)
@@ -281,10 +281,20 @@ class BatchBuilder:
                 continue
             if not self.selected or lam == 0.0:
                 return int(cand[0])  # value = score: the first eligible node in the order
-            ub = score[cand] - lam * self.pen[cand]  # the cached penalty only grows: an upper bound
-            nodes = cand[(ub > best_val) | ((ub == best_val) & (cand < best))]
-            if not len(nodes):
-                continue
+            best, best_val = self._lazy_best(cand, score, best, best_val)
+        return best if best >= 0 else None
+
+    def _lazy_best(self, cands: np.ndarray, score: np.ndarray, best: int, best_val: float) -> tuple[int, float]:
+        """The lazy arg-max of ``pick`` over ``cands``, starting from a best (node, value) found elsewhere:
+        candidates are refreshed in chunks of the highest upper bounds (16, 64, 256, ...) until no unrefreshed
+        bound reaches the best value."""
+        lam = self.cfg.lambda_sim
+        ub = score[cands] - lam * self.pen[cands]  # the cached penalty only grows: an upper bound
+        open_ = (ub > best_val) | ((ub == best_val) & (cands < best))
+        size, rest = _CHUNK, np.flatnonzero(open_)
+        while len(rest):
+            top = rest if len(rest) <= size else rest[np.argpartition(-ub[rest], size - 1)[:size]]
+            nodes = cands[top]
             self._refresh(nodes)
             val = score[nodes] - lam * self.pen[nodes]
             vmax = float(val.max())
@@ -292,7 +302,12 @@ class BatchBuilder:
                 i = int(nodes[val == vmax].min())
                 best = i if vmax > best_val or best < 0 else min(best, i)
                 best_val = vmax
-        return best if best >= 0 else None
+            open_[top] = False
+            rest = np.flatnonzero(open_)
+            if not len(rest) or ub[rest].max() < best_val:
+                break
+            size *= 4
+        return best, best_val
 
     def add(self, i: int, phase: str) -> None:
         self.selected.append(int(i))
