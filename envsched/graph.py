@@ -723,6 +723,7 @@ def load_or_build_graph(pool: TaskPool, cfg: EnvSchedConfig, *, extractor: Any =
 _IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
 _SIM_SCALE = float(2**30)
 _SIM_RES = 1.0 / _SIM_SCALE
+_ENV_BLOCK_BYTES = 256 * 2**20  # cache every environment's S_full block when all of them fit in this
 _CROSS_BLOCK = 1 << 16  # rows per block of the N x Delta cross-environment update (bounded memory)
 
 
@@ -773,6 +774,8 @@ class NeighborIndex:
         x = graph.x_full
         self._x64 = x if x.dtype == np.float64 else x.astype(np.float64)
         self._pos = np.zeros(n, dtype=np.int64)  # position of each node in its environment's member list
+        block_bytes = 8 * sum(len(m) ** 2 for m in graph.env_members)
+        self._env_sim: dict[int, np.ndarray] | None = {} if block_bytes <= _ENV_BLOCK_BYTES else None
         for members in graph.env_members:
             self._pos[members] = np.arange(len(members))
 
@@ -812,10 +815,17 @@ class NeighborIndex:
 
         Each entry is scipy's CSR product x_i . x_j, summed in x_i's stored feature order, so it does not
         depend on which other nodes are in the same call: only the |pos| columns of the step's new nodes are
-        computed.  Whole n_e x n_e blocks are not cached: one costs n_e^2 products where a step needs n_e |pos|,
-        and 2,000 cached blocks of 500 tasks would hold 4 GB.
+        computed.  Whole n_e x n_e blocks are cached (computed once per environment, then sliced) only when all
+        of them together fit in _ENV_BLOCK_BYTES (a block costs n_e^2 products where a step needs n_e |pos|, and
+        2,000 blocks of 500 tasks would hold 4 GB); either way the entries are the same values.
         """
         members = self.graph.env_members[e]
+        if self._env_sim is not None:
+            blk = self._env_sim.get(e)
+            if blk is None:
+                xe = self._x64[members]
+                blk = self._env_sim[e] = np.asarray((xe @ xe.T).toarray(), dtype=np.float64)
+            return blk[:, pos]
         return np.asarray((self._x64[members] @ self._x64[members[pos]].T).toarray(), dtype=np.float64)
 
     def _add_cross(self, nodes: np.ndarray) -> None:

@@ -104,13 +104,16 @@ def test_within_env_columns_equal_the_whole_block(pool):
     """NeighborIndex computes only the new nodes' columns of an environment's S_full block: each entry is the
     value the whole block holds (a pinned run's neighbour lists depend on it bit for bit)."""
     graph = build_static_graph(pool, EnvSchedConfig())
-    nb = NeighborIndex(graph, 6, 12)
+    cached, direct = NeighborIndex(graph, 6, 12), NeighborIndex(graph, 6, 12)
+    direct._env_sim = None  # as for a pool whose blocks do not fit in _ENV_BLOCK_BYTES
+    assert cached._env_sim == {}
     for e in range(3):
         members = graph.env_members[e]
         x = graph.x_full[members]
         block = (x @ x.T).toarray()
         for pos in (np.array([0]), np.array([5, 1, 30]), np.arange(len(members))):
-            assert np.array_equal(nb.within_sim(e, pos), block[:, pos])
+            assert np.array_equal(direct.within_sim(e, pos), block[:, pos])
+            assert np.array_equal(cached.within_sim(e, pos), block[:, pos])
 
 
 def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, batch):
