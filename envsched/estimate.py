@@ -228,7 +228,7 @@ def average_rank(z: np.ndarray) -> np.ndarray:
     n = z.size
     if z.ndim != 1 or n == 0 or np.isnan(z).any():
         return rankdata(z, method="average")
-    sorter = np.argsort(z, kind="stable")
+    sorter = np.argsort(z)  # any order within ties: tied values get one rank
     zs = z[sorter]
     first = np.empty(n, dtype=bool)
     first[0] = True
