@@ -3,16 +3,17 @@
 The sub-packages and top-level modules form layers; a module imports only from lower layers (or its own unit),
 checked by ``tests/test_dependency_direction.py``. Lowest first:
 
-1. ``cache``, ``loop_config``, ``metrics``, ``trackers``, ``advantage`` (role-wise GRPO, pure math), ``platform``
+1. ``roles`` — the one ``Role`` enum (act, rehearse) every layer shares;
+2. ``cache``, ``loop_config``, ``metrics``, ``trackers``, ``advantage`` (role-wise GRPO, pure math), ``platform``
    (verl's CPU device backend);
-2. ``envs`` — environment pools, verifiers, EnvSched pool records;
-3. ``toolcall``, ``rewards``;
-4. ``config`` — the typed ``envace:`` config schema;
-5. ``agents`` — the turn engine, observation sources, verl's agent loop;
-6. ``models`` — tiny models and the warm start;
-7. ``eval`` — benchmark evaluation;
-8. ``verl`` — everything plugged into verl's trainer (:mod:`envace.verl`);
-9. ``launch``, then ``train``, then ``gpu_smoke`` and ``cli`` — the commands.
+3. ``envs`` — environment pools, verifiers, EnvSched pool records;
+4. ``toolcall``, ``rewards``;
+5. ``config`` — the typed ``envace:`` config schema;
+6. ``agents`` — the turn engine, observation sources, verl's agent loop;
+7. ``models`` — tiny models and the warm start;
+8. ``eval`` — benchmark evaluation;
+9. ``verl`` — everything plugged into verl's trainer (:mod:`envace.verl`);
+10. ``launch``, then ``train``, then ``gpu_smoke`` and ``cli`` — the commands.
 
 ``envsched`` and ``trace2env`` never import envace.
 """

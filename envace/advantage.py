@@ -33,12 +33,13 @@ Options of :func:`compute_rolewise_advantage`:
 With a single role, one output per trajectory, ``baseline="output"`` and ``singleton="raw"`` this
 is verl's ``compute_grpo_outcome_advantage``.
 
-This module is the math only; it imports no verl. :func:`envace.verl.extensions.register_rolewise_estimator`
-registers :func:`rolewise_adv_estimator` in verl's advantage-estimator registry as ``grpo_rolewise`` (in the
-TaskRunner process, before verl looks the estimator up). verl 0.9.1 calls a registered estimator with ``index``
-only; envace's trainer (:mod:`envace.verl.trainer`) supplies the role labels, trajectory ids, validity and
-emptiness of the batch it is computing through :func:`role_labels`, a context the estimator reads when they are
-not passed explicitly.
+This module is the math only; it imports no verl. A role is any hashable label (rows with equal labels share a
+baseline); the integer codes of :class:`envace.roles.Role` (the one role enum) count as their names.
+:func:`envace.verl.extensions.register_rolewise_estimator` registers :func:`rolewise_adv_estimator` in verl's
+advantage-estimator registry as ``grpo_rolewise`` (in the TaskRunner process, before verl looks the estimator up).
+verl 0.9.1 calls a registered estimator with ``index`` only; envace's trainer (:mod:`envace.verl.trainer`) supplies
+the role labels, trajectory ids, validity and emptiness of the batch it is computing through :func:`role_labels`, a
+context the estimator reads when they are not passed explicitly.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from envace.roles import Role
+
 __all__ = [
     "ESTIMATOR_NAME",
     "compute_rolewise_advantage",
@@ -60,7 +63,8 @@ __all__ = [
 
 ESTIMATOR_NAME = "grpo_rolewise"
 _LABELS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("envace_role_labels", default=None)
-ROLE_CODES = {0: "act", 1: "rehearse"}
+#: integer role code → role name (:class:`envace.roles.Role`: 0=act, 1=rehearse); codes and names group alike
+ROLE_CODES = {role.code: role.value for role in Role}
 BASELINES = ("output", "trajectory")
 SINGLETONS = ("zero", "raw")
 

@@ -6,19 +6,20 @@ Inside ``envace`` every sub-package and top-level module is a unit of one layer 
 ``envace/__init__.py``'s docstring); an import may only reach a unit of a lower layer, or the importer's own unit.
 Units of one layer are peers and import none of each other. Lowest first:
 
-1. ``envace`` (the package root), ``cache``, ``loop_config`` (the rollout loop's limits), ``metrics``, ``trackers``,
+1. ``roles`` — the one :class:`~envace.roles.Role` enum (imports no other envace unit: every layer uses it);
+2. ``envace`` (the package root), ``cache``, ``loop_config`` (the rollout loop's limits), ``metrics``, ``trackers``,
    ``advantage`` (role-wise GRPO, pure math), ``platform`` (verl's CPU platform, ``hfcpu`` rollout and vLLM-CPU
    hooks: the device layer, which the warm start's in-process decoder reuses) — import no other envace unit;
-2. ``envs`` — environment pools, their verifiers, EnvSched pool records;
-3. ``toolcall`` (tool-call parsing and rendering over ``envs``' call type), ``rewards`` (judges and reward mixing);
-4. ``config`` — the typed ``envace:`` config schema;
-5. ``agents`` — the turn engine, observation sources, verl's agent loop;
-6. ``models`` — the embedded tiny models and the warm start;
-7. ``eval`` — benchmark evaluation;
-8. ``verl`` — everything plugged into verl's trainer: plugin entry point, registrations, trainers, runner;
-9. ``launch`` — ``scripts/train.sh``'s cluster helpers (``python -m envace.launch``);
-10. ``train`` — ``python -m envace.train``: pre-flight, then verl's trainer;
-11. ``gpu_smoke``, ``cli`` — commands that drive the ones above.
+3. ``envs`` — environment pools, their verifiers, EnvSched pool records;
+4. ``toolcall`` (tool-call parsing and rendering over ``envs``' call type), ``rewards`` (judges and reward mixing);
+5. ``config`` — the typed ``envace:`` config schema;
+6. ``agents`` — the turn engine, observation sources, verl's agent loop;
+7. ``models`` — the embedded tiny models and the warm start;
+8. ``eval`` — benchmark evaluation;
+9. ``verl`` — everything plugged into verl's trainer: plugin entry point, registrations, trainers, runner;
+10. ``launch`` — ``scripts/train.sh``'s cluster helpers (``python -m envace.launch``);
+11. ``train`` — ``python -m envace.train``: pre-flight, then verl's trainer;
+12. ``gpu_smoke``, ``cli`` — commands that drive the ones above.
 
 Every ``import`` and ``from ... import`` counts, at module level or inside a function (``ast`` walks them all),
 annotation-only ones (``if TYPE_CHECKING:``) included; and no import cycle may exist among envace's modules (an
@@ -37,6 +38,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS: list[tuple[str, ...]] = [
+    ("envace.roles",),
     ("envace", "envace.cache", "envace.loop_config", "envace.metrics", "envace.trackers", "envace.advantage",
      "envace.platform"),
     ("envace.envs",),

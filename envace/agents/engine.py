@@ -39,13 +39,13 @@ the caller can retry the rollout instead of scoring it.
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from envace.envs.base import END_TURN, Episode, ToolCall
 from envace.loop_config import LoopLimits
+from envace.roles import Role  # the one Role enum (envace/roles.py), re-exported here
 
 __all__ = [
     "CallContext",
@@ -63,13 +63,6 @@ __all__ = [
     "malformed_call_observation",
     "truncate_middle",
 ]
-
-
-class Role(str, enum.Enum):
-    """Who the policy is speaking as (EnvACE §4.1)."""
-
-    ACT = "act"  # the agent: tool calls and replies to the user
-    REHEARSE = "rehearse"  # the environment: the response to one tool call
 
 
 class ModelError(RuntimeError):
