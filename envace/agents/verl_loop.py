@@ -28,8 +28,9 @@ Training samples (``envace.agent.act_layout``):
 * ``trajectory``: all ACT messages of a rollout in one output (context tokens masked out), plus one
   output per REHEARSE response; cheaper when the prompt is long (one prompt forward per rollout).
 
-Every output carries ``extra_fields.role`` (``act`` / ``rehearse``), ``trajectory_id`` and the
-trajectory's reward; only model tokens have loss mask 1. The reward is the pool's official verifier
+Every output carries its :class:`~envace.agents.contract.RolloutFields` as ``extra_fields`` (the rollout
+contract: role ``act`` / ``rehearse``, ``trajectory_id``, the trajectory's reward, stop reason...); only model
+tokens have loss mask 1. The reward is the pool's official verifier
 run on the real environment the actor's calls were executed in (directly with ``real``; as a shadow
 execution with ``rehearse`` / ``simulator``: the same calls in the same order, i.e. a replay), scored by
 :func:`envace.rewards.score.score_episode` as evaluation scores it. A rollout that could not be judged (a
@@ -40,6 +41,7 @@ of every baseline) instead of scoring it 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -50,6 +52,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from envace.agents import LOOP_NAMES
 from envace.agents.client import connect_endpoints
+from envace.agents.contract import RolloutFields
 from envace.agents.engine import Role, Transcript, TurnEngine
 from envace.agents.sources import RealSource, RehearseSource, SimulatorSource
 from envace.agents.token_policy import (  # noqa: F401  (PrefixError, Generation, announce_tools: re-exported)
@@ -224,28 +227,23 @@ class EnvaceAgentLoop(AgentLoopBase):
         n_act = sum(g.role is Role.ACT for g in gens)
         n_reh = len(gens) - n_act
         fid = [o.meta["fidelity"] for s in t.steps for o in s.observations if "fidelity" in o.meta]
-        info = {
-            "acc": reward,
-            "verify_failed": float(verify_failed),
-            **t.counters(),
-            "act_outputs": float(n_act),
-            "rehearse_outputs": float(n_reh),
-        }
-        shared: dict[str, Any] = {
-            "task_id": task_id,
-            "pool": pool_name,
-            "env_id": env_id,
-            "trajectory_id": trajectory_id,
-            "observation_source": self.observation_source,
-            "stop_reason": t.stop_reason,
-            "mask_reason": reason,
-            "reward_extra_info": info,
-            "fidelity": json.dumps(fid),
-            "verdict": json.dumps(details, default=str, ensure_ascii=True)[:4000],
-            # executed calls (real outputs) with turn markers: replayable (EnvSched's identifier filter)
-            "actions": json.dumps(t.actions, ensure_ascii=True, default=str),
-            **policy.global_steps,
-        }
+        # what every output of this rollout shares (the rollout contract, envace/agents/contract.py)
+        shared = RolloutFields(
+            trajectory_id=trajectory_id,
+            task_id=task_id,
+            pool=pool_name,
+            env_id=env_id,
+            observation_source=self.observation_source,
+            stop_reason=t.stop_reason,
+            mask_reason=reason,
+            reward=reward,
+            verify_failed=verify_failed,
+            counters={**t.counters(), "act_outputs": float(n_act), "rehearse_outputs": float(n_reh)},
+            fidelity=tuple(fid),
+            verdict=RolloutFields.verdict_text(details),
+            actions=tuple(t.actions),
+            weight_versions=dict(policy.global_steps),
+        )
         samples: list[tuple[Generation | None, list[int], list[int], list[int], list[float] | None]] = []
         if self.agent_cfg.act_layout == "trajectory":
             for g in gens:
@@ -264,16 +262,14 @@ class EnvaceAgentLoop(AgentLoopBase):
             raise RuntimeError(f"rollout of {pool_name}/{task_id} produced no generation")
         outputs = []
         for i, (g, prompt, resp, mask, logprobs) in enumerate(samples):
-            role = g.role.value if g is not None else Role.ACT.value
-            empty = g is not None and not g.text.strip()
-            extra = {
-                **shared,
-                "role": role,
-                "output_index": i,
-                "empty": float(empty if g is not None else not resp),
-                "format_error": float(g.format_error) if g is not None else float(t.malformed_calls > 0),
-                "num_tokens": float(sum(mask)),
-            }
+            fields = dataclasses.replace(
+                shared,
+                role=g.role if g is not None else Role.ACT,
+                output_index=i,
+                empty=(not g.text.strip()) if g is not None else not resp,
+                format_error=g.format_error if g is not None else t.malformed_calls > 0,
+                num_tokens=sum(mask),
+            )
             outputs.append(
                 AgentLoopOutput(
                     prompt_ids=list(prompt),
@@ -283,7 +279,7 @@ class EnvaceAgentLoop(AgentLoopBase):
                     reward_score=reward,
                     num_turns=len(t.messages),
                     metrics=AgentLoopMetrics(),
-                    extra_fields=extra,
+                    extra_fields=fields.to_extra_fields(),
                 )
             )
         return outputs

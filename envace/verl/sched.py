@@ -6,7 +6,8 @@ with verl's own ``register_trainer`` (select it with ``trainer.v1.trainer_mode=e
 * before each step, ``_next_train_batch`` asks :class:`envsched.EnvScheduler` for the step's task
   ids and collates those rows of verl's training dataset (instead of drawing from the dataloader);
 * after the step, every completed group's K rewards (verl's ``rm_scores``, read back from
-  TransferQueue) go to ``observe``; the scheduler's per-step metrics join verl's;
+  TransferQueue in envace's one post-step read) go to ``observe``, with the rollouts' actions and validity from the
+  rollout contract (:class:`envace.agents.contract.RolloutFields`); the scheduler's per-step metrics join verl's;
 * the scheduler's ``state_dict`` is saved inside verl's checkpoint folder (``envsched.pt``, written
   before verl marks the checkpoint complete) and restored on resume, so the batch chosen after a
   resume equals the one an uninterrupted run chooses. Its numpy arrays are stored as tensors and every
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from envace.agents.contract import RolloutFields, key_trajectory
 from envace.envs.base import get_pool
 from envace.envs.records import make_replay, task_key, task_records
 
@@ -94,14 +96,14 @@ def collect_groups(
     keys: Sequence[str],
     uids: Sequence[Any],
     scores: Sequence[Any],
-    extra_fields: Sequence[Mapping[str, Any] | None],
+    rows: Sequence[RolloutFields],
     uid_task: Mapping[str, str],
     tags: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[list[dict[str, Any]]]], int]:
     """Per-task rewards (one per rollout) and action sequences from a trained batch.
 
     TransferQueue keys are ``{uid}_{session}_{output index}``; a rollout with several outputs counts
-    once. Rollouts whose verifier failed (``reward_extra_info.verify_failed``) are left out rather
+    once. Rollouts whose verifier failed (``verify_failed`` in the rollout contract, ``rows``) are left out rather
     than observed as reward 0, and so are the no-op rows verl appends to make the batch divisible
     (``tags[i]["is_padding"]``). Returns (rewards, trajectories, number of unscored rollouts).
     """
@@ -112,18 +114,18 @@ def collect_groups(
     for i, key in enumerate(keys):
         if tags is not None and tags[i].get("is_padding", False):
             continue
-        rollout = key.rsplit("_", 1)[0]
+        rollout = key_trajectory(key)
         if rollout in seen:
             continue
         seen.add(rollout)
-        extra = extra_fields[i] or {}
-        if (extra.get("reward_extra_info") or {}).get("verify_failed"):
+        row = rows[i]
+        if row.verify_failed:
             unscored += 1
             continue
         task = uid_task[str(uids[i])]
         rewards[task].append(float(scores[i].sum()))
-        if extra.get("actions") is not None:
-            trajectories[task].append(json.loads(extra["actions"]))
+        if row.actions is not None:
+            trajectories[task].append(list(row.actions))
     # the identifier filter needs trajectories aligned with rewards, for every rollout of a task
     aligned = {t: trajectories[t] for t in rewards if len(trajectories.get(t, ())) == len(rewards[t])}
     return dict(rewards), aligned, unscored
@@ -161,6 +163,8 @@ def _register() -> None:
     class EnvSchedTrainer(envace_trainer_class()):
         """envace's sync trainer (role labels, per-role metrics) with EnvSched choosing every training batch."""
 
+        STEP_FIELDS = ("uid", "rm_scores")  # read with the advantages by envace's step
+
         def _init_dataloader(self) -> None:
             super()._init_dataloader()
             rows = self.train_dataset.dataframe.select_columns(["extra_info"]).to_list()
@@ -193,15 +197,12 @@ def _register() -> None:
                 f.write(json.dumps({"step": self.global_steps, "task_ids": task_ids}) + "\n")
 
         def step(self, metrics: dict, timing_raw: dict):
-            import transfer_queue as tq
-
             batch = super().step(metrics, timing_raw)
-            data = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores", "extra_fields"]
-            )
+            # envace's step read uid and rm_scores with the advantages (STEP_FIELDS), and holds the step's rows
+            data = self._step_data
             uids = [str(u) for u in data["uid"]]
             rewards, trajectories, unscored = collect_groups(
-                batch.keys, uids, data["rm_scores"], list(data["extra_fields"]), self._uid_task, batch.tags
+                batch.keys, uids, data["rm_scores"], self._rows(batch), self._uid_task, batch.tags
             )
             for uid in set(uids):  # this step's prompts are done
                 self._uid_task.pop(uid, None)

@@ -2,10 +2,15 @@
 
 verl 0.9.1's V1 trainer passes a registered advantage estimator only ``token_level_rewards``,
 ``response_mask``, ``config`` and ``index`` (the prompt uid); the role of each output lives in the
-agent loop's ``extra_fields`` in TransferQueue. :class:`EnvaceTrainer` (``trainer.v1.trainer_mode=
+agent loop's ``extra_fields`` in TransferQueue, written and read as the rollout contract
+(:class:`envace.agents.contract.RolloutFields`). :class:`EnvaceTrainer` (``trainer.v1.trainer_mode=
 envace_sync``, registered with verl's ``register_trainer``) reads those labels for the step's batch, in
 batch order, and hands them to ``grpo_rolewise`` through :func:`envace.advantage.role_labels` around
 verl's own ``_compute_advantage`` — KL-in-reward, rollout correction and the write-back stay verl's.
+
+Each row's ``extra_fields`` are read from TransferQueue once per step (``EnvaceTrainer._rows``): by
+``_compute_advantage`` under ``grpo_rolewise``, otherwise together with the advantages after the update; the
+per-role metrics, the rollout dump and EnvSched's observation use that one read.
 
 It also adds, every step:
 
@@ -22,7 +27,6 @@ GRPO combine.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -30,43 +34,37 @@ from typing import Any
 
 import numpy as np
 
+from envace.agents.contract import RolloutFields, key_trajectory
+from envace.roles import Role
+
 logger = logging.getLogger(__name__)
 
-ROLES = ("act", "rehearse")
+def read_rows(keys: Sequence[str], extra_fields: Sequence[Mapping[str, Any] | None]) -> list[RolloutFields]:
+    """The rollout contract of every row (:meth:`RolloutFields.from_extra_fields`), in batch order; a row that
+    breaks it raises :class:`~envace.agents.contract.RolloutFieldsError` naming its key."""
+    return [RolloutFields.from_extra_fields(ef, row=key) for key, ef in zip(keys, extra_fields, strict=True)]
 
 
-def _key_traj(key: str) -> str:
-    """TransferQueue key ``{uid}_{session}_{index}`` → trajectory ``{uid}_{session}``."""
-    return key.rsplit("_", 1)[0]
-
-
-def batch_labels(keys: Sequence[str], extra_fields: Sequence[Mapping[str, Any] | None],
+def batch_labels(keys: Sequence[str], rows: Sequence[RolloutFields],
                  tags: Sequence[Mapping[str, Any]] | None = None) -> dict[str, np.ndarray]:
     """Per-row role, trajectory, validity and emptiness, in batch order.
 
-    Rows that verl added as padding, or whose reward failed (``reward_extra_info.verify_failed``), are
-    not valid: they stay out of every baseline. Rows without a role (verl's own loops) are ``act``.
+    Rows that verl added as padding, or whose reward failed (``verify_failed``), are not valid: they stay out of
+    every baseline. Rows of verl's own loops (foreign rows) are ``act``.
     """
-    roles, trajs, valid, empty = [], [], [], []
-    for i, key in enumerate(keys):
-        ef = extra_fields[i] or {}
-        info = ef.get("reward_extra_info") or {}
-        padding = bool(tags[i].get("is_padding", False)) if tags is not None else False
-        roles.append(str(ef.get("role", "act")))
-        trajs.append(_key_traj(key))
-        valid.append(not padding and not info.get("verify_failed"))
-        empty.append(bool(ef.get("empty", 0.0)))
+    padding = [bool(tags[i].get("is_padding", False)) if tags is not None else False for i in range(len(keys))]
     return {
-        "roles": np.array(roles, dtype=object),
-        "traj_index": np.array(trajs, dtype=object),
-        "valid": np.array(valid, dtype=bool),
-        "empty": np.array(empty, dtype=bool),
+        "roles": np.array([row.role.value for row in rows], dtype=object),
+        "traj_index": np.array([key_trajectory(key) for key in keys], dtype=object),
+        "valid": np.array([not pad and not row.verify_failed for row, pad in zip(rows, padding, strict=True)],
+                          dtype=bool),
+        "empty": np.array([row.empty for row in rows], dtype=bool),
     }
 
 
 def role_metrics(
     keys: Sequence[str],
-    extra_fields: Sequence[Mapping[str, Any] | None],
+    rows: Sequence[RolloutFields],
     advantages: Sequence[float] | None,
     tags: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, float]:
@@ -74,52 +72,48 @@ def role_metrics(
 
     ``advantages`` holds one value per row (the advantage of the row's first response token).
     """
-    by_role: dict[str, dict[str, list[float]]] = {r: defaultdict(list) for r in ROLES}
-    trajectories: dict[str, Mapping[str, Any]] = {}
-    for i, key in enumerate(keys):
+    by_role: dict[Role, dict[str, list[float]]] = {r: defaultdict(list) for r in Role}
+    trajectories: dict[str, RolloutFields] = {}
+    for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
         if tags is not None and tags[i].get("is_padding", False):
             continue
-        ef = extra_fields[i] or {}
-        role = str(ef.get("role", "act"))
-        acc = by_role.setdefault(role, defaultdict(list))
-        acc["tokens"].append(float(ef.get("num_tokens", 0.0)))
-        acc["format_error"].append(float(ef.get("format_error", 0.0)))
-        acc["empty"].append(float(ef.get("empty", 0.0)))
-        if advantages is not None and not (ef.get("reward_extra_info") or {}).get("verify_failed"):
+        acc = by_role[row.role]
+        acc["tokens"].append(float(row.num_tokens))
+        acc["format_error"].append(float(row.format_error))
+        acc["empty"].append(float(row.empty))
+        if advantages is not None and not row.verify_failed:
             acc["advantage"].append(float(advantages[i]))
-        trajectories.setdefault(_key_traj(key), ef)
+        trajectories.setdefault(key_trajectory(key), row)
     out: dict[str, float] = {}
     for role, acc in by_role.items():
+        name = role.value
         n = len(acc["tokens"])
-        out[f"envace/{role}/outputs"] = float(n)
+        out[f"envace/{name}/outputs"] = float(n)
         if not n:
             continue
-        out[f"envace/{role}/tokens"] = float(np.sum(acc["tokens"]))
-        out[f"envace/{role}/tokens_mean"] = float(np.mean(acc["tokens"]))
-        out[f"envace/{role}/format_error_rate"] = float(np.mean(acc["format_error"]))
-        out[f"envace/{role}/empty_rate"] = float(np.mean(acc["empty"]))
+        out[f"envace/{name}/tokens"] = float(np.sum(acc["tokens"]))
+        out[f"envace/{name}/tokens_mean"] = float(np.mean(acc["tokens"]))
+        out[f"envace/{name}/format_error_rate"] = float(np.mean(acc["format_error"]))
+        out[f"envace/{name}/empty_rate"] = float(np.mean(acc["empty"]))
         if acc["advantage"]:
-            out[f"envace/{role}/advantage_mean"] = float(np.mean(acc["advantage"]))
-            out[f"envace/{role}/advantage_std"] = float(np.std(acc["advantage"]))
+            out[f"envace/{name}/advantage_mean"] = float(np.mean(acc["advantage"]))
+            out[f"envace/{name}/advantage_std"] = float(np.std(acc["advantage"]))
     if trajectories:
-        infos = [(ef.get("reward_extra_info") or {}) for ef in trajectories.values()]
-        n_traj = len(infos)
+        counters = [row.counters for row in trajectories.values()]
+        n_traj = len(counters)
         out["envace/trajectories"] = float(n_traj)
-        out["envace/act/calls_per_trajectory"] = float(np.mean([i.get("tool_calls", 0.0) for i in infos]))
-        out["envace/act/malformed_calls_per_trajectory"] = float(np.mean([i.get("malformed_calls", 0.0) for i in infos]))
-        out["envace/rehearse/malformed_per_trajectory"] = float(
-            np.mean([i.get("malformed_rehearsals", 0.0) for i in infos])
+        out["envace/act/calls_per_trajectory"] = float(np.mean([c.get("tool_calls", 0.0) for c in counters]))
+        out["envace/act/malformed_calls_per_trajectory"] = float(
+            np.mean([c.get("malformed_calls", 0.0) for c in counters])
         )
-        out["envace/masked_rate"] = float(np.mean([bool(i.get("verify_failed")) for i in infos]))
-        stops = Counter(str(ef.get("stop_reason", "unknown")) for ef in trajectories.values())
+        out["envace/rehearse/malformed_per_trajectory"] = float(
+            np.mean([c.get("malformed_rehearsals", 0.0) for c in counters])
+        )
+        out["envace/masked_rate"] = float(np.mean([row.verify_failed for row in trajectories.values()]))
+        stops = Counter(row.stop_reason for row in trajectories.values())
         for reason, count in stops.items():
             out[f"envace/stop_reason/{reason}"] = count / n_traj
-        fid: list[dict[str, float]] = []
-        for ef in trajectories.values():
-            try:
-                fid.extend(json.loads(ef.get("fidelity") or "[]"))
-            except (TypeError, json.JSONDecodeError):
-                continue
+        fid = [f for row in trajectories.values() for f in row.fidelity]
         if fid:
             out["envace/rehearsal_fidelity/compared"] = float(len(fid))
             for name in ("exact", "key_overlap", "error_agree"):
@@ -149,30 +143,44 @@ def _register() -> type:
             buffer.poll_interval = float((self.config.get("envace") or {}).get("replay_poll_s", buffer.poll_interval))
             return buffer
 
-        def _extra_fields(self, batch) -> list[Mapping[str, Any]]:
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
-            return list(data["extra_fields"])
+        #: TransferQueue fields a subclass needs after each step besides ``advantages``: read in the same call
+        STEP_FIELDS: tuple[str, ...] = ()
+
+        def _rows(self, batch) -> list[RolloutFields]:
+            """The rollout contract of ``batch``'s rows, in batch order: each row's ``extra_fields`` is read from
+            TransferQueue once per step (on the first call that needs it) and kept for the rest of the step."""
+            cache = self.__dict__.setdefault("_row_cache", {})
+            missing = [k for k in batch.keys if k not in cache]
+            if missing:
+                data = tq.kv_batch_get(keys=missing, partition_id=batch.partition_id, select_fields=["extra_fields"])
+                cache.update(zip(missing, read_rows(missing, list(data["extra_fields"])), strict=True))
+            return [cache[k] for k in batch.keys]
 
         def _compute_advantage(self, batch, metrics: dict):
             if self.config.algorithm.adv_estimator != ESTIMATOR_NAME:
                 return super()._compute_advantage(batch, metrics)
-            labels = batch_labels(batch.keys, self._extra_fields(batch), batch.tags)
+            labels = batch_labels(batch.keys, self._rows(batch), batch.tags)
             opts = (self.config.get("envace", {}) or {}).get("advantage", {}) or {}
             with role_labels(**labels, options=dict(opts)):
                 return super()._compute_advantage(batch, metrics)
 
         def step(self, metrics: dict, timing_raw: dict):
+            self._row_cache = {}  # the rows of this step only
             batch = super().step(metrics, timing_raw)
-            # one read of the trained rows serves the per-role metrics and the rollout dump of this step
-            data = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields", "advantages"]
-            )
-            extra = list(data["extra_fields"])
+            # one read after the update: the advantages, the subclass's fields, and the extra_fields of any row
+            # that _compute_advantage did not already read (all of them when the estimator is not grpo_rolewise)
+            missing = [k for k in batch.keys if k not in self._row_cache]
+            fields = ["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else [])]
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            if missing:
+                self._row_cache.update(zip(batch.keys, read_rows(batch.keys, list(data["extra_fields"])), strict=True))
+            rows = [self._row_cache[k] for k in batch.keys]
             first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
-            metrics.update(role_metrics(batch.keys, extra, first, batch.tags))
+            metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
+            self._step_data = data  # for the subclass's step (STEP_FIELDS)
             self._step_rows = {
-                key: (str((ef or {}).get("role", "act")), str((ef or {}).get("trajectory_id", _key_traj(key))), adv)
-                for key, ef, adv in zip(batch.keys, extra, first, strict=True)
+                key: (row.role.value, row.trajectory_id or key_trajectory(key), adv)
+                for key, row, adv in zip(batch.keys, rows, first, strict=True)
             }
             return batch
 
@@ -189,7 +197,7 @@ def _register() -> type:
             keys = reward_extra_infos_dict.get("uid")
             if labels and keys:
                 reward_extra_infos_dict = dict(reward_extra_infos_dict)
-                rows = [labels.get(k, ("act", _key_traj(k), 0.0)) for k in keys]
+                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0)) for k in keys]
                 reward_extra_infos_dict["role"] = [r[0] for r in rows]
                 reward_extra_infos_dict["trajectory_id"] = [r[1] for r in rows]
                 reward_extra_infos_dict["advantage"] = [r[2] for r in rows]

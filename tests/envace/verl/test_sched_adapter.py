@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from envace.agents.contract import RolloutFields
 from envace.envs.base import get_pool
 from envace.verl.sched import build_scheduler, collect_groups
 
@@ -41,10 +42,9 @@ def test_collect_groups_one_reward_per_rollout_and_skips_unscored():
     uids = ["u1", "u1", "u1", "u2", "u2"]
     scores = [torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0]),
               torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0])]
-    act = '[{"name": "ls", "arguments": {}}]'
-    extra = [{"actions": act}, {"actions": act}, {"actions": act},
-             {"actions": act}, {"actions": act, "reward_extra_info": {"verify_failed": 1.0}}]
-    rewards, trajs, unscored = collect_groups(keys, uids, scores, extra, uid_task)
+    act = ({"name": "ls", "arguments": {}},)
+    rows = [RolloutFields(trajectory_id=k.rsplit("_", 1)[0], actions=act, verify_failed=(k == "u2_1_0")) for k in keys]
+    rewards, trajs, unscored = collect_groups(keys, uids, scores, rows, uid_task)
     assert rewards == {"p/t1": [1.0, 0.0], "p/t2": [1.0]}
     assert unscored == 1
     assert trajs["p/t1"] == [[{"name": "ls", "arguments": {}}]] * 2
@@ -58,10 +58,11 @@ def test_collect_groups_skips_the_padding_rows_verl_appends():
     uids = ["u1", "u1", "padabc", "padabc"]
     scores = [torch.tensor([1.0])] * 4
     tags = [{}, {}, {"is_padding": True}, {"is_padding": True}]
-    rewards, _, unscored = collect_groups(keys, uids, scores, [{}] * 4, {"u1": "p/t1"}, tags)
+    rows = [RolloutFields.from_extra_fields({})] * 4  # rows of verl's own loops: no actions, valid
+    rewards, _, unscored = collect_groups(keys, uids, scores, rows, {"u1": "p/t1"}, tags)
     assert rewards == {"p/t1": [1.0]} and unscored == 0
     with pytest.raises(KeyError):  # without the tags the pad uid is unknown
-        collect_groups(keys, uids, scores, [{}] * 4, {"u1": "p/t1"})
+        collect_groups(keys, uids, scores, rows, {"u1": "p/t1"})
 
 
 def three_observed_steps(bfcl):

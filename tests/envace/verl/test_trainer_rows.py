@@ -1,0 +1,175 @@
+"""envace's V1 trainers read each trained row's ``extra_fields`` from TransferQueue once per step, through the
+rollout contract (envace/agents/contract.py): ``_compute_advantage`` (under ``grpo_rolewise``) reads them and hands
+the estimator the role labels; the step's metrics, rollout-dump labels and EnvSched's observation reuse that read;
+the advantages and EnvSched's ``uid``/``rm_scores`` come in one more read after the update.
+
+verl's own ``step``/``_compute_advantage`` are replaced by stand-ins that call the envace overrides the way verl
+0.9.1 does (``step`` runs ``_compute_advantage`` once per sub-batch, then returns the combined batch meta), and
+TransferQueue by an in-memory store that records every read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transfer_queue import KVBatchMeta
+
+from envace import advantage
+from envace.agents.contract import RolloutFields, RolloutFieldsError
+from envace.roles import Role
+
+
+def wire(role: Role, traj: str, index: int, *, failed: bool = False, empty: bool = False, calls: float = 1.0):
+    return RolloutFields(
+        role=role, trajectory_id=traj, output_index=index, task_id="t1", pool="p", env_id="e",
+        observation_source="rehearse", stop_reason="completed", reward=0.0 if failed else 1.0,
+        verify_failed=failed, counters={"tool_calls": calls}, actions=({"name": "ls", "arguments": {}},),
+        empty=empty, num_tokens=5 + index,
+    ).to_extra_fields()
+
+
+#: two prompts (u1, u2); rollout u1_0 has an act and a rehearse output; u2_0's verifier failed; one padding row
+ROWS = {
+    "u1_0_0": wire(Role.ACT, "u1_0", 0),
+    "u1_0_1": wire(Role.REHEARSE, "u1_0", 1, empty=True),
+    "u1_1_0": wire(Role.ACT, "u1_1", 0, calls=3.0),
+    "u2_0_0": wire(Role.ACT, "u2_0", 0, failed=True),
+    "u2_1_0": wire(Role.ACT, "u2_1", 0),
+}
+ROWS["pad_0_0"] = dict(ROWS["u1_0_0"])
+SUB_BATCHES = [["u1_0_0", "u1_0_1", "u1_1_0"], ["u2_0_0", "u2_1_0", "pad_0_0"]]
+
+
+class Store:
+    """TransferQueue's ``kv_batch_get`` over ``ROWS``, recording (keys, fields) of every call."""
+
+    def __init__(self, rows):
+        self.rows, self.reads = rows, []
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        self.reads.append((list(keys), list(select_fields)))
+        out = {}
+        for f in select_fields:
+            if f == "extra_fields":
+                out[f] = np.array([self.rows[k] for k in keys], dtype=object)
+            elif f == "advantages":
+                out[f] = torch.tensor([[0.5 * i, 0.0] for i, _ in enumerate(keys)])
+            elif f == "uid":
+                out[f] = np.array([k.split("_")[0] for k in keys], dtype=object)
+            elif f == "rm_scores":
+                out[f] = [torch.tensor([0.0, float(not self.rows[k]["reward_extra_info"]["verify_failed"])])
+                          for k in keys]
+        return out
+
+    def extra_field_reads(self):
+        return [k for keys, fields in self.reads if "extra_fields" in fields for k in keys]
+
+
+@pytest.fixture
+def verl_stand_ins(monkeypatch):
+    """(store, estimator label log): TransferQueue replaced by a Store; verl's step and _compute_advantage by
+    stand-ins that run envace's overrides as verl 0.9.1 does."""
+    import transfer_queue
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    store = Store(ROWS)
+    labels_seen: list[dict] = []
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", store.kv_batch_get)
+
+    def verl_compute_advantage(self, batch, metrics):
+        labels_seen.append(advantage._LABELS.get())  # what grpo_rolewise would read
+        return batch
+
+    def verl_step(self, metrics, timing_raw):
+        keys, tags = [], []
+        for sub in SUB_BATCHES:  # parameter_sync_step=2: one _step_once per sub-batch
+            sub_tags = [{"is_padding": k.startswith("pad")} for k in sub]
+            self._compute_advantage(KVBatchMeta(keys=sub, tags=sub_tags, partition_id="train"), metrics)
+            keys += sub
+            tags += sub_tags
+        return KVBatchMeta(keys=keys, tags=tags, partition_id="train")
+
+    monkeypatch.setattr(PPOTrainer, "_compute_advantage", verl_compute_advantage)
+    monkeypatch.setattr(PPOTrainer, "step", verl_step)
+    return store, labels_seen
+
+
+def make_trainer(mode: str, estimator: str):
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    from envace.verl.extensions import register_trainer_extensions
+
+    register_trainer_extensions()
+    cls = get_trainer_cls(mode)
+    trainer = cls.__new__(cls)  # no __init__: no workers, no Ray
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator},
+                                       "envace": {"advantage": {"baseline": "trajectory"}}})
+    return trainer
+
+
+def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimator(verl_stand_ins):
+    store, labels_seen = verl_stand_ins
+    trainer = make_trainer("envace_sync", "grpo_rolewise")
+    metrics: dict = {}
+    batch = trainer.step(metrics, {})
+    assert sorted(store.extra_field_reads()) == sorted(ROWS)  # every row once, none twice
+    assert len(store.reads) == 3  # one per sub-batch's advantage, one after the update (advantages only)
+    assert store.reads[-1][1] == ["advantages"]
+    first, second = labels_seen
+    assert list(first["roles"]) == ["act", "rehearse", "act"] and list(first["traj_index"]) == ["u1_0"] * 2 + ["u1_1"]
+    assert list(first["empty"]) == [False, True, False] and first["options"] == {"baseline": "trajectory"}
+    assert list(second["valid"]) == [False, True, False]  # u2_0 unscored, the padding row never valid
+    assert metrics["envace/act/outputs"] == 4 and metrics["envace/rehearse/outputs"] == 1  # padding left out
+    assert metrics["envace/rehearse/empty_rate"] == 1.0 and metrics["envace/masked_rate"] == 0.25
+    assert metrics["envace/act/calls_per_trajectory"] == 1.5  # (1 + 3 + 1 + 1) / 4 trajectories
+    assert metrics["envace/act/advantage_mean"] == pytest.approx(np.mean([0.0, 1.0, 2.0]))  # u2_0 masked
+    assert trainer._step_rows["u1_0_1"] == ("rehearse", "u1_0", 0.5)
+    assert batch.keys == SUB_BATCHES[0] + SUB_BATCHES[1]
+
+
+def test_without_rolewise_the_one_read_after_the_update_brings_the_extra_fields(verl_stand_ins):
+    store, labels_seen = verl_stand_ins
+    trainer = make_trainer("envace_sync", "grpo")
+    metrics: dict = {}
+    trainer.step(metrics, {})
+    assert labels_seen == [None, None] and len(store.reads) == 1
+    assert store.reads[0][1] == ["advantages", "extra_fields"] and sorted(store.extra_field_reads()) == sorted(ROWS)
+    assert metrics["envace/rehearse/outputs"] == 1
+
+
+def test_envsched_observes_from_the_same_reads(verl_stand_ins):
+    store, _ = verl_stand_ins
+    trainer = make_trainer("envsched_sync", "grpo_rolewise")
+
+    class Scheduler:
+        observed = None
+
+        def observe(self, step, rewards, trajectories):
+            self.observed = (step, rewards, trajectories)
+
+        def metrics(self, step):
+            return {"envsched/step": float(step)}
+
+    trainer.scheduler, trainer.global_steps, trainer._sched_build_s = Scheduler(), 3, None
+    trainer._uid_task = {"u1": "p/t1", "u2": "p/t2", "pad": "p/pad"}
+    metrics: dict = {}
+    trainer.step(metrics, {})
+    assert len(store.reads) == 3 and store.reads[-1][1] == ["advantages", "uid", "rm_scores"]
+    assert sorted(store.extra_field_reads()) == sorted(ROWS)
+    step, rewards, trajectories = trainer.scheduler.observed
+    assert step == 3 and rewards == {"p/t1": [1.0, 1.0], "p/t2": [1.0]}  # u2_0 unscored, padding skipped
+    assert trajectories["p/t1"] == [[{"name": "ls", "arguments": {}}]] * 2
+    assert metrics["envsched/unscored_rollouts"] == 1.0 and metrics["envace/act/outputs"] == 4
+
+
+def test_a_row_that_breaks_the_contract_stops_the_step_before_the_estimator_runs(verl_stand_ins, monkeypatch):
+    _, labels_seen = verl_stand_ins
+    monkeypatch.setitem(ROWS, "u1_0_1", {**ROWS["u1_0_1"], "role": "actor"})
+    trainer = make_trainer("envace_sync", "grpo_rolewise")
+    with pytest.raises(RolloutFieldsError, match="row u1_0_1: extra_fields.role: 'actor' is not a role"):
+        trainer.step({}, {})
+    assert labels_seen == []
+    monkeypatch.setitem(ROWS, "u1_0_1", {k: v for k, v in ROWS["u1_0_1"].items() if k != "trajectory_id"})
+    with pytest.raises(RolloutFieldsError, match="row u1_0_1: extra_fields lack trajectory_id"):
+        make_trainer("envace_sync", "grpo").step({}, {})
