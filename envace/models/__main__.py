@@ -50,10 +50,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 0
     t0 = time.time()
     if args.warm_start:
-        from envace.models import warmstart
+        from envace.models.warmstart.build import ensure_warm, is_warm_complete
 
-        path, built = warmstart._ensure_warm(args.out, force=args.force)
-        complete = not args.verify or warmstart.is_warm_complete(path, verify=True)
+        path, built = ensure_warm(args.out, force=args.force)
+        complete = not args.verify or is_warm_complete(path, verify=True)
     else:
         path, built = tiny._ensure(args.out, force=args.force)
         complete = not args.verify or tiny.is_complete(path, verify=True)

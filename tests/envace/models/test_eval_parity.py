@@ -47,7 +47,7 @@ def model(tok, tasks):
     examples = [W.act_examples(W.learning_pool(), t, tok)[0] for t in tasks]
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(TinyQwen3Spec().qwen3_config()).eval()
-    with W._torch_threads(1):
+    with W.torch_threads(1):
         W.train_sft(model, examples, max_steps=60, batch_tokens=4096, lr=1e-2, warmup_steps=5, negatives=256, seed=0)
     return model
 
@@ -101,7 +101,7 @@ def _tight() -> W.EvalSettings:
 
 @pytest.mark.parametrize("settings", [W.EvalSettings(), _tight()], ids=["cpu_default", "tight"])
 def test_warm_start_evaluation_and_rl_validation_score_alike(tok, model, tasks, settings):
-    with W._torch_threads(1):
+    with W.torch_threads(1):
         warm = W.run_episodes(model, tok, W.learning_pool(), tasks, temperature=0.0, seed=0, settings=settings)
         loop = _validation_loop(tok, model, settings)
         greedy = {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}

@@ -1,0 +1,186 @@
+"""The cached build: random init (the tiny recipe), phase 1 on copy drills, phase 2 on task data, the held-out
+evaluation, and an atomic install with the manifest (recipe hash) written last."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from envace.models import tiny as _tiny
+from envace.models import tokenizer as _tok
+from envace.models.warmstart.config import (
+    DEFAULT_CONFIG,
+    WARM_NAME,
+    WARM_RECIPE_VERSION,
+    WarmStartConfig,
+    learning_pool,
+)
+from envace.models.warmstart.examples import build_examples, copy_drill_examples
+from envace.models.warmstart.rollout import heldout_success, load_model
+from envace.models.warmstart.sft import train_sft, window_mean
+
+_PHASE1_DRILLS = 30_000
+
+
+def default_warm_dir() -> Path:
+    return _tiny.default_cache_dir() / "models" / WARM_NAME
+
+
+def warm_recipe(cfg: WarmStartConfig = DEFAULT_CONFIG) -> dict[str, Any]:
+    return {"warm_recipe_version": WARM_RECIPE_VERSION, "base": _tiny.recipe(cfg.spec), "train": cfg.recipe()}
+
+
+def warm_recipe_hash(cfg: WarmStartConfig = DEFAULT_CONFIG) -> str:
+    blob = json.dumps(warm_recipe(cfg), sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def is_warm_complete(path: str | os.PathLike[str], cfg: WarmStartConfig = DEFAULT_CONFIG, verify: bool = False) -> bool:
+    path = Path(path)
+    try:
+        manifest = json.loads((path / _tiny.MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("recipe_hash") != warm_recipe_hash(cfg):
+        return False
+    return _tiny.files_intact(path, manifest.get("files"), verify)
+
+
+def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[str, Any]:
+    """Random init (tiny recipe) → SFT → save into ``out``; manifest written last. Returns the manifest."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envace.envs.base import get_pool
+
+    t0 = time.time()
+    _tiny.build_tiny_model(out, cfg.spec)
+    (out / _tiny.MANIFEST_NAME).unlink()
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype="float32")
+    pool = get_pool(cfg.pool, **dict(cfg.pool_kwargs))
+    tids = list(pool.task_ids("train"))
+    if cfg.max_train_tasks:
+        tids = random.Random(f"{cfg.seed}:tasks").sample(tids, min(cfg.max_train_tasks, len(tids)))
+    examples = build_examples(pool, tids, tok, cfg)
+    if cfg.copy_drills:
+        examples += copy_drill_examples(tok, cfg.copy_drills, cfg.seed)
+    drills = copy_drill_examples(tok, _PHASE1_DRILLS, cfg.seed + 1) if cfg.drill_steps else []
+    t_data = time.time() - t0
+    print(f"warm start: {len(examples)} examples from {len(tids)} train tasks "
+          f"({sum(len(e.ids) for e in examples)} tokens, {sum(sum(e.labels) for e in examples)} targets) in {t_data:.0f}s",
+          flush=True)
+    common: dict[str, Any] = {"warmup_steps": cfg.warmup_steps, "weight_decay": cfg.weight_decay,
+                              "grad_clip": cfg.grad_clip, "negatives": cfg.negatives, "log_every": log_every,
+                              "threads": cfg.threads}
+    drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1,
+                             decay=False, stop_below=cfg.drill_target_loss, stop_window=cfg.drill_window,
+                             batch_tokens=cfg.drill_batch_tokens, **common) if drills else []
+    drill_final = window_mean(drill_losses, cfg.drill_window) if drill_losses else None
+    drill_formed = drill_final <= cfg.drill_target_loss if drill_final is not None else None
+    if drill_formed is False:
+        print(f"warm start: WARNING the drill loss is still {drill_final:.3f} after "
+              f"{len(drill_losses)} steps (target {cfg.drill_target_loss}): the copying circuit did not form and the "
+              f"model will guess argument values", flush=True)
+    losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed,
+                       batch_tokens=cfg.batch_tokens, **common)
+    t_train = time.time() - t0 - t_data
+    with _tiny._no_progress_bars():
+        model.save_pretrained(out, safe_serialization=True)
+    tenth = max(1, len(losses) // 10)
+    head, tail = losses[:tenth], losses[-tenth:]
+    files = {}
+    for f in sorted(out.iterdir()):
+        if f.is_file() and f.name != _tiny.MANIFEST_NAME:
+            os.chmod(f, 0o644)
+            files[f.name] = {"size": f.stat().st_size, "sha256": _tiny.file_sha256(f)}
+    import transformers
+
+    manifest = {
+        "name": WARM_NAME,
+        "recipe_hash": warm_recipe_hash(cfg),
+        "recipe": warm_recipe(cfg),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "train": {
+            "examples": len(examples),
+            "act_examples": sum(e.kind == "act" for e in examples),
+            "rehearse_examples": sum(e.kind == "rehearse" for e in examples),
+            "drill_examples": sum(e.kind == "drill" for e in examples),
+            "drill_steps": len(drill_losses),
+            "drill_final_loss": round(drill_final, 4) if drill_final is not None else None,
+            "drill_formed": drill_formed,
+            "steps": len(losses),
+            "first_loss": round(sum(head) / len(head), 4) if losses else None,
+            "final_loss": round(sum(tail) / len(tail), 4) if losses else None,
+            "data_seconds": round(t_data, 1),
+            "train_seconds": round(t_train, 1),
+        },
+        "build_seconds": round(time.time() - t0, 2),
+        "files": files,
+    }
+    return manifest
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    tmp = out / (_tiny.MANIFEST_NAME + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / _tiny.MANIFEST_NAME)
+
+
+def build_warm_start(
+    out_dir: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    cfg: WarmStartConfig = DEFAULT_CONFIG,
+    evaluate: bool = True,
+) -> Path:
+    """Return the warm-started checkpoint directory, building it first if missing or stale (deterministic).
+
+    ``out_dir`` defaults to ``$ENVACE_CACHE/models/tiny-qwen3-warm``; ``force`` rebuilds a complete one.
+    A fresh build prints its held-out success (``cfg.eval_tasks`` test tasks, temperature 1.0), which
+    is also recorded in the manifest.
+    """
+    return ensure_warm(out_dir, force=force, cfg=cfg, evaluate=evaluate)[0]
+
+
+def ensure_warm(out_dir: str | os.PathLike[str] | None, *, force: bool = False, cfg: WarmStartConfig = DEFAULT_CONFIG,
+                 evaluate: bool = True) -> tuple[Path, bool]:
+    _tok._offline_env()
+    final = (Path(out_dir).expanduser() if out_dir is not None else default_warm_dir()).absolute()
+    if not force and is_warm_complete(final, cfg):
+        return final, False
+    with _tiny._build_lock(final):
+        if not force and is_warm_complete(final, cfg):
+            return final, False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=final.parent))
+        try:
+            manifest = _build_into(tmp, cfg)
+            if evaluate and cfg.eval_tasks:
+                t0 = time.time()
+                model, tok = load_model(tmp)
+                ev = heldout_success(model, tok, learning_pool(cfg), n_tasks=cfg.eval_tasks, temperature=1.0,
+                                     seed=cfg.seed, threads=cfg.threads, per_category=True)
+                success = ev["success"]
+                manifest["heldout_success"] = {"tasks": ev["tasks"], "temperature": 1.0, "success": success,
+                                               "per_category": ev["per_category"], "seconds": round(time.time() - t0, 1)}
+                print(f"warm start: held-out success {success:.3f} on {ev['tasks']} test tasks (T=1.0) "
+                      f"{ev['per_category']}", flush=True)
+            manifest["build_seconds_total"] = round(manifest["build_seconds"] + manifest.get("heldout_success", {}).get("seconds", 0), 1)
+            _write_manifest(tmp, manifest)
+            os.chmod(tmp, 0o755)
+            _tiny._install(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, True
+
+
+def ensure_warm_model(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
+    """The warm-started checkpoint directory (``$ENVACE_CACHE/models/tiny-qwen3-warm``), built if needed."""
+    return build_warm_start(path, force=force)
