@@ -1,9 +1,12 @@
 """EnvSched selection quality on simulated learners: the paper's Table 2 / Table 3(a) comparison.
 
-    .venv/bin/python benchmarks/envsched_quality.py            # 2 learners x 10 arms x 3 seeds x 200 steps
-    .venv/bin/python benchmarks/envsched_quality.py --quick    # 2 learners x 10 arms x 3 seeds x 60 steps
+    .venv/bin/python benchmarks/envsched_quality.py            # 2 learners x 16 arms (6 of them baselines) x 3 seeds x 200 steps
+    .venv/bin/python benchmarks/envsched_quality.py --quick    # the same, 60 steps
     .venv/bin/python benchmarks/envsched_quality.py --arms "random,EnvSched (full)" --learners binary --seeds 5
     .venv/bin/python benchmarks/envsched_quality.py --tasks-per-env 400   # a pool 8x the rollout budget's reach
+    .venv/bin/python benchmarks/envsched_quality.py --text-free --envs 2000 --tasks-per-env 500 \
+        --arms "random,learnability p(1-p),dynamic sampling (DAPO),Thompson (MoPPS),PLR"   # 1,000,000 tasks
+    # the baseline table and its commands: docs/results/envsched_baselines.md (run with OMP_NUM_THREADS=1)
 
 Pool: ``envsched.synthetic.synthetic_records`` (51 environments x 60 tasks with tool schemas, instructions,
 verifier checks and code, and gold call sequences); per environment 50 tasks form the training pool
@@ -17,6 +20,19 @@ and per task; updates proportional to the realised within-group reward spread):
 * ``binary``: 0/1 reward on harder tasks.
 
 Neither saturates within 200 steps (median reward of random scheduling ends near 0.7 / 0.5).
+``partial-local`` / ``binary-local`` (``--learners``; not in the default run): the same rewards, but neighbours
+carry little information about a task: the task-specific part of difficulty has sd 2.2 against 0.5 for the
+environment's and 0.5 for the structure cluster's (default 1.0 / 1.5 / 1.5), so the total spread of difficulty,
+and with it how hard the pool is, stays about the same (sd 2.31 against 2.35).
+
+Baseline arms (``benchmarks/envsched_baselines.py``, each docstring cites its paper and rule): per-task learnability
+sampling from a Beta posterior per task with the target p (1 - p) or the GRPO form 1 - p^K - (1 - p)^K; DAPO-style
+dynamic sampling (random batches, groups without reward spread dropped and refilled in batches of B, or only the
+shortfall; every rollout generated counted); MoPPS-style Thompson sampling on the same posteriors (sampled p nearest
+0.5); prioritized level replay (rank prioritisation of the mean absolute advantage, staleness mixing, proportionate
+replay probability).  They read only task ids and environments, so ``--text-free`` runs them on a pool without text
+(``--envs`` x ``--tasks-per-env`` tasks named like the synthetic ones, structure clusters drawn uniformly): the pool
+size EnvSched's graph cannot be built at on this machine (issue 34, deliverable 1).
 
 Arms: random; full EnvSched (the shipped config); the paper's Table 3(a) ablations and the eligibility
 filters: without S_abs (within-environment edges only: K_cross = 0, all fusion weight on G^in), without
@@ -31,15 +47,18 @@ alone; ``cross_reference: environment_mean`` with ``quantile_weight_v: 0.35``, w
 ``reconstructed_target: learnability``);
 ``--set KEY=JSON`` changes a field of every EnvSched arm.
 
-Columns (mean ± sd over seeds): mean realised within-group variance over all steps (Eq. 2), the same over the
-coverage-phase and the exploitation-phase picks, median reward,
-environments per batch, final held-out success (mean probability of full success on the held-out tasks),
-final training-pool success, and the prediction diagnostics (``envsched/spearman_q_<type>``: Spearman
-correlation of the selection score q with the realised variance, averaged over steps) for ``all`` groups,
-``observed`` tasks and tasks without history (``within_env`` evidence); ``rho_true``: the same score against
-the learner's noise-free expected group variance over the whole pool every 10 steps (``all``, ``observed``
-tasks, and among each environment's unobserved tasks: the coverage phase's choice).  Runtime of the full figure on
-the project's 2-core CPU machine: see the README's EnvSched section.
+Columns (mean ± sd over seeds): mean realised within-group variance per group *generated* (Eq. 2: the variance of
+the groups a step trains on, summed over steps, divided by the groups rolled out; for every arm but dynamic sampling
+that is the plain mean over all groups), the same over the coverage-phase and the exploitation-phase picks, median
+reward, environments per batch, final held-out success (mean probability of full success on the held-out tasks),
+final training-pool success, and the prediction diagnostics (``envsched/spearman_q_<type>``: Spearman correlation of
+the selection score q with the realised variance, averaged over steps) for ``all`` groups, ``observed`` tasks and
+tasks without history (``within_env`` evidence); ``rho_true``: the same score against the learner's noise-free
+expected group variance over the whole pool every 10 steps (``all``, ``observed`` tasks, and among each
+environment's unobserved tasks: the coverage phase's choice).  A second, cost table adds the variance per *trained*
+group, rollouts generated per step, and the steps (and rollouts) each arm needs to reach the random arm's final
+held-out success on the same seed (held-out success only rises, so that is the first step at or above it).  Runtime
+of the full figure on the project's 2-core CPU machine: see the README's EnvSched section.
 """
 
 from __future__ import annotations
@@ -50,27 +69,51 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from envsched_baselines import (
+    DynamicSampler,
+    LearnabilitySampler,
+    PrioritizedLevelReplay,
+    ThompsonSampler,
+)
 
 from envsched import EnvSchedConfig, EnvScheduler, TaskPool
 from envsched.estimate import Prediction, evidence_types, percentile_rank, rank_correlation
-from envsched.synthetic import LatentSkillLearner, synthetic_records
+from envsched.synthetic import ARCHETYPES, LatentSkillLearner, synthetic_records
 
 N_ENVS, TRAIN_PER_ENV, HELDOUT_PER_ENV = 51, 50, 10
+BATCH, ROLLOUTS = 64, 8  # B and K of every arm (the paper's)
+LOCAL = {"sd_env": 0.5, "sd_cluster": 0.5, "sd_task": 2.2}  # neighbours carry little information
 LEARNERS = {  # LatentSkillLearner keyword arguments
     "partial": {"reward": "partial", "n_checks": 4, "offset": 0.5},
     "binary": {"reward": "binary", "offset": 2.0},
+    "partial-local": {"reward": "partial", "n_checks": 4, "offset": 0.5, **LOCAL},
+    "binary-local": {"reward": "binary", "offset": 2.0, **LOCAL},
 }
+DEFAULT_LEARNERS = ("partial", "binary")
+# Baseline arms: factory(pool, batch_size, rollouts_per_task, seed) -> scheduler (benchmarks/envsched_baselines.py)
+BASELINES = {
+    "learnability p(1-p)": lambda *a: LearnabilitySampler(*a, target="bernoulli"),
+    "learnability 1-p^K-(1-p)^K": lambda *a: LearnabilitySampler(*a, target="grpo"),
+    "dynamic sampling (DAPO)": lambda *a: DynamicSampler(*a),
+    "dynamic sampling (refill shortfall)": lambda *a: DynamicSampler(*a, refill="shortfall"),
+    "Thompson (MoPPS)": lambda *a: ThompsonSampler(*a),
+    "PLR": lambda *a: PrioritizedLevelReplay(*a),
+}
+CHEAP_ARMS = ("random", *BASELINES)  # arms that read no task text
 RELATION_ARMS = ("without S_abs", "without S_full", "without both")
 ORACLE = "oracle q (ceiling)"
 DIAG = ("all", "observed", "within_env", "cross_env_only")
 TRUE_DIAG = ("all", "observed", "unobs_env")
 
 
-def arms(base: EnvSchedConfig, extra: bool) -> dict[str, EnvSchedConfig]:
+def arms(base: EnvSchedConfig, extra: bool) -> dict[str, Any]:
     out = {
         "random": base.replace(scheduler="random"),
         "EnvSched (full)": base,
@@ -82,6 +125,7 @@ def arms(base: EnvSchedConfig, extra: bool) -> dict[str, EnvSchedConfig]:
         "without progress filter": base.replace(progress_filter=False),
         "without identifier filter": base.replace(identifier_filter=False),
         ORACLE: base,
+        **BASELINES,
     }
     if extra:
         out["evidence fusion + env-relative cross"] = base.replace(**RELATION_OPTIONS)
@@ -100,11 +144,26 @@ RELATION_OPTIONS = {"fusion": "evidence", "cross_reference": "environment"}
 MEAN_TRANSFER = {"cross_reference": "environment_mean", "quantile_weight_v": 0.35}
 
 
-def split_records(seed: int = 0, train_per_env: int = TRAIN_PER_ENV) -> tuple[list[dict], list[dict]]:
-    recs = synthetic_records(N_ENVS, train_per_env + HELDOUT_PER_ENV, seed=seed)
+def split_records(seed: int = 0, train_per_env: int = TRAIN_PER_ENV,
+                  n_envs: int = N_ENVS) -> tuple[list[dict], list[dict]]:
+    recs = synthetic_records(n_envs, train_per_env + HELDOUT_PER_ENV, seed=seed)
     train = [r for r in recs if int(r["task_id"].rsplit("_", 1)[1]) < train_per_env]
     held = [r for r in recs if int(r["task_id"].rsplit("_", 1)[1]) >= train_per_env]
     return train, held
+
+
+def text_free_split(n_envs: int, train_per_env: int,
+                    seed: int = 0) -> tuple[TaskPool, np.ndarray, np.ndarray, np.ndarray]:
+    """A pool of ``n_envs`` x ``train_per_env`` tasks without text (ids and environments only) for the arms that
+    read no text, with structure clusters drawn uniformly over the synthetic archetypes, and ``HELDOUT_PER_ENV``
+    held-out tasks per environment: (pool, cluster, held-out environment, held-out cluster)."""
+    rng = np.random.default_rng(seed)
+    n_cl = len(ARCHETYPES)
+    pool = TaskPool.from_records({"task_id": f"env_{e:04d}-task_{k}", "env_id": f"env_{e:04d}", "instruction": "-"}
+                                 for e in range(n_envs) for k in range(train_per_env))
+    cluster = rng.integers(n_cl, size=len(pool))
+    held_env = np.repeat(np.arange(n_envs), HELDOUT_PER_ENV)
+    return pool, cluster, held_env, rng.integers(n_cl, size=len(held_env))
 
 
 class OracleScheduler(EnvScheduler):
@@ -140,41 +199,72 @@ def true_diagnostics(sched: EnvScheduler, learner: LatentSkillLearner, step: int
     return out
 
 
-def run(cfg: EnvSchedConfig, pool: TaskPool, graph, learner: LatentSkillLearner, steps: int, true_every: int = 10, oracle: bool = False) -> dict[str, float]:
+def make_scheduler(spec: Any, pool: TaskPool, graph, learner: LatentSkillLearner, oracle: bool = False):
+    """An arm's scheduler for one seed: EnvScheduler (or the oracle) for a config, else the baseline factory's."""
+    if isinstance(spec, EnvSchedConfig):
+        cfg = spec.replace(seed=learner.seed)
+        if oracle:
+            return OracleScheduler(pool, cfg, graph=graph, learner=learner)
+        return EnvScheduler(pool, cfg, graph=graph)
+    return spec(pool, BATCH, ROLLOUTS, learner.seed)
+
+
+def run(spec: Any, pool: TaskPool, graph, learner: LatentSkillLearner, steps: int, true_every: int = 10,
+        oracle: bool = False) -> dict[str, Any]:
+    """Drive one arm for ``steps`` steps on ``learner``: select, roll out K per task (and, for dynamic sampling,
+    refill until its batch is full), train on the kept groups, observe; per-step figures in the returned dict."""
+    sched = make_scheduler(spec, pool, graph, learner, oracle)
+    envsched = isinstance(spec, EnvSchedConfig) and spec.scheduler == "envsched"
     if oracle:
-        sched = OracleScheduler(pool, cfg.replace(seed=learner.seed), graph=graph, learner=learner)
         true_every = 0  # its score is the truth
-    else:
-        sched = EnvScheduler(pool, cfg.replace(seed=learner.seed), graph=graph)
-    var, med_r, envs, diag = [], [], [], {k: [] for k in DIAG}
+    K = ROLLOUTS
+    var_sum, gen_groups, trained_groups, med_r, envs, diag = 0.0, 0, 0, [], [], {k: [] for k in DIAG}
+    gen_per_step, heldout_curve = [], []
     phase_var: dict[str, list[float]] = {"coverage": [], "exploitation": []}
     tdiag: dict[str, list[float]] = {k: [] for k in TRUE_DIAG}
     t0 = time.perf_counter()
     for step in range(steps):
         ids = sched.select(step)
-        nodes = pool.indices(ids)
-        if cfg.scheduler == "envsched" and step > 0 and true_every and step % true_every == 0:
-            for k, x in true_diagnostics(sched, learner, step, cfg.rollouts_per_task).items():
+        if envsched and step > 0 and true_every and step % true_every == 0:
+            for k, x in true_diagnostics(sched, learner, step, K).items():
                 tdiag[k].append(x)
-        R = learner.rollout(nodes, cfg.rollouts_per_task)
+        rolled: dict[str, np.ndarray] = {}
+        n_gen = 0
+        while ids:
+            R = learner.rollout(pool.indices(ids), K)
+            n_gen += len(ids)
+            m = sched.observe(step, {t: r.tolist() for t, r in zip(ids, R)})
+            rolled.update(zip(ids, R))
+            ids = sched.refill(step) if hasattr(sched, "refill") else []
+        kept = sched.kept(step) if hasattr(sched, "kept") else list(rolled)
+        nodes = pool.indices(kept)
+        R = np.stack([rolled[t] for t in kept]) if kept else np.zeros((0, K))
         learner.train(nodes, R)
-        m = sched.observe(step, {t: r.tolist() for t, r in zip(ids, R)})
+        heldout_curve.append(learner.heldout_success())
         v = R.var(axis=1)
-        var.append(v.mean())
-        phases = np.asarray(sched.selection_phases[step])
-        for ph, vals in phase_var.items():
-            if (phases == ph).any():
-                vals.append(float(v[phases == ph].mean()))
-        med_r.append(np.median(R.mean(axis=1)))
-        envs.append(m["envsched/envs_per_batch"])
+        var_sum += float(v.sum())
+        gen_groups += n_gen
+        trained_groups += len(kept)
+        gen_per_step.append(n_gen * K)
+        phases = np.asarray(getattr(sched, "selection_phases", {}).get(step, []))
+        if len(phases) == len(v):
+            for ph, vals in phase_var.items():
+                if (phases == ph).any():
+                    vals.append(float(v[phases == ph].mean()))
+        if len(R):
+            med_r.append(np.median(R.mean(axis=1)))
+        envs.append(len(np.unique(pool.env[nodes])))
         for k in DIAG:
             if f"envsched/spearman_q_{k}" in m:
                 diag[k].append(m[f"envsched/spearman_q_{k}"])
     out = {
-        "mean_var": float(np.mean(var)),
+        "mean_var": var_sum / max(gen_groups, 1),
+        "var_trained": var_sum / max(trained_groups, 1),
+        "rollouts_per_step": float(np.mean(gen_per_step)),
         **{f"var_{ph}": float(np.mean(vals)) if vals else float("nan") for ph, vals in phase_var.items()},
-        "median_reward": float(np.median(med_r)), "envs": float(np.mean(envs)),
+        "median_reward": float(np.median(med_r)) if med_r else float("nan"), "envs": float(np.mean(envs)),
         "heldout": learner.heldout_success(), "train_success": float(learner.success_prob().mean()),
+        "heldout_curve": heldout_curve, "cum_rollouts": np.cumsum(gen_per_step).tolist(),
         "seconds": time.perf_counter() - t0,
     }
     for k in DIAG:
@@ -184,52 +274,93 @@ def run(cfg: EnvSchedConfig, pool: TaskPool, graph, learner: LatentSkillLearner,
     return out
 
 
+def steps_to_reach(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list[tuple[int, int] | None]:
+    """Per seed: (steps, rollouts generated) an arm needs until its held-out success first reaches the final
+    held-out success of ``reference`` (the random arm) on the same seed; None when it never does."""
+    out = []
+    for r, ref in zip(runs, reference):
+        hit = np.flatnonzero(np.asarray(r["heldout_curve"]) >= ref["heldout_curve"][-1])
+        out.append((int(hit[0]) + 1, int(r["cum_rollouts"][hit[0]])) if len(hit) else None)
+    return out
+
+
+def _fail(message: str) -> None:
+    """A command-line mistake: one line on stderr, exit status 2, before anything runs."""
+    print(f"envsched_quality.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="60 steps instead of 200")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--envs", type=int, default=N_ENVS, help="environments (paper: 51)")
     ap.add_argument("--tasks-per-env", type=int, default=TRAIN_PER_ENV, help="training tasks per environment (paper: 50)")
+    ap.add_argument("--text-free", action="store_true",
+                    help="a pool of task ids and environments only; for the arms that read no text: "
+                    + ", ".join(CHEAP_ARMS))
     ap.add_argument("--seeds", type=int, default=3, help="learner / scheduler seeds (>= 3 for mean ± sd)")
-    ap.add_argument("--learners", default=",".join(LEARNERS), help="comma-separated subset of " + ",".join(LEARNERS))
+    ap.add_argument("--learners", default=",".join(DEFAULT_LEARNERS),
+                    help="comma-separated subset of " + ",".join(LEARNERS))
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arm names (default: all)")
     ap.add_argument("--extra", action="store_true", help="add the 'paper estimation' and 'beyond the paper' arms")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a config field of every EnvSched arm")
     ap.add_argument("--json", default=None, help="write the per-seed results here")
     args = ap.parse_args()
     steps = args.steps or (60 if args.quick else 200)
-    t_all = time.perf_counter()
-    if args.tasks_per_env < 1:
-        raise SystemExit("--tasks-per-env must be >= 1")
-    train, held = split_records(train_per_env=args.tasks_per_env)
-    pool = TaskPool.from_records(train)
-    env, cluster = pool.env, np.array([r["meta"]["archetype"] for r in train])
-    held_env = np.array([pool.env_names.index(r["env_id"]) for r in held])
-    held_cluster = np.array([r["meta"]["archetype"] for r in held])
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-    base = EnvSchedConfig(batch_size=64, rollouts_per_task=8).replace(**overrides)
-    graph = EnvScheduler(pool, base).graph
+    for flag, value in (("--tasks-per-env", args.tasks_per_env), ("--envs", args.envs), ("--seeds", args.seeds),
+                        ("--steps", steps)):
+        if value < 1:
+            _fail(f"{flag} must be >= 1, got {value}")
+    if args.envs * args.tasks_per_env < BATCH:
+        _fail(f"--envs x --tasks-per-env = {args.envs * args.tasks_per_env} tasks, fewer than the batch size {BATCH}")
+    learners = [x.strip() for x in args.learners.split(",")]
+    if unknown := [x for x in learners if x not in LEARNERS]:
+        _fail(f"--learners: unknown learner(s) {unknown}; choose from {list(LEARNERS)}")
+    try:
+        overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+        base = EnvSchedConfig(batch_size=BATCH, rollouts_per_task=ROLLOUTS).replace(**overrides)
+    except ValueError as exc:  # a --set without '=', invalid JSON, an unknown or invalid config field
+        _fail(f"--set: {exc}".splitlines()[0])
     variants = arms(base, args.extra)
     if args.arms:
         keep = [a.strip() for a in args.arms.split(",")]
-        unknown = [a for a in keep if a not in variants]
-        if unknown:
-            raise SystemExit(f"unknown arm(s) {unknown}; choose from {list(variants)}")
+        if unknown := [a for a in keep if a not in variants]:
+            _fail(f"--arms: unknown arm(s) {unknown}; choose from {list(variants)}")
         variants = {k: v for k, v in variants.items() if k in keep}
-    learners = [x.strip() for x in args.learners.split(",")]
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    if args.text_free and (needs_text := [a for a in variants if a not in CHEAP_ARMS]):
+        _fail(f"--text-free: arm(s) {needs_text} read task text; choose from {list(CHEAP_ARMS)}")
+    t_all = time.perf_counter()
+    if args.text_free:
+        pool, cluster, held_env, held_cluster = text_free_split(args.envs, args.tasks_per_env)
+        graph = None
+    else:
+        train, held = split_records(train_per_env=args.tasks_per_env, n_envs=args.envs)
+        pool = TaskPool.from_records(train)
+        cluster = np.array([r["meta"]["archetype"] for r in train])
+        held_env = np.array([pool.env_names.index(r["env_id"]) for r in held])
+        held_cluster = np.array([r["meta"]["archetype"] for r in held])
+        needs_graph = any(isinstance(v, EnvSchedConfig) and v.scheduler == "envsched" for v in variants.values())
+        graph = EnvScheduler(pool, base).graph if needs_graph else None
+    print(f"pool: {len(pool):,} tasks in {pool.n_envs} environments, built in {time.perf_counter() - t_all:.0f}s",
+          flush=True)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for lname in learners:
         results[lname] = {}
-        for aname, cfg in variants.items():
+        for aname, spec in variants.items():
             runs = []
             for seed in range(args.seeds):
-                learner = LatentSkillLearner(env, cluster, held_env, held_cluster, seed=seed, **LEARNERS[lname])
-                runs.append(run(cfg, pool, graph, learner, steps, oracle=aname == ORACLE))
+                learner = LatentSkillLearner(pool.env, cluster, held_env, held_cluster, seed=seed, **LEARNERS[lname])
+                runs.append(run(spec, pool, graph, learner, steps, oracle=aname == ORACLE))
             results[lname][aname] = runs
-            print(f"  {lname:<8} {aname:<36} done ({sum(r['seconds'] for r in runs):.0f}s)", flush=True)
+            print(f"  {lname:<13} {aname:<36} done ({sum(r['seconds'] for r in runs):.0f}s)", flush=True)
     wall = time.perf_counter() - t_all
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print_table(results, steps, args.seeds, wall, args.tasks_per_env)
+    shape = (pool.n_envs, args.tasks_per_env)
+    print_table(results, steps, args.seeds, wall, shape)
+    print_cost_table(results, steps, args.seeds, shape)
+    print("\ncommand: " + " ".join(["benchmarks/envsched_quality.py", *sys.argv[1:]]))
 
 
 def _ms(runs: list[dict[str, float]], key: str) -> tuple[float, float]:
@@ -240,12 +371,15 @@ def _ms(runs: list[dict[str, float]], key: str) -> tuple[float, float]:
     return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
 
-def print_table(results: dict, steps: int, seeds: int, wall: float, train_per_env: int = TRAIN_PER_ENV) -> None:
-    cols = [("mean var", "mean_var", ".4f"), ("var coverage", "var_coverage", ".4f"), ("var exploit", "var_exploitation", ".4f"), ("med reward", "median_reward", ".3f"), ("envs/batch", "envs", ".2f"),
+def print_table(results: dict, steps: int, seeds: int, wall: float,
+                shape: tuple[int, int] = (N_ENVS, TRAIN_PER_ENV)) -> None:
+    cols = [("var/gen group", "mean_var", ".4f"),
+            ("var coverage", "var_coverage", ".4f"), ("var exploit", "var_exploitation", ".4f"), ("med reward", "median_reward", ".3f"), ("envs/batch", "envs", ".2f"),
             ("held-out", "heldout", ".3f"), ("train succ", "train_success", ".3f"),
             ("rho_q all", "rho_all", ".2f"), ("rho_q obs", "rho_observed", ".2f"), ("rho_q within", "rho_within_env", ".2f"),
             ("rho_true all", "rho_true_all", ".2f"), ("rho_true obs", "rho_true_observed", ".2f"), ("rho_true unobs/env", "rho_true_unobs_env", ".2f")]
-    print(f"\nEnvSched quality: simulated learners, {N_ENVS} envs x {train_per_env} tasks (+{HELDOUT_PER_ENV} held out per env), "
+    print(f"\nEnvSched quality: simulated learners, {shape[0]} envs x {shape[1]} tasks "
+          f"(+{HELDOUT_PER_ENV} held out per env), "
           f"B=64, K=8, {steps} steps, {seeds} seeds, mean ± sd over seeds; wall {wall:.0f}s")
     for lname, arms_ in results.items():
         print(f"\nlearner: {lname}")
@@ -275,6 +409,51 @@ def print_table(results: dict, steps: int, seeds: int, wall: float, train_per_en
                     ok = "met" if dv >= 0 and dh >= 0 else "NOT met"
                     print(f"  full - {rel:<15}: variance {dv:+.4f} ± {sv:.4f} (ahead on {wv}/{len(full)} seeds), held-out "
                           f"{dh:+.3f} ± {sh:.3f} ({wh}/{len(full)}) -> full >= ablation {ok}")
+
+
+def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, int]) -> None:
+    """The baseline comparison: variance per group generated and per group trained, rollouts generated per step,
+    environments per batch, final held-out success, and the steps / rollouts to the random arm's final held-out
+    success (mean ± sd over the seeds that reach it, with their count); then EnvSched (full) against each arm,
+    seed-paired."""
+    cols = [("var/gen group", "mean_var", ".4f"), ("var/trained group", "var_trained", ".4f"),
+            ("rollouts/step", "rollouts_per_step", ".0f"), ("envs/batch", "envs", ".2f"),
+            ("held-out", "heldout", ".3f")]
+    print(f"\nBaseline comparison: {shape[0]} envs x {shape[1]} tasks, B={BATCH}, K={ROLLOUTS}, {steps} steps, "
+          f"{seeds} seeds, mean ± sd over seeds")
+    for lname, arms_ in results.items():
+        rnd = arms_.get("random")
+        print(f"\nlearner: {lname}")
+        hdr = (f"{'arm':<34}" + "".join(f" {c[0]:>17}" for c in cols)
+               + f" {'steps to random':>21} {'k rollouts to random':>21}")
+        print(hdr)
+        print("-" * len(hdr))
+        for aname, runs in arms_.items():
+            cells = []
+            for _, key, spec in cols:
+                m, sd = _ms(runs, key)
+                cells.append("-" if not np.isfinite(m) else f"{format(m, spec)} ± {format(sd, spec)}")
+            reach = ["-", "-"]
+            if rnd:
+                hits = [h for h in steps_to_reach(runs, rnd) if h is not None]
+                for j in range(2):
+                    if hits:
+                        x = np.asarray([h[j] for h in hits], dtype=float) / (1000 if j else 1)
+                        sd = float(x.std(ddof=1)) if len(x) > 1 else 0.0
+                        spec = ".1f" if j else ".0f"
+                        reach[j] = f"{x.mean():{spec}} ± {sd:{spec}} ({len(hits)}/{len(runs)})"
+                    else:
+                        reach[j] = f"> {steps} (0/{len(runs)})" if j == 0 else "-"
+            print(f"{aname:<34}" + "".join(f" {c:>17}" for c in cells) + f" {reach[0]:>21} {reach[1]:>21}")
+        full = arms_.get("EnvSched (full)")
+        if full:
+            for aname, runs in arms_.items():
+                if aname == "EnvSched (full)":
+                    continue
+                (dv, sv, wv), (dh, sh, wh) = (_paired(full, runs, key) for key in ("mean_var", "heldout"))
+                base_v = _ms(runs, "mean_var")[0]
+                print(f"  full - {aname:<34}: var/gen group {dv:+.4f} ± {sv:.4f} ({dv / base_v:+.1%}; ahead on "
+                      f"{wv}/{len(full)} seeds), held-out {dh:+.3f} ± {sh:.3f} (ahead on {wh}/{len(full)})")
 
 
 def _paired(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> tuple[float, float, int]:
