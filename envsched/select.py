@@ -12,6 +12,7 @@ selections) restrict A; the coverage phase further restricts A lexicographically
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +162,8 @@ class BatchBuilder:
         free = self.available & ~self.in_batch
         self.env_free = np.bincount(self.env[free], minlength=n_env)
         self.env_free_unblocked = np.bincount(self.env[free & ~self.caps.blocked_tasks], minlength=n_env)
+        self._min_obs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # coverage: least observation count per env
+        self._q_order: tuple[np.ndarray, np.ndarray] | None = None  # coverage: nodes by descending q
 
     # ---- eligibility ---------------------------------------------------------------------------
     def eligible(self, level: int = 0, extra: np.ndarray | None = None) -> np.ndarray:
@@ -258,10 +261,11 @@ class BatchBuilder:
             size *= 4
         return best
 
-    def scan_pick(self, order: np.ndarray, score: np.ndarray, level: int, extra: np.ndarray | None = None) -> int | None:
+    def scan_pick(self, order: np.ndarray, score: np.ndarray, level: int, extra: np.ndarray | Callable[[np.ndarray], np.ndarray] | None = None) -> int | None:
         """EnvSched Eq. 5 over ``eligible(level, extra)`` with a = ``score``, scanning the nodes in ``order``
         (every node, by descending score, ties by ascending index): the same node ``pick`` returns over
-        ``flatnonzero(eligible(level, extra))``, or None when no node is eligible.
+        ``flatnonzero(eligible(level, extra))``, or None when no node is eligible (``extra``: a mask over all
+        nodes, or a function giving the mask of the nodes it is passed).
 
         Candidate pruning, exact: a value score - lambda_sim * penalty never exceeds its score (penalties are
         similarities of non-negative TF-IDF rows, >= 0), so once the next score in the order is below the best
@@ -276,7 +280,12 @@ class BatchBuilder:
             pos, size = pos + size, min(size * 4, 1 << 16)
             if best >= 0 and score[blk[0]] < best_val:
                 break
-            cand = blk[self.eligible_nodes(blk, level, extra)]
+            if callable(extra):
+                ok = self.eligible_nodes(blk, level)
+                ok &= extra(blk)
+            else:
+                ok = self.eligible_nodes(blk, level, extra)
+            cand = blk[ok]
             if not len(cand):
                 continue
             if not self.selected or lam == 0.0:
@@ -317,6 +326,14 @@ class BatchBuilder:
             if not self.caps.blocked_tasks[i]:
                 self.env_free_unblocked[self.env[i]] -= 1
         self.in_batch[i] = True
+        e = self.env[i]
+        for lvl, (obs_count, env_min) in self._min_obs.items():
+            if obs_count[i] == env_min[e]:  # the environment's least count may have left with i
+                members = self.graph.env_members[e]
+                free = self.available[members] & ~self.in_batch[members]
+                if lvl == 0:
+                    free &= ~self.caps.blocked_tasks[members]
+                env_min[e] = np.asarray(obs_count, dtype=np.int64)[members][free].min() if free.any() else np.iinfo(np.int64).max
         self.batch_env_count[self.env[i]] += 1
         self.block.add(int(i))
 
@@ -330,8 +347,9 @@ class BatchBuilder:
         observation count), then Eq. 5 with a = q.
 
         The candidates are those of ``candidates()`` (lowest cap-relaxation level with any); the first two keys
-        are per environment, so they are minimised over the environments with an eligible member and only the
-        members of the winning environments are looked at (not all N nodes)."""
+        are per environment, so they are minimised over the environments with an eligible member, and the third
+        over per-environment minima kept up to date by ``add()``; the Eq. 5 arg-max over the remaining set is a
+        ``scan_pick`` of the nodes by descending q (one sort per batch), not a pass over all N nodes."""
         top = 3 if self.cfg.relax_caps_when_short else 0
         for level in range(top + 1):
             envs = np.flatnonzero(self.eligible_envs(level))
@@ -340,12 +358,27 @@ class BatchBuilder:
             self.relaxations += level > 0
             for key in (self.batch_env_count, env_exposure):
                 envs = envs[key[envs] == key[envs].min()]
-            members = np.sort(np.concatenate([self.graph.env_members[e] for e in envs]))
-            c = members[self.eligible_nodes(members, level)]
-            key3 = obs_count[c]
-            c = c[key3 == key3.min()]
-            return self.pick(c, q[c])
+            env_min = self._env_min_obs(obs_count, level)
+            m3 = env_min[envs].min()  # the third key's minimum over the eligible members of those environments
+            in_envs = np.zeros(len(self.graph.env_members), dtype=bool)
+            in_envs[envs] = True
+            if self._q_order is None or self._q_order[0] is not q:
+                self._q_order = (q, np.argsort(-q, kind="stable"))
+            return self.scan_pick(self._q_order[1], q, level, lambda nodes, in_envs=in_envs, m3=m3: in_envs[self.env[nodes]] & (obs_count[nodes] == m3))
         return None
+
+    def _env_min_obs(self, obs_count: np.ndarray, level: int) -> np.ndarray:
+        """Per environment, the least observation count of its members that are available, not in the batch
+        and (level 0) not blocked by C_task; kept up to date by add()."""
+        lvl = min(level, 1)
+        if self._min_obs.get(lvl) is None or self._min_obs[lvl][0] is not obs_count:
+            free = self.available & ~self.in_batch
+            if lvl == 0:
+                free &= ~self.caps.blocked_tasks
+            env_min = np.full(len(self.graph.env_members), np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(env_min, self.env[free], np.asarray(obs_count, dtype=np.int64)[free])
+            self._min_obs[lvl] = (obs_count, env_min)
+        return self._min_obs[lvl][1]
 
     def exploitation_pick(self, score: np.ndarray, progress_ok: np.ndarray, order: np.ndarray | None = None) -> tuple[int | None, bool]:
         """Exploitation: Eq. 5 with a = q * omega over candidates that pass the progress filter.
