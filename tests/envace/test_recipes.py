@@ -132,3 +132,23 @@ def test_epoch_count_respects_train_max_samples_and_rejects_a_partial_batch(tmp_
     cfg = with_rows(tmp_path, ["trainer.total_training_steps=10", "data.train_batch_size=16"], 8)
     with pytest.raises(ConfigError, match="no full batch"):
         fit_total_epochs(cfg)
+
+
+def test_the_envsched_recipe_has_the_envsched_papers_values():
+    """EnvSched §3.1 / App. D: B = 64 pairs x K = 8, 200 steps, Adam lr 1e-6, cosine after 10 warm-up steps, clip
+    0.2, T 0.99 / top-p 0.99 / top-k 100, 40 turns, 4,096 tokens a turn, 32,000 a sequence, rho 1/2, K_within 6,
+    K_cross 12, with EnvSched choosing every batch of a GRPO run in the real environments."""
+    cfg = compose(["experiment=envsched_qwen3_8b_h20_2x8"])
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert cfg.trainer.v1.trainer_mode == "envsched_sync" and cfg.algorithm.adv_estimator == "grpo"
+    assert (cfg.data.train_batch_size, rollout.n, cfg.trainer.total_training_steps) == (64, 8, 200)
+    assert actor.ppo_mini_batch_size == cfg.data.train_batch_size and actor.ppo_epochs == 1
+    assert (actor.optim.lr, actor.optim.lr_scheduler_type, actor.optim.lr_warmup_steps) == (1.0e-6, "cosine", 10)
+    assert actor.clip_ratio == 0.2 and actor.use_kl_loss is False and cfg.algorithm.use_kl_in_reward is False
+    assert (rollout.temperature, rollout.top_p, rollout.top_k) == (0.99, 0.99, 100)
+    assert cfg.envace.agent.limits.max_steps_per_turn == 40 and cfg.envace.agent.act_max_tokens == 4096
+    assert rollout.max_model_len == 32000 == cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert actor.ppo_max_token_len_per_gpu >= rollout.max_model_len
+    assert (cfg.envsched.rho, cfg.envsched.k_within, cfg.envsched.k_cross) == (0.5, 6, 12)
+    assert cfg.envace.agent.observation_source == "real" and cfg.envace.agent.act_layout == "trajectory"
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, rollout.name) == (2, 8, "vllm")
