@@ -1,7 +1,9 @@
 """EnvSched cost benchmark: static build time, incremental step time and peak memory.
 
-    .venv/bin/python benchmarks/envsched_cost.py            # N = 2,550 (51 x 50) and N = 100,000 (2,000 x 50)
-    .venv/bin/python benchmarks/envsched_cost.py --quick    # N = 2,550 and N = 20,000, fewer steps
+    .venv/bin/python benchmarks/envsched_cost.py            # N = 2,550 (51 x 50) and N = 20,000 (400 x 50)
+    .venv/bin/python benchmarks/envsched_cost.py --quick    # the same sizes, fewer steps
+
+Larger pools (10,000 to 1,000,000 tasks: build, peak RSS, step) are measured by benchmarks/envsched_scale.py.
 
 Each size: B = 64, K = 8, synthetic pool (envsched.synthetic), simulated learner rewards.  A step is
 select(step) + observe(step, rewards) after a warm-up of history; wall and CPU seconds per step are the
@@ -70,11 +72,11 @@ def run_size(n_envs: int, per_env: int, warmup: int, measure: int, batch: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="N = 2,550 and 20,000 with fewer steps (a few minutes on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes on 2 cores)")
     ap.add_argument("--warmup", type=int, default=None, help="steps of history before measuring")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per size")
     args = ap.parse_args()
-    sizes = [(51, 50), (400, 50)] if args.quick else [(51, 50), (2000, 50)]
+    sizes = [(51, 50), (400, 50)]
     warmup = args.warmup if args.warmup is not None else (10 if args.quick else 30)
     steps = args.steps if args.steps is not None else (5 if args.quick else 10)
     rows = []

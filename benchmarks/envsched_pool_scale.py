@@ -1,4 +1,4 @@
-"""EnvSched pool scale: pool memory and one-time graph build at N tasks (issue 12, items 5 and 6).
+"""EnvSched pool files: the two JSONL layouts' size, load time and pool memory at N tasks (issue 12, item 5).
 
     nice -n 19 .venv/bin/python benchmarks/envsched_pool_scale.py                 # N = 100,000 (2,000 x 50)
     nice -n 19 .venv/bin/python benchmarks/envsched_pool_scale.py --tasks 5000    # quicker
@@ -12,10 +12,8 @@ gold call sequences), written to JSONL in a temporary folder and read back with 
 
 Pool memory is what ``tracemalloc`` sees retained by the loaded ``TaskPool`` (Python + numpy allocations;
 the parse peak is printed beside it); load time is measured in a separate load without tracemalloc.
-Times are wall and process CPU seconds (CPU is the steadier figure on a shared machine).  Graph build is ``EnvScheduler(pool, config)`` wall time (operation
-extraction, the seven TF-IDF views of Eq. 1, cold-start representatives), first without a cache, then, where
-supported, with ``graph_cache_dir`` set: a cold run that writes the cache and a warm run (a restart) that
-loads it.
+Times are wall and process CPU seconds (CPU is the steadier figure on a shared machine).  The graph build, the
+graph cache, peak memory and the step at up to 1,000,000 tasks are measured by ``benchmarks/envsched_scale.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envsched import EnvSchedConfig, EnvScheduler, TaskPool
+from envsched import TaskPool
 from envsched.synthetic import synthetic_records
 
 MIB = 2**20
@@ -56,18 +54,10 @@ def _load(path: Path) -> tuple[TaskPool, float, float, float, float]:
     return pool, cur / MIB, peak / MIB, wall, cpu
 
 
-def _build(pool: TaskPool, cfg: EnvSchedConfig) -> tuple[EnvScheduler, str]:
-    """``EnvScheduler(pool, cfg)`` (the graph is built in the constructor); returns it and "wall s / CPU s"."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    sched = EnvScheduler(pool, cfg)
-    return sched, f"{time.perf_counter() - t0:7.1f} s wall / {time.process_time() - c0:7.1f} s CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=100_000, help="pool size N (rounded down to whole environments)")
     ap.add_argument("--per-env", type=int, default=50, help="tasks per environment")
-    ap.add_argument("--no-build", action="store_true", help="measure the pool only")
     args = ap.parse_args()
     n_envs = max(1, args.tasks // args.per_env)
     n = n_envs * args.per_env
@@ -89,32 +79,11 @@ def main() -> None:
             TaskPool.from_jsonl(old_path).to_jsonl(new_path, env_level=True)
             files.append(("env-level", new_path))
         del pool
-        pool = None
         for name, path in files:
-            pool = None
             gc.collect()
-            pool, cur, peak, wall, cpu = _load(path)
+            _, cur, peak, wall, cpu = _load(path)
             print(f"pool [{name:9s}] file {path.stat().st_size / MIB:8.1f} MiB | loaded in {wall:6.1f} s wall / {cpu:6.1f} s CPU | "
                   f"memory {cur:8.1f} MiB retained ({cur / 1024:.2f} GiB), parse peak {peak:8.1f} MiB", flush=True)
-        if args.no_build:
-            return
-        assert pool is not None
-        cfg = EnvSchedConfig()
-        sched, secs = _build(pool, cfg)
-        print(f"graph build (no cache)            {secs}   {sched.graph_report()}", flush=True)
-        if "graph_cache_dir" in EnvSchedConfig.model_fields:
-            del sched
-            gc.collect()
-            cache = Path(tmp) / "graph_cache"
-            ccfg = cfg.replace(graph_cache_dir=str(cache))
-            sched, secs = _build(pool, ccfg)
-            size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / MIB
-            print(f"graph build (cache miss, stores it) {secs}   cache entry {size:.1f} MiB", flush=True)
-            del sched
-            gc.collect()
-            fresh = TaskPool(pool.tasks)  # a restart has a new pool object: its content hash is computed again
-            sched, secs = _build(fresh, ccfg)
-            print(f"graph build (restart: cache hit)  {secs}   cache={sched.graph.cache} (incl. the pool's content hash)", flush=True)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"process max RSS {rss:8.1f} MiB  (pid {os.getpid()})", flush=True)
 

@@ -1,0 +1,132 @@
+"""EnvSched at scale: pool, one-time graph build, peak memory and the step, at N tasks (issue 34, item 1).
+
+    prlimit --as=14000000000 nice -n 10 .venv/bin/python benchmarks/envsched_scale.py --tasks 1000000 --cache DIR
+    .venv/bin/python benchmarks/envsched_scale.py --tasks 10000 --cache /tmp/envsched_graphs   # run twice: miss, hit
+
+Pool: ``envsched.synthetic.iter_synthetic_records`` (``--per-env`` tasks per environment, default 500, so
+1,000,000 tasks are 2,000 environments x 500; ~27 tools per environment, gold call sequences, verifier checks
+and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).  Rewards come from
+``SimulatedLearner`` (partial credit over the verifier checks).  Printed:
+
+* pool: generation + validation time, RSS after it;
+* build: wall / CPU seconds of ``EnvScheduler(pool, config)`` (operation extraction, the seven TF-IDF views of
+  Eq. 1, cold-start representatives); with ``--cache DIR`` the graph goes through ``graph_cache_dir`` (the
+  first run stores it, a second run of the same command loads it: the "cache hit" figure includes the pool's
+  content hash);
+* step: median (and max) wall / CPU seconds of ``select(step) + observe(step, rewards)`` over ``--steps``
+  steps (default 20) at B = 64, K = 8, after the cold-start step;
+* peak RSS of the process (``ru_maxrss``).
+
+A watchdog thread reads the resident set every 0.2 s and exits the process (code 3) above ``--max-rss-gib``
+(default 8), so a run that would not fit stops itself on a shared machine; run it under ``prlimit --as`` too,
+with room for the memory-mapped S_full matrix, which counts in the address space but not in the resident set
+beyond the pages a step reads (4.6 GB of files at 1,000,000 tasks: an address-space cap of 9 GB would refuse
+the mapping, hence 14 GB next to the 8 GiB resident-set watchdog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from envsched import EnvSchedConfig, EnvScheduler, TaskPool
+from envsched.synthetic import SimulatedLearner, iter_synthetic_records
+
+GIB = 2**30
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def watchdog(limit_gib: float) -> None:
+    def run() -> None:
+        while True:
+            if rss_bytes() > limit_gib * GIB:
+                print(f"ABORT: resident set {rss_bytes() / GIB:.2f} GiB above --max-rss-gib {limit_gib}", flush=True)
+                os._exit(3)
+            time.sleep(0.2)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=1_000_000, help="pool size N (rounded down to whole environments)")
+    ap.add_argument("--per-env", type=int, default=500, help="tasks per environment")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps (after the cold-start step)")
+    ap.add_argument("--cache", default=None, help="graph_cache_dir (run twice: the second run is a cache hit)")
+    ap.add_argument("--max-rss-gib", type=float, default=8.0, help="abort above this resident set")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="K", help="print the K most expensive functions of the steps")
+    args = ap.parse_args()
+    watchdog(args.max_rss_gib)
+    n_envs = max(1, args.tasks // args.per_env)
+    per = min(args.per_env, args.tasks)
+    load = Path("/proc/loadavg").read_text().split()[0]
+    print(f"N = {n_envs * per:,} tasks ({n_envs:,} environments x {per}), B = 64, K = 8; {os.cpu_count()} CPUs, "
+          f"load average {load}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    pool = TaskPool.from_records(iter_synthetic_records(n_envs, per, seed=0))
+    print(f"pool   {time.perf_counter() - t0:7.1f} s wall / {time.process_time() - c0:7.1f} s CPU   "
+          f"RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
+    archetype = np.fromiter((t.meta["archetype"] for t in pool.tasks), dtype=np.int64, count=len(pool))
+    n_checks = np.fromiter((len(t.verifier_checks) for t in pool.tasks), dtype=np.int64, count=len(pool))
+    learner = SimulatedLearner(pool.env, archetype, n_checks)
+
+    cfg = EnvSchedConfig(batch_size=64, rollouts_per_task=8, graph_cache_dir=args.cache)
+    t0, c0 = time.perf_counter(), time.process_time()
+    sched = EnvScheduler(pool, cfg)
+    build_wall, build_cpu = time.perf_counter() - t0, time.process_time() - c0
+    rep = sched.graph_report()
+    print(f"build  {build_wall:7.1f} s wall / {build_cpu:7.1f} s CPU   cache={rep['cache']}   RSS {rss_bytes() / GIB:.2f} GiB "
+          f"(peak so far {peak_rss_gib():.2f})   nnz_full {rep['nnz_full']:,}", flush=True)
+
+    def step(s: int) -> tuple[float, float]:
+        w, c = time.perf_counter(), time.process_time()
+        ids = sched.select(s)
+        w1, c1 = time.perf_counter() - w, time.process_time() - c
+        nodes = pool.indices(ids)
+        rewards = learner.rollout(nodes, 8)
+        learner.train(nodes, rewards)
+        w, c = time.perf_counter(), time.process_time()
+        sched.observe(s, {t: r.tolist() for t, r in zip(ids, rewards)})
+        return w1 + time.perf_counter() - w, c1 + time.process_time() - c
+
+    w0, _ = step(0)
+    print(f"cold-start step {w0:.2f} s wall", flush=True)
+    walls, cpus = [], []
+    prof = cProfile.Profile() if args.cprofile else None
+    for s in range(1, args.steps + 1):
+        if prof:
+            prof.enable()
+        w, c = step(s)
+        if prof:
+            prof.disable()
+        walls.append(w), cpus.append(c)
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+    print(f"step   median {np.median(walls):.3f} s wall / {np.median(cpus):.3f} s CPU, max {max(walls):.3f} s wall "
+          f"over steps 1..{args.steps}   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
+    print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} cache={rep['cache']} peak_rss_gib={peak_rss_gib():.2f} "
+          f"step_median_s={np.median(walls):.3f} step_cpu_median_s={np.median(cpus):.3f} load={load}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
