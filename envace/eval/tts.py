@@ -700,7 +700,8 @@ def _tts_runner(ctx: RunContext) -> RehearsalRunner:
     rehearsal_client = ctx.client
     if cfg.rehearsal_base_url or cfg.rehearsal_model or cfg.rehearsal_api_key:
         ep = ctx.client.config
-        rehearsal_client = ChatClient(ep.with_overrides(base_url=cfg.rehearsal_base_url, model=cfg.rehearsal_model,
+        base_urls = [cfg.rehearsal_base_url] if cfg.rehearsal_base_url else None
+        rehearsal_client = ChatClient(ep.with_overrides(base_urls=base_urls, model=cfg.rehearsal_model,
                                                         api_key=cfg.rehearsal_api_key))
     return RehearsalRunner(ctx.client, cfg, ctx.limits, rehearsal_client=rehearsal_client,
                            start_kwargs=ctx.start_kwargs, keep_transcript=ctx.keep_transcript,

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from envace.agents.client import ChatClient, EndpointConfig
 from envace.envs.base import EnvironmentPool, Episode, ToolCall, Verdict, get_pool
 from envace.eval.args import tts_from_args
 from envace.eval.cli import build_parser, main
-from envace.agents.client import ChatClient, EndpointConfig
 from envace.eval.runner import LoopLimits
 from envace.eval.tts import (
     RehearsalEpisode,
@@ -343,3 +343,18 @@ def test_budget_sweep_writes_runs_table_and_plot(fake_openai, replies, tmp_path,
     assert main(["tts-table", str(out / "non-tts"), str(out / "parallel-n2")]) == 0
     rows = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[3:]]
     assert rows == ["Non-TTS", "Par."]
+
+
+def test_a_separate_rehearsal_endpoint_gets_its_own_client_on_the_agents_other_settings():
+    """--rehearsal-base-url / --rehearsal-model: the rehearsals go to that server and model, with the agent
+    endpoint's other settings (timeout, retries)."""
+    from envace.eval.runner import RunContext, build_runner
+
+    agent = ChatClient(EndpointConfig(base_urls=["http://agent:8000/v1"], model="agent", timeout_s=7.0))
+    options = TTSConfig(mode="parallel", rehearsals=2, rehearsal_base_url="http://rehearse:8001/v1",
+                        rehearsal_model="rehearser").to_options()
+    runner = build_runner("tts", RunContext(client=agent, limits=LoopLimits(), start_kwargs={},
+                                            keep_transcript=False, options=options))
+    cfg = runner.rehearsal_client.config
+    assert (cfg.base_urls, cfg.model, cfg.timeout_s) == (["http://rehearse:8001/v1"], "rehearser", 7.0)
+    assert runner.client is agent
