@@ -17,7 +17,8 @@ See envsched/README.md and the JSONL format in ``envsched.pool``.
 
 from .config import ConfigError, EnvSchedConfig, LLMExtractorConfig
 from .estimate import EVIDENCE_TYPES, Prediction, evidence_types, prediction_diagnostics
-from .graph import StaticGraph, build_static_graph, load_or_build_graph
+from .graph import StaticGraph, build_static_graph
+from .graph_cache import load_or_build_graph
 from .operations import (
     DeterministicExtractor,
     Extraction,

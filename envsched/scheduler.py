@@ -31,7 +31,9 @@ from .estimate import (
     prediction_diagnostics,
 )
 from .filters import IdentifierCheck, IdentifierFilter, ProgressFilter, ReplayFn
-from .graph import NeighborIndex, StaticGraph, load_or_build_graph
+from .graph import StaticGraph
+from .graph_cache import load_or_build_graph
+from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
 from .select import BatchBuilder, CapState, cold_start_batch
 

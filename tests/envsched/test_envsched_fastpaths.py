@@ -7,7 +7,8 @@ import pytest
 import scipy.sparse as sp
 
 from envsched import EnvSchedConfig, TaskPool
-from envsched.graph import NeighborIndex, StaticGraph, build_static_graph, merge_topk
+from envsched.graph import StaticGraph, build_static_graph
+from envsched.neighbors import NeighborIndex, merge_topk
 from envsched.select import BatchBuilder, CapState, PenaltyBlock
 from envsched.synthetic import synthetic_records
 

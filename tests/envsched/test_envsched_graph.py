@@ -6,7 +6,8 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.metrics.pairwise import cosine_similarity
 
 from envsched import EnvSchedConfig, TaskPool, abstract_text, build_static_graph
-from envsched.graph import NeighborIndex, code_structure, merge_topk, sparse_row_block_dot
+from envsched.graph import code_structure, sparse_row_block_dot
+from envsched.neighbors import NeighborIndex, merge_topk
 from envsched.operations import DeterministicExtractor, OperationDescription, tool_operation_type
 from envsched.synthetic import synthetic_records
 

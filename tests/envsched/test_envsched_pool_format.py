@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from envsched import EnvSchedConfig, EnvScheduler, PoolFormatError, TaskPool, write_pool_jsonl
-from envsched import graph as graph_mod
+from envsched import graph_cache as graph_mod
 from envsched.operations import DeterministicExtractor
 from envsched.synthetic import synthetic_records
 
@@ -166,7 +166,7 @@ def test_unreadable_cache_entry_is_rebuilt_and_custom_extractors_skip_the_cache(
     g = graph_mod.load_or_build_graph(pool, cfg)
     key = graph_mod.graph_cache_key(pool, cfg)
     (tmp_path / key / "graph.npz").write_bytes(b"not a zip")
-    with caplog.at_level(logging.WARNING, logger="envsched.graph"):
+    with caplog.at_level(logging.WARNING, logger="envsched.graph_cache"):
         again = graph_mod.load_or_build_graph(pool, cfg)
     assert again.cache == "miss" and "unreadable" in caplog.text
     _same_graph(g, again)

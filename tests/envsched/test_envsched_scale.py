@@ -18,7 +18,9 @@ import scipy.sparse as sp
 from sklearn.feature_extraction.text import TfidfVectorizer
 
 from envsched import EnvSchedConfig, TaskPool, build_static_graph
-from envsched.graph import NeighborIndex, code_structure, graph_cache_key, load_or_build_graph
+from envsched.graph import code_structure
+from envsched.graph_cache import graph_cache_key, load_or_build_graph
+from envsched.neighbors import NeighborIndex
 from envsched.synthetic import synthetic_records
 from envsched.tfidf import DiskCSR, DiskCSRWriter, tfidf_chunks
 
@@ -209,12 +211,12 @@ def test_cross_update_equals_the_full_merge(pool, monkeypatch, min_sim):
     """NeighborIndex._add_cross (distinct abstract rows, blocks of rows, merge only where a candidate beats the
     K-th entry) gives the neighbour arrays of merging every row that may change; the synthetic pool's
     abstractions repeat, so similarities tie and the index tie-break decides."""
-    from envsched import graph as graph_mod
+    from envsched import neighbors as neighbors_mod
 
     graph = build_static_graph(pool, EnvSchedConfig())
     reps, group = graph.abs_groups()
     assert len(reps) < graph.n and np.array_equal(group[reps], np.arange(len(reps)))
-    monkeypatch.setattr(graph_mod, "_CROSS_BLOCK", 50)
+    monkeypatch.setattr(neighbors_mod, "_CROSS_BLOCK", 50)
     rng = np.random.default_rng(int(min_sim * 10))
     new, ref = NeighborIndex(graph, 0, 12, min_sim), NeighborIndex(graph, 0, 12, min_sim)
     for _ in range(6):

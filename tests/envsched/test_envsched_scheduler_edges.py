@@ -668,7 +668,7 @@ def test_resume_under_other_neighbour_counts_rebuilds_the_neighbours(pool, graph
     """A state saved with k_within = k_cross = 1 resumed under 3 and 3: the saved one-column neighbour lists are not
     loaded (they crashed the next observe() with a shape mismatch); the index is rebuilt from the observed set under
     the running config, exactly what a scheduler with that config holds after observing the same tasks."""
-    from envsched.graph import NeighborIndex
+    from envsched.neighbors import NeighborIndex
 
     a = sched(pool, graph, k_within=1, k_cross=1)
     a.observe(0, rewards_for(a.select(0), 0))

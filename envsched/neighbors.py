@@ -1,0 +1,172 @@
+"""Observed-neighbour sets N_t^in(i), N_t^cross(i) (EnvSched §2.2, Eq. 3, Eq. 7): for each node, the K_within /
+K_cross most similar *observed* nodes in fixed-capacity arrays, with newly observed nodes merged in
+O(N * (K + Delta)) per step (the incremental scheme of §3.3.2)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .graph import StaticGraph
+
+log = logging.getLogger(__name__)
+
+
+_IDX_BITS = 23  # node indices < 2^23 (8.4 M tasks)
+_SIM_SCALE = float(2**30)
+_SIM_RES = 1.0 / _SIM_SCALE
+_ENV_BLOCK_BYTES = 256 * 2**20  # cache every environment's S_full block when all of them fit in this
+_CROSS_BLOCK = 1 << 16  # rows per block of the N x Delta cross-environment update (bounded memory)
+
+
+def merge_topk(idx: np.ndarray, sim: np.ndarray, cand_idx: np.ndarray, cand_sim: np.ndarray, k: int, min_sim: float) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise top-k of the union of existing and candidate neighbours.
+
+    Total order: similarity (quantised to 2^-30) descending, then node index ascending, so the result does
+    not depend on the order in which nodes became observed.  Entries with sim <= min_sim are dropped
+    (index -1, similarity -inf).
+    """
+    all_idx = np.concatenate([idx, cand_idx], axis=1)
+    all_sim = np.concatenate([sim, cand_sim], axis=1)
+    valid = (all_idx >= 0) & (all_sim > min_sim)
+    q = np.where(valid, np.floor(np.clip(all_sim, 0.0, 1.0) * _SIM_SCALE), -1.0).astype(np.int64)
+    key = q * (1 << _IDX_BITS) + ((1 << _IDX_BITS) - 1 - np.maximum(all_idx, 0))
+    if all_idx.shape[1] > k:
+        part = np.argpartition(-key, k - 1, axis=1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(all_idx.shape[1]), all_idx.shape).copy()
+    pkey = np.take_along_axis(key, part, 1)
+    order = np.argsort(-pkey, axis=1, kind="stable")
+    part = np.take_along_axis(part, order, 1)
+    out_idx = np.take_along_axis(all_idx, part, 1)
+    out_sim = np.take_along_axis(all_sim, part, 1)
+    ok = np.take_along_axis(valid, part, 1)
+    out_idx = np.where(ok, out_idx, -1)
+    out_sim = np.where(ok, out_sim, -np.inf)
+    if out_idx.shape[1] < k:  # pad
+        pad = k - out_idx.shape[1]
+        out_idx = np.pad(out_idx, ((0, 0), (0, pad)), constant_values=-1)
+        out_sim = np.pad(out_sim, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return out_idx, out_sim
+
+
+class NeighborIndex:
+    """Fixed-capacity arrays of the K most similar observed neighbours of every node, per relation."""
+
+    def __init__(self, graph: StaticGraph, k_within: int, k_cross: int, min_sim: float = 0.0):
+        n = graph.n
+        self.graph, self.min_sim = graph, min_sim
+        self.k = {"in": k_within, "cross": k_cross}
+        self.idx = {r: np.full((n, k), -1, dtype=np.int64) for r, k in self.k.items()}
+        self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
+        self.observed = np.zeros(n, dtype=bool)
+        self.kernel_cache: dict[str, Any] = {}  # Eq. 7 kernels of the last prediction (estimate.predict_all)
+        # within-environment S_full: every entry is the same value whichever nodes are observed together
+        # (see ``within_sim``)
+        x = graph.x_full
+        self._x64 = x if x.dtype == np.float64 else x.astype(np.float64)
+        self._pos = np.zeros(n, dtype=np.int64)  # position of each node in its environment's member list
+        block_bytes = 8 * sum(len(m) ** 2 for m in graph.env_members)
+        self._env_sim: dict[int, np.ndarray] | None = {} if block_bytes <= _ENV_BLOCK_BYTES else None
+        for members in graph.env_members:
+            self._pos[members] = np.arange(len(members))
+
+    def add_observed(self, nodes: np.ndarray) -> None:
+        """Merge nodes that became observed this step into every target's neighbour arrays."""
+        nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+        nodes = nodes[~self.observed[nodes]]
+        if len(nodes) == 0:
+            return
+        self.observed[nodes] = True
+        g, env = self.graph, self.graph.env
+        # within-environment relation: S_full, only rows of the new nodes' environments
+        if self.k["in"] > 0:
+            nodes_by_env = nodes[np.argsort(env[nodes], kind="stable")]
+            envs, first = np.unique(env[nodes_by_env], return_index=True)
+            bounds = np.append(first, len(nodes_by_env))
+            width = int(np.diff(bounds).max())
+            rows_l, ci_l, cs_l = [], [], []
+            for e, a, b in zip(envs.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()):
+                rows = g.env_members[e]
+                new_e = nodes_by_env[a:b]
+                pos = self._pos[new_e]
+                s = np.full((len(rows), width), -np.inf)
+                s[:, : b - a] = self.within_sim(e, pos)
+                s[pos, np.arange(b - a)] = -np.inf  # no self edges
+                ci = np.full((len(rows), width), -1, dtype=np.int64)
+                ci[:, : b - a] = new_e
+                rows_l.append(rows), ci_l.append(ci), cs_l.append(s)
+            self._merge("in", np.concatenate(rows_l), np.concatenate(ci_l), np.concatenate(cs_l))
+        # cross-environment relation: S_abs, rows in other environments
+        if self.k["cross"] > 0:
+            self._add_cross(nodes)
+
+    def within_sim(self, e: int, pos: np.ndarray) -> np.ndarray:
+        """S_full (Eq. 1) between all members of environment ``e`` and its members at positions ``pos``
+        (dense |members| x |pos|, float64).
+
+        Each entry is scipy's CSR product x_i . x_j, summed in x_i's stored feature order, so it does not
+        depend on which other nodes are in the same call: only the |pos| columns of the step's new nodes are
+        computed.  Whole n_e x n_e blocks are cached (computed once per environment, then sliced) only when all
+        of them together fit in _ENV_BLOCK_BYTES (a block costs n_e^2 products where a step needs n_e |pos|, and
+        2,000 blocks of 500 tasks would hold 4 GB); either way the entries are the same values.
+        """
+        members = self.graph.env_members[e]
+        if self._env_sim is not None:
+            blk = self._env_sim.get(e)
+            if blk is None:
+                xe = self._x64[members]
+                blk = self._env_sim[e] = np.asarray((xe @ xe.T).toarray(), dtype=np.float64)
+            return blk[:, pos]
+        return np.asarray((self._x64[members] @ self._x64[members[pos]].T).toarray(), dtype=np.float64)
+
+    def _add_cross(self, nodes: np.ndarray) -> None:
+        """Merge ``nodes`` into N^cross of every node of another environment.
+
+        This is the part of a step whose cost must grow with N: any node's top-K may gain a newly observed node,
+        so S_abs of the Delta new nodes to all N nodes is needed (O(N Delta)).  It is kept cheap: S_abs is
+        computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows give
+        bit-identical products; App. E abstractions repeat across tasks) and gathered, in blocks of rows.  Only
+        rows whose top-K changes are merged: a candidate enters a row exactly when its key in ``merge_topk``'s
+        total order (quantised similarity, then lower index) beats the row's K-th entry (or the row is not
+        full); the other rows would come back unchanged.  Values stay float32 (the precision of the S_abs
+        product) until they are compared, as float64, exactly as ``merge_topk`` compares them.
+        """
+        g, env = self.graph, self.graph.env
+        k = self.k["cross"]
+        reps, group = g.abs_groups()
+        s_rep = np.asarray(g.x_abs[reps] @ g.x_abs[nodes].T.toarray())  # distinct rows x Delta, float32
+        node_env = env[nodes]
+        cand_tie = (1 << _IDX_BITS) - 1 - nodes  # the index part of merge_topk's key
+        for start in range(0, g.n, _CROSS_BLOCK):
+            rows = np.arange(start, min(g.n, start + _CROSS_BLOCK))
+            s = s_rep[group[rows]].astype(np.float64)
+            s[env[rows][:, None] == node_env[None, :]] = -np.inf  # same environment -> not a cross edge
+            valid = s > self.min_sim
+            key = np.where(valid, np.floor(np.clip(s, 0.0, 1.0) * _SIM_SCALE), -1.0).astype(np.int64) * (1 << _IDX_BITS) + cand_tie
+            kth_idx, kth_sim = self.idx["cross"][rows, k - 1], self.sim["cross"][rows, k - 1]
+            kth_key = np.floor(np.clip(np.where(kth_idx >= 0, kth_sim, 0.0), 0.0, 1.0) * _SIM_SCALE).astype(np.int64) * (1 << _IDX_BITS) + (
+                (1 << _IDX_BITS) - 1 - np.maximum(kth_idx, 0))
+            enter = valid & ((kth_idx < 0)[:, None] | (key > kth_key[:, None]))
+            hit = np.flatnonzero(enter.any(axis=1))
+            if len(hit):
+                self._merge("cross", rows[hit], np.broadcast_to(nodes, (len(hit), len(nodes))), s[hit])
+
+    def _merge(self, rel: str, rows: np.ndarray, cand_idx: np.ndarray, s: np.ndarray) -> None:
+        self.idx[rel][rows], self.sim[rel][rows] = merge_topk(self.idx[rel][rows], self.sim[rel][rows], cand_idx, s, self.k[rel], self.min_sim)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "observed": self.observed.copy(),
+            **{f"idx_{r}": a.copy() for r, a in self.idx.items()},
+            **{f"sim_{r}": a.copy() for r, a in self.sim.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kernel_cache = {}
+        self.observed = np.asarray(state["observed"], dtype=bool).copy()
+        for r in self.idx:
+            self.idx[r] = np.asarray(state[f"idx_{r}"], dtype=np.int64).copy()
+            self.sim[r] = np.asarray(state[f"sim_{r}"], dtype=np.float64).copy()
