@@ -240,26 +240,7 @@ class BatchBuilder:
         lam = self.cfg.lambda_sim
         if not self.selected or lam == 0.0:
             return int(cands[np.argmax(score)])
-        ub = score - lam * self.pen[cands]
-        open_ = np.ones(len(cands), dtype=bool)
-        best_val, best = -np.inf, -1
-        size, rest = _CHUNK, np.arange(len(cands))
-        while len(rest):
-            top = rest if len(rest) <= size else rest[np.argpartition(-ub[rest], size - 1)[:size]]
-            nodes = cands[top]
-            self._refresh(nodes)
-            val = score[top] - lam * self.pen[nodes]
-            vmax = float(val.max())
-            if vmax >= best_val:
-                i = int(nodes[val == vmax].min())
-                best = i if vmax > best_val or best < 0 else min(best, i)
-                best_val = vmax
-            open_[top] = False
-            rest = np.flatnonzero(open_)
-            if not len(rest) or ub[rest].max() < best_val:
-                break
-            size *= 4
-        return best
+        return self._lazy_best(cands, score, -1, -np.inf)[0]
 
     def scan_pick(self, order: np.ndarray, score: np.ndarray, level: int, extra: np.ndarray | Callable[[np.ndarray], np.ndarray] | None = None) -> int | None:
         """EnvSched Eq. 5 over ``eligible(level, extra)`` with a = ``score``, scanning the nodes in ``order``
@@ -290,22 +271,22 @@ class BatchBuilder:
                 continue
             if not self.selected or lam == 0.0:
                 return int(cand[0])  # value = score: the first eligible node in the order
-            best, best_val = self._lazy_best(cand, score, best, best_val)
+            best, best_val = self._lazy_best(cand, score[cand], best, best_val)
         return best if best >= 0 else None
 
     def _lazy_best(self, cands: np.ndarray, score: np.ndarray, best: int, best_val: float) -> tuple[int, float]:
-        """The lazy arg-max of ``pick`` over ``cands``, starting from a best (node, value) found elsewhere:
-        candidates are refreshed in chunks of the highest upper bounds (16, 64, 256, ...) until no unrefreshed
-        bound reaches the best value."""
+        """The lazy arg-max of :meth:`pick` over ``cands`` (``score``: their scores, aligned with them), starting
+        from a best (node, value) found elsewhere (-1, -inf: none): candidates are refreshed in chunks of the
+        highest upper bounds (16, 64, 256, ...) until no unrefreshed bound reaches the best value."""
         lam = self.cfg.lambda_sim
-        ub = score[cands] - lam * self.pen[cands]  # the cached penalty only grows: an upper bound
-        open_ = (ub > best_val) | ((ub == best_val) & (cands < best))
+        ub = score - lam * self.pen[cands]  # the cached penalty only grows: an upper bound
+        open_ = np.ones(len(cands), dtype=bool) if best < 0 else (ub > best_val) | ((ub == best_val) & (cands < best))
         size, rest = _CHUNK, np.flatnonzero(open_)
         while len(rest):
             top = rest if len(rest) <= size else rest[np.argpartition(-ub[rest], size - 1)[:size]]
             nodes = cands[top]
             self._refresh(nodes)
-            val = score[nodes] - lam * self.pen[nodes]
+            val = score[top] - lam * self.pen[nodes]
             vmax = float(val.max())
             if vmax >= best_val:
                 i = int(nodes[val == vmax].min())
