@@ -371,6 +371,15 @@ def _ms(runs: list[dict[str, float]], key: str) -> tuple[float, float]:
     return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
 
+def _cells(runs: list[dict[str, float]], cols: list[tuple[str, str, str]]) -> list[str]:
+    """One table row's "mean ± sd" cells over the seeds' runs, "-" where no run has a finite value."""
+    cells = []
+    for _, key, spec in cols:
+        m, sd = _ms(runs, key)
+        cells.append("-" if not np.isfinite(m) else f"{format(m, spec)} ± {format(sd, spec)}")
+    return cells
+
+
 def print_table(results: dict, steps: int, seeds: int, wall: float,
                 shape: tuple[int, int] = (N_ENVS, TRAIN_PER_ENV)) -> None:
     cols = [("var/gen group", "mean_var", ".4f"),
@@ -387,11 +396,7 @@ def print_table(results: dict, steps: int, seeds: int, wall: float,
         print(hdr)
         print("-" * len(hdr))
         for aname, runs in arms_.items():
-            cells = []
-            for _, key, spec in cols:
-                m, s = _ms(runs, key)
-                cells.append("-" if not np.isfinite(m) else f"{format(m, spec)} ± {format(s, spec)}")
-            print(f"{aname:<36}" + "".join(f" {c:>17}" for c in cells))
+            print(f"{aname:<36}" + "".join(f" {c:>17}" for c in _cells(runs, cols)))
         full, rnd, orc = arms_.get("EnvSched (full)"), arms_.get("random"), arms_.get(ORACLE)
         if orc and rnd:
             print(f"oracle q vs random: variance {_ms(orc, 'mean_var')[0] / _ms(rnd, 'mean_var')[0] - 1:+.1%} "
@@ -429,10 +434,7 @@ def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, in
         print(hdr)
         print("-" * len(hdr))
         for aname, runs in arms_.items():
-            cells = []
-            for _, key, spec in cols:
-                m, sd = _ms(runs, key)
-                cells.append("-" if not np.isfinite(m) else f"{format(m, spec)} ± {format(sd, spec)}")
+            cells = _cells(runs, cols)
             reach = ["-", "-"]
             if rnd:
                 hits = [h for h in steps_to_reach(runs, rnd) if h is not None]
