@@ -17,24 +17,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["LocalDecoder", "model_eos_ids"]
-
-
-def model_eos_ids(model: Any) -> set[int]:
-    """The ids that end a generation: the generation config's ``eos_token_id`` and the model config's (what the
-    ``hfcpu`` server reads)."""
-    eos: set[int] = set()
-    for cfg in (getattr(model, "generation_config", None), model.config):
-        ids = getattr(cfg, "eos_token_id", None)
-        eos.update([ids] if isinstance(ids, int) else (ids or []))
-    return eos
+__all__ = ["LocalDecoder"]
 
 
 class LocalDecoder:
     """Serves ``generate`` calls from coroutines of one event loop with one model (see module docstring)."""
 
     def __init__(self, model: Any, *, max_model_len: int, max_rows: int = 32, eos_ids: set[int] | None = None) -> None:
-        from envace.platform.rollout import DecodeBatch
+        from envace.platform.rollout import DecodeBatch, model_eos_ids
 
         self.max_model_len = int(max_model_len)
         self.max_rows = max(1, int(max_rows))

@@ -113,6 +113,16 @@ def sample_tokens(
     return sample_batch(model, [prompt_ids], [spec], eos_ids, [generator])[0]
 
 
+def model_eos_ids(model: Any) -> set[int]:
+    """The ids that end a generation: the generation config's ``eos_token_id`` and the model config's (the
+    ``hfcpu`` server's stop ids, and the warm start's in-process decoder's)."""
+    eos: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        ids = getattr(cfg, "eos_token_id", None)
+        eos.update([ids] if isinstance(ids, int) else (ids or []))
+    return eos
+
+
 def sample_index(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One draw from a 1-D categorical distribution (``probs`` >= 0, summing to about 1), by inverting its CDF
     at a single uniform from ``generator``.
@@ -328,7 +338,7 @@ class HFCPUServer:
     """Rollout server actor: transformers model on CPU, token in / token out."""
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int, node_rank: int = 0):
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM
         from verl.utils.config import omega_conf_to_dataclass
 
         self.config = omega_conf_to_dataclass(config)  # RolloutConfig
@@ -342,16 +352,7 @@ class HFCPUServer:
             path, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
         )
         self.model.eval()
-        eos: set[int] = set()
-        try:
-            gen_cfg = GenerationConfig.from_pretrained(path)
-            ids = gen_cfg.eos_token_id
-            eos.update([ids] if isinstance(ids, int) else (ids or []))
-        except OSError:
-            pass
-        if isinstance(self.model.config.eos_token_id, int):
-            eos.add(self.model.config.eos_token_id)
-        self.eos_ids = eos
+        self.eos_ids = model_eos_ids(self.model)
         self.global_steps: int | None = None
         self._lock = threading.Lock()  # held by the decode thread while its batch has rows, and by weight loads
         self._seed_lock = threading.Lock()
@@ -365,7 +366,7 @@ class HFCPUServer:
         self._batch = DecodeBatch(self.model, self.eos_ids)  # the decode thread's running batch
         self.seed = int(self.config.seed or 0)
         threading.Thread(target=self._serve, name="hfcpu-decode", daemon=True).start()
-        logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, eos)
+        logger.info("hfcpu server %s loaded %s (eos=%s)", server_actor_name(replica_rank, node_rank), path, self.eos_ids)
 
     # -- generation --------------------------------------------------------------------------
     def _max_tokens_default(self, prompt_len: int) -> int:
