@@ -79,9 +79,16 @@ class AgentConfig:
     # {base_urls: [http://10.0.0.5:8000/v1], model: Qwen3-32B}); with a worldbook it drives the Trace2Env
     # world-model agent for steps no rule or evidence covers. null: none
     simulator: EndpointConfig | None = None
-    # Trace2Env worldbook (observation_source=simulator): one package, or a directory of packages matched by
-    # environment id (scripts/build_worldbook.sh); null: the external LLM alone writes tool responses
+    # Trace2Env worldbook (observation_source=simulator, or the simulated_envs below): one package, or a directory
+    # of packages matched by environment id (scripts/build_worldbook.sh); auto: one book per simulated environment,
+    # built model-free from gold traces of its train-split tasks and cached under $ENVACE_CACHE/worldbooks
+    # (envace.envs.worldbooks); null: the external LLM alone writes tool responses
     worldbook: str | None = None
+    # environments (env ids of the training pools, or fnmatch patterns such as syn-bank-*) whose training
+    # rollouts Trace2Env's simulator answers over `worldbook` (the envace_simulator loop; reward from the real
+    # environment's shadow replay); the others keep observation_source. Each entry must match a training
+    # environment, and each matched environment needs a book. null: every environment uses observation_source
+    simulated_envs: list[str] | None = None
     # keyword arguments passed to the environment pool constructor, per pool name
     pool_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -98,14 +105,37 @@ class AgentConfig:
         if self.worldbook is not None:
             from pathlib import Path
 
-            if not Path(self.worldbook).exists():
+            if self.worldbook != AUTO and not Path(self.worldbook).exists():
                 raise ValueError(f"envace.agent.worldbook {self.worldbook!r} does not exist "
-                                 "(build one with scripts/build_worldbook.sh)")
-            if "simulator" not in (self.observation_source, self.val_observation_source):
-                raise ValueError("envace.agent.worldbook is set but no observation source is 'simulator'")
+                                 "(build one with scripts/build_worldbook.sh, or set it to auto)")
+            sim = "simulator" in (self.observation_source, self.val_observation_source)
+            if not sim and not self.simulated_envs and self.worldbook != AUTO:
+                raise ValueError("envace.agent.worldbook is set but no observation source is 'simulator' "
+                                 "and envace.agent.simulated_envs is empty")
+        if self.simulated_envs is not None:
+            envs = list(self.simulated_envs)
+            if not envs:
+                raise ValueError("envace.agent.simulated_envs is empty (null: no environment is simulated)")
+            if any(not isinstance(e, str) or not e.strip() for e in envs):
+                raise ValueError(f"envace.agent.simulated_envs entries must be non-empty env ids, got {envs}")
+            dup = sorted({e for e in envs if envs.count(e) > 1})
+            if dup:
+                raise ValueError(f"envace.agent.simulated_envs lists {', '.join(dup)} twice")
+            if self.worldbook is None:
+                raise ValueError("envace.agent.simulated_envs needs envace.agent.worldbook (a folder of books, "
+                                 "or auto to build them from the environments' recorded traces)")
+            if self.observation_source == "simulator":
+                raise ValueError("envace.agent.simulated_envs picks the environments the simulator serves, but "
+                                 "observation_source=simulator already serves every environment; set "
+                                 "observation_source to real or rehearse for the others")
+        elif self.worldbook == AUTO and "simulator" not in (self.observation_source, self.val_observation_source):
+            raise ValueError("envace.agent.worldbook=auto builds books for simulated environments: set "
+                             "envace.agent.simulated_envs or observation_source=simulator")
 
 
 SOURCES = ("real", "rehearse", "simulator")
+#: ``envace.agent.worldbook`` value that builds the books from recorded traces (envace.envs.worldbooks)
+AUTO = "auto"
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -84,6 +84,47 @@ def check_worldbooks(path: str) -> None:
         raise ConfigError(f"envace.agent.worldbook={path}: {exc}") from None
 
 
+def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig) -> list[str]:
+    """Check ``envace.agent.worldbook`` and ``simulated_envs`` against the training data; returns the simulated
+    environments (sorted; empty without ``simulated_envs``). ``worldbook: auto`` builds (or reuses) the books from
+    the environments' recorded traces and puts their folder into both configs (:mod:`envace.envs.worldbooks`)."""
+    from envace.config import AUTO
+    from envace.envs.worldbooks import (
+        WorldbookSelectionError,
+        build_worldbooks,
+        check_coverage,
+        simulated_environments,
+        training_environments,
+    )
+
+    agent, data = ecfg.agent, ecfg.data
+    if agent.worldbook is None:
+        return []
+    if agent.worldbook != AUTO and not agent.simulated_envs:
+        check_worldbooks(agent.worldbook)
+        return []
+    kwargs = {k: dict(v) for k, v in (agent.pool_kwargs or {}).items()}
+    try:
+        envs = training_environments(data.pools, kwargs, data.train_split, data.train_task_ids)
+        if agent.simulated_envs:
+            chosen = simulated_environments(agent.simulated_envs, envs)
+        else:  # auto for observation_source=simulator: every environment of the training and validation rows
+            envs = {**training_environments(data.pools, kwargs, data.val_split), **envs}
+            chosen = sorted(envs)
+        pools = {env: envs[env][0] for env in chosen}
+        if agent.worldbook == AUTO:
+            books = str(build_worldbooks(chosen, pools, kwargs, cache_dir(), data.train_split))
+            agent.worldbook = books
+            with open_dict(cfg):
+                cfg.envace.agent.worldbook = books
+        check_worldbooks(agent.worldbook)
+        if agent.simulated_envs:
+            check_coverage(agent.worldbook, chosen, pools)
+    except WorldbookSelectionError as exc:
+        raise ConfigError(str(exc)) from None
+    return chosen if agent.simulated_envs else []
+
+
 def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int) -> None:
     """The cluster must hold nnodes × n_gpus_per_node device slots (GPU resources) on enough nodes."""
     nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
@@ -124,8 +165,9 @@ def resolve_model_path(path: str, build: bool = True) -> str | None:
     return str(local.resolve())
 
 
-def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
-    """Build (or reuse) the parquet files of ``envace.data``; returns (train, val) paths."""
+def build_data(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str] | None = None) -> tuple[str, str]:
+    """Build (or reuse) the parquet files of ``envace.data``; returns (train, val) paths. The training rows of the
+    ``simulated`` environments run the simulator's loop (:func:`resolve_worldbooks`)."""
     from envace.envs.datasets import DatasetBuildError, build_parquet
 
     d = ecfg.data
@@ -139,6 +181,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
         "agent": loop_name(ecfg.agent.observation_source),
         "val_agent": loop_name(ecfg.agent.val_observation_source),
         "pool_kwargs": pool_kwargs,
+        **({"simulated_envs": {env: loop_name("simulator") for env in simulated}} if simulated else {}),
         "version": 2,
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
@@ -173,6 +216,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig) -> tuple[str, str]:
             pool_kwargs=pool_kwargs,
             seed=d.seed,
             train_task_ids=d.train_task_ids,
+            train_agent_by_env=recipe.get("simulated_envs"),
         )
     except DatasetBuildError as exc:  # the data the config names cannot be built: the user's to fix
         raise ConfigError(f"envace.data: {exc}") from None
@@ -314,8 +358,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
     validate_envsched_config(cfg)
     if ecfg.preflight:
         check_platform(cfg)
-    if ecfg.agent.worldbook is not None:
-        check_worldbooks(ecfg.agent.worldbook)
+    simulated = resolve_worldbooks(cfg, ecfg)
     model_path = str(cfg.actor_rollout_ref.model.path)
     resolve_model_path(model_path, build=False)
     with open_dict(cfg):
@@ -330,7 +373,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
         select_resume_checkpoint(cfg)
         cfg.actor_rollout_ref.rollout.agent.default_agent_loop = loop_name(ecfg.agent.observation_source)
         if cfg.data.train_files == "auto" or cfg.data.val_files == "auto":
-            train, val = build_data(cfg, ecfg)
+            train, val = build_data(cfg, ecfg, simulated)
             if cfg.data.train_files == "auto":
                 cfg.data.train_files = train
             if cfg.data.val_files == "auto":

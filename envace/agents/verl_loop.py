@@ -227,6 +227,9 @@ class EnvaceAgentLoop(AgentLoopBase):
         n_act = sum(g.role is Role.ACT for g in gens)
         n_reh = len(gens) - n_act
         fid = [o.meta["fidelity"] for s in t.steps for o in s.observations if "fidelity" in o.meta]
+        # calls the Trace2Env simulator answered (WorldbookSource tags each with its route: rule, evidence, proposer
+        # or error), so a run serving some environments with worldbooks shows which rollouts ran in one
+        simulated = sum("route" in o.meta for s in t.steps for o in s.observations)
         # what every output of this rollout shares (the rollout contract, envace/agents/contract.py)
         shared = RolloutFields(
             trajectory_id=trajectory_id,
@@ -238,7 +241,8 @@ class EnvaceAgentLoop(AgentLoopBase):
             mask_reason=reason,
             reward=reward,
             verify_failed=verify_failed,
-            counters={**t.counters(), "act_outputs": float(n_act), "rehearse_outputs": float(n_reh)},
+            counters={**t.counters(), "act_outputs": float(n_act), "rehearse_outputs": float(n_reh),
+                      "simulated_calls": float(simulated)},
             fidelity=tuple(fid),
             verdict=RolloutFields.verdict_text(details),
             actions=tuple(t.actions),

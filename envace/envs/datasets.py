@@ -222,10 +222,13 @@ def build_parquet(
     seed: int | str = 0,
     val_agent_name: str | None = None,
     train_task_ids: Sequence[str] | None = None,
+    train_agent_by_env: Mapping[str, str] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``val.parquet`` (+ ``manifest.json``) for ``pool_names`` into ``out_dir``.
 
-    Training rows run ``agent_name``'s loop, validation rows ``val_agent_name``'s (default: the same).
+    Training rows run ``agent_name``'s loop, validation rows ``val_agent_name``'s (default: the same); a training
+    row whose environment is a key of ``train_agent_by_env`` runs that loop instead (the environments Trace2Env's
+    simulator serves, :mod:`envace.envs.worldbooks`).
 
     The train file holds each pool's ``splits[0]`` tasks and the validation file its ``splits[1]`` tasks
     (pools define their own deterministic splits; BFCL's is a scenario-level hash, τ²'s the official
@@ -242,8 +245,10 @@ def build_parquet(
     out = Path(out_dir)
     rows: dict[str, list[dict[str, Any]]] = {train_split: [], val_split: []}
     agents = {train_split: agent_name, val_split: val_agent_name or agent_name}
+    by_env = dict(train_agent_by_env or {})
     manifest: dict[str, Any] = {"agent_name": agent_name, "val_agent_name": agents[val_split],
-                                "splits": list(splits), "pools": {}}
+                                "splits": list(splits), "pools": {},
+                                **({"train_agent_by_env": dict(sorted(by_env.items()))} if by_env else {})}
     unplaced = set(train_task_ids or ())
     for name in dict.fromkeys(pool_names):
         pool = get_pool(name, **dict((pool_kwargs or {}).get(name, {})))
@@ -268,7 +273,8 @@ def build_parquet(
             per_cat: Counter[str] = Counter()
             for tid in ids:
                 spec = pool.task(tid)
-                rows[split].append(row_from_spec(pool, spec, agents[split]))
+                agent = by_env.get(spec.env_id, agents[split]) if split == train_split else agents[split]
+                rows[split].append(row_from_spec(pool, spec, agent))
                 per_cat[spec.category] += 1
             counts[split] = dict(sorted(per_cat.items()))
         manifest["pools"][name] = counts

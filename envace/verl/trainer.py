@@ -18,7 +18,8 @@ It also adds, every step:
   empty-output rates; trajectory-level calls per trajectory, stop reasons and the masked (unscored) rate;
 * ``envace/rehearsal_fidelity/*``: for rehearsed responses whose real counterpart is known, the share
   that equals the real environment's response (normalised JSON), key overlap and error agreement;
-* ``role``, ``trajectory_id`` and ``advantage`` (the row's advantage) columns in the per-step rollout dump
+* ``role``, ``trajectory_id``, ``advantage`` (the row's advantage), ``env_id``, ``observation_source`` and
+  ``simulated_calls`` (calls the Trace2Env simulator answered) columns in the per-step rollout dump
   (``rollouts/N.jsonl``).
 
 :class:`envace.verl.sched.EnvSchedTrainer` (``envsched_sync``) derives from it, so EnvSched and role-wise
@@ -38,6 +39,10 @@ from envace.agents.contract import RolloutFields, key_trajectory
 from envace.roles import Role
 
 logger = logging.getLogger(__name__)
+
+#: envace's columns in the per-step rollout dump, from each row's rollout contract
+DUMP_COLUMNS = ("role", "trajectory_id", "advantage", "env_id", "observation_source", "simulated_calls")
+
 
 def read_rows(keys: Sequence[str], extra_fields: Sequence[Mapping[str, Any] | None]) -> list[RolloutFields]:
     """The rollout contract of every row (:meth:`RolloutFields.from_extra_fields`), in batch order; a row that
@@ -179,7 +184,8 @@ def _register() -> type:
             metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
             self._step_data = data  # for the subclass's step (STEP_FIELDS)
             self._step_rows = {
-                key: (row.role.value, row.trajectory_id or key_trajectory(key), adv)
+                key: (row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id,
+                      row.observation_source, row.counters.get("simulated_calls", 0.0))
                 for key, row, adv in zip(batch.keys, rows, first, strict=True)
             }
             return batch
@@ -197,10 +203,9 @@ def _register() -> type:
             keys = reward_extra_infos_dict.get("uid")
             if labels and keys:
                 reward_extra_infos_dict = dict(reward_extra_infos_dict)
-                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0)) for k in keys]
-                reward_extra_infos_dict["role"] = [r[0] for r in rows]
-                reward_extra_infos_dict["trajectory_id"] = [r[1] for r in rows]
-                reward_extra_infos_dict["advantage"] = [r[2] for r in rows]
+                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0, "", "", 0.0)) for k in keys]
+                for i, name in enumerate(DUMP_COLUMNS):
+                    reward_extra_infos_dict[name] = [r[i] for r in rows]
             return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)
 
     return EnvaceTrainer
