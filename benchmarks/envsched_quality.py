@@ -41,7 +41,9 @@ S_full (cross-environment edges only), without both (K_within = K_cross = 0: the
 ``oracle q (ceiling)`` is full EnvSched's batch construction (same phases, caps, exposure discount and
 similarity penalty) with the score q replaced by the percentile rank of the learner's noise-free expected group
 variance: what a perfect predictor would reach under the paper's coverage rule, so the distance between it and
-full EnvSched is what better prediction can still gain.  ``--extra`` adds the non-paper relation options
+full EnvSched is what better prediction can still gain.  ``measured relation weights`` is full EnvSched with
+``relation_weights: measured`` (``envsched/relations.py``: each relation's Eq. 3 weight chosen online by how
+well it predicted the realised statistics; issue 34, deliverable 3).  ``--extra`` adds the non-paper relation options
 (``fusion: evidence``, ``cross_reference: environment``, and the same with longer half-lives; longer half-lives
 alone; ``cross_reference: environment_mean`` with ``quantile_weight_v: 0.35``, with and without longer half-lives;
 ``reconstructed_target: learnability``);
@@ -109,6 +111,8 @@ BASELINES = {
 CHEAP_ARMS = ("random", *BASELINES)  # arms that read no task text
 RELATION_ARMS = ("without S_abs", "without S_full", "without both")
 ORACLE = "oracle q (ceiling)"
+# Relations weighted by their measured predictive value (issue 34, deliverable 3; envsched/relations.py).
+MEASURED = "measured relation weights"
 DIAG = ("all", "observed", "within_env", "cross_env_only")
 TRUE_DIAG = ("all", "observed", "unobs_env")
 
@@ -125,6 +129,7 @@ def arms(base: EnvSchedConfig, extra: bool) -> dict[str, Any]:
         "without progress filter": base.replace(progress_filter=False),
         "without identifier filter": base.replace(identifier_filter=False),
         ORACLE: base,
+        MEASURED: base.replace(relation_weights="measured"),
         **BASELINES,
     }
     if extra:

@@ -140,6 +140,21 @@ class EnvSchedConfig(BaseModel):
     # hump-shaped in that margin and a neighbour's variance does not move that way; the variance then reaches
     # the score through the reconstructed f = d m (1 - m) of Eq. 12 (see quantile_weight_v).
     cross_reference: Literal["global", "environment", "environment_mean"] = "global"
+    # Weights of the two relations in Eq. 3 (beyond the paper; envsched/relations.py).  "paper": fixed (each
+    # relation's evidence mass as it is).  "measured": per statistic v, m, d, each relation's mass is scaled by
+    # c in relation_weight_grid, the pair (c_in, c_cross) whose predictions of the selected tasks ranked the
+    # realised statistic best (Spearman, Fisher z, paired against the paper's (1, 1), decayed over steps), if
+    # it beats (1, 1) at relation_weight_confidence standard errors; else (1, 1).  c = 0 fades a relation to
+    # b_t (both faded = the "without both" ablation).
+    relation_weights: Literal["paper", "measured"] = "paper"
+    # The candidate weights of each relation; must hold 1.0 (the paper's).
+    relation_weight_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
+    # Half-life in steps of the step weights 2^(-(t - s) / h) averaging the measured correlations (as Eq. 10).
+    relation_weight_half_life: float = Field(16.0, gt=0.0)
+    # kappa: a pair replaces the paper's (1, 1) only when its mean gain minus kappa standard errors is > 0.
+    relation_weight_confidence: float = Field(2.0, ge=0.0)
+    # A step counts only with at least this many observed groups.
+    relation_weight_min_groups: int = Field(8, ge=4)
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).
@@ -221,6 +236,8 @@ class EnvSchedConfig(BaseModel):
             lo, hi = getattr(self, name)
             if lo > hi:
                 raise ValueError(f"{name}: lower bound {lo} exceeds upper bound {hi}")
+        if 1.0 not in self.relation_weight_grid or any(not 0.0 <= c <= 1.0 for c in self.relation_weight_grid):
+            raise ValueError("relation_weight_grid must lie in [0, 1] and hold 1.0 (the paper's weight)")
         if any(w < 0 for w in self.view_weights) or sum(self.view_weights) <= 0:
             raise ValueError("view_weights must be non-negative with a positive sum")
         return self

@@ -362,14 +362,22 @@ class Prediction:
     q: np.ndarray  # informativeness score q = pr(u), Eq. 13
     reference: dict[str, float] = field(default_factory=dict)  # b_t^y for the long half-life
     step: int = 0
+    # relation_weights: measured only: the evidence the weights are measured on (estimate_half_life, long pass)
+    sources: dict[str, np.ndarray] | None = None
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """{task_id: {"v": .., "m": .., "d": .., "q": ..}}."""
         return {tid: {"v": float(self.v[i]), "m": float(self.m[i]), "d": float(self.d[i]), "q": float(self.q[i])} for i, tid in enumerate(self.task_ids)}
 
 
-def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None, env: np.ndarray | None = None, persistent: bool = False) -> dict[str, Any]:
+def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None, env: np.ndarray | None = None, persistent: bool = False, relation_weights: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
     """One prediction pass for half-life h: Eq. 6, 11, 7, 3, 4 for y in {v, m, d}, then Eq. 12.
+
+    ``relation_weights`` ({y: {"in": c, "cross": c}}, ``relations.RelationWeights.weights``; beyond the paper):
+    Eq. 3 with each relation's evidence mass scaled by its weight (Eq. 3' of ``envsched/relations.py``); the
+    result then also holds ``"sources"``, what the weights are measured on: per task W (``"W"``), each
+    relation's evidence mass A (``"A:<rel>"``) and sum S = sum_j a_ij y_j (``"<y>:S:<rel>"``), the own history
+    y-bar (``"<y>:own"``) and b_t (``"<y>:b"``).  None: the paper's Eq. 3.
 
     ``kernels`` (optional, shared between the passes of one prediction) caches the W-independent Eq. 7
     kernel per relation with the availability mask it was computed for; rows whose mask differs are
@@ -424,14 +432,29 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
         raise ValueError(f"cross_reference={cfg.cross_reference!r} needs the environment of every task (env=...)")
     env_relative = {"global": (), "environment": STATS, "environment_mean": ("m",)}[cfg.cross_reference]
     mass = {rel: a.sum(axis=1) for rel, (_, a) in weights.items()}
+    if relation_weights is not None:
+        from .relations import weighted_relation_estimate  # relations.py imports this module
+
+        out["sources"] = {"W": W, **{f"A:{rel}": mass[rel] for rel in weights}}
     for y in STATS:
-        G = {}
+        G, m_used = {}, dict(mass)
         for rel, (safe, a) in weights.items():
             level = None
             if rel == "cross" and y in env_relative:
                 level = environment_reference(ybars[y], W, env, out["b"][y], cfg.lambda_g)
-            G[rel] = relation_estimate(a, relation_values(ybars[y], safe, level, intervals[y]), out["b"][y], cfg.lambda_g, mass[rel])
-        P = graph_prior(G["in"], G["cross"], mass["in"], mass["cross"], out["b"][y], cfg.lambda_g, cfg.fusion_within, cfg.fusion)
+            vals = relation_values(ybars[y], safe, level, intervals[y])
+            if relation_weights is None:
+                G[rel] = relation_estimate(a, vals, out["b"][y], cfg.lambda_g, mass[rel])
+            else:  # Eq. 3' (envsched/relations.py): the relation's evidence mass scaled by its measured weight
+                c = relation_weights[y][rel]
+                num = np.sum(a * vals, axis=1)
+                G[rel] = weighted_relation_estimate(num, mass[rel], out["b"][y], cfg.lambda_g, c)
+                m_used[rel] = c * mass[rel]
+                out["sources"][f"{y}:S:{rel}"] = num
+        if relation_weights is not None:
+            out["sources"][f"{y}:own"] = ybars[y]
+            out["sources"][f"{y}:b"] = np.broadcast_to(out["b"][y], ybars[y].shape)
+        P = graph_prior(G["in"], G["cross"], m_used["in"], m_used["cross"], out["b"][y], cfg.lambda_g, cfg.fusion_within, cfg.fusion)
         out[y] = fuse_prior(P, W, ybars[y], cfg.lambda_s)
     out["f"] = reconstructed_variance(out["d"], out["m"], cfg.reconstructed_target, cfg.rollouts_per_task)
     out["u"] = quantile_score(out["v"], out["f"], cfg.quantile_weight_v)
@@ -439,17 +462,18 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
     return out
 
 
-def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig, env: np.ndarray | None = None, kernels: dict[str, Any] | None = None) -> Prediction:
+def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig, env: np.ndarray | None = None, kernels: dict[str, Any] | None = None, relation_weights: dict[str, dict[str, float]] | None = None) -> Prediction:
     """EnvSched Eq. 12–13 over both half-lives: q_{i,t} for every task of the pool (``env``: environment code
     of every task, needed for ``cross_reference = "environment"``; ``kernels``: a kernel cache kept between
-    calls on the same neighbour arrays, see ``estimate_half_life``)."""
+    calls on the same neighbour arrays, see ``estimate_half_life``; ``relation_weights``: Eq. 3' of
+    ``envsched/relations.py`` in both passes, the long pass's ``sources`` kept on the Prediction)."""
     n = len(task_ids)
     persistent = kernels is not None
     kernels = {} if kernels is None else kernels
-    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels, env, persistent)
-    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels, env, persistent)
+    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels, env, persistent, relation_weights)
+    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels, env, persistent, relation_weights)
     u, q = decline_priority(long["u"], short["u"], cfg.eta_decline)
-    return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t)
+    return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t, sources=long.get("sources"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from .graph import StaticGraph
 from .graph_cache import load_or_build_graph
 from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
+from .relations import RelationWeights
 from .select import BatchBuilder, CapState, cold_start_batch
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class EnvScheduler:
         self.counters = {"identifier_checked": 0, "identifier_filtered": 0, "replay_mismatch": 0, "replay_error": 0}
         self._metrics: dict[int, dict[str, float]] = {}
         self._pred_cache: tuple[int, int, Prediction] | None = None
+        # relation_weights: measured (beyond the paper, envsched/relations.py): the relations' Eq. 3 weights
+        self.relation_weights = RelationWeights(self.cfg) if self.cfg.relation_weights == "measured" else None
         if self.cfg.scheduler == "envsched":
             _ = self.neighbors  # build the graph now (a cost paid once, before training)
 
@@ -158,7 +161,8 @@ class EnvScheduler:
             # the nodes observed since, with the later ones masked out (that would leave fewer than K)
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
-        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache)
+        rw = self.relation_weights.weights() if self.relation_weights is not None else None
+        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw)
         self._pred_cache = (*key, pred)
         return pred
 
@@ -199,6 +203,8 @@ class EnvScheduler:
             nb = self.neighbors
             code = evidence_types(self.log, nb.idx, step, sel, len(self.pool))
             self.selection_predictions[step] = {"q": pred.q[sel].copy(), "v": pred.v[sel].copy(), "evidence": code}
+            if pred.sources is not None:  # what the relation weights are measured on when the step is observed
+                self.selection_predictions[step].update({f"src:{k}": a[sel].copy() for k, a in pred.sources.items()})
             metrics.update({f"selected_{name}": float(np.sum(code == c)) for c, name in enumerate(EVIDENCE_TYPES)})
         metrics.update(self._selection_metrics(step, sel, phases))
         if self._graph is not None:
@@ -285,11 +291,11 @@ class EnvScheduler:
         step = int(step)
         checks = self._identifier_checks(step, groups, trajectories) if trajectories and self.cfg.identifier_filter else []
         # ---- commit (nothing below raises on caller input) ----
-        nodes, ms, vs = [], [], []
+        nodes, ms, vs, ds = [], [], [], []
         for _tid, i, r in groups:
             m, v, d = group_statistics(r, self.cfg.dispersion_floor)
             self.log.add(i, step, m, v, d)
-            nodes.append(i), ms.append(m), vs.append(v)
+            nodes.append(i), ms.append(m), vs.append(v), ds.append(d)
         self.observed_steps.add(step)
         nodes_a = np.asarray(nodes, dtype=np.int64)
         self.obs_count[nodes_a] += 1
@@ -316,7 +322,7 @@ class EnvScheduler:
             "identifier_checked": float(self.counters["identifier_checked"]),
             "replay_mismatch": float(self.counters["replay_mismatch"]),
         }
-        metrics.update(self._prediction_metrics(step, nodes_a, va))
+        metrics.update(self._prediction_metrics(step, nodes_a, {"v": va, "m": np.asarray(ms), "d": np.asarray(ds)}))
         if trajectories:
             used = {(int(self.env[self.pool.index[t]]), a.get("name")) for t, trajs in trajectories.items() for traj in trajs for a in traj}
             metrics["tools_used_per_batch"] = float(len(used))
@@ -438,16 +444,24 @@ class EnvScheduler:
             elif res.outcome in ("replay_mismatch", "replay_error"):
                 self.counters[res.outcome] += 1
 
-    def _prediction_metrics(self, step: int, nodes: np.ndarray, realised_v: np.ndarray) -> dict[str, float]:
+    def _prediction_metrics(self, step: int, nodes: np.ndarray, realised: dict[str, np.ndarray]) -> dict[str, float]:
         """Prediction diagnostics of the observed groups of ``step`` (see ``estimate.prediction_diagnostics``):
         Spearman correlation of the score q (Eq. 13) and of v-hat (Eq. 4) remembered at selection with the
-        realised variance v (Eq. 2), per evidence type.  The step's selection record is dropped afterwards."""
+        realised variance v (Eq. 2), per evidence type.  With ``relation_weights: measured`` the same groups
+        update the relation weights (``relations.RelationWeights.update``).  The step's selection record is
+        dropped afterwards."""
         rec = self.selection_predictions.pop(step, None)
         if rec is None:
             return {}
         pos = {int(n): k for k, n in enumerate(self.selections[step].tolist())}
         at = np.asarray([pos[int(n)] for n in nodes], dtype=np.int64)
-        return prediction_diagnostics(rec["q"][at], realised_v, rec["evidence"][at], rec["v"][at])
+        out = prediction_diagnostics(rec["q"][at], realised["v"], rec["evidence"][at], rec["v"][at])
+        if self.relation_weights is not None:
+            sources = {k[4:]: a[at] for k, a in rec.items() if k.startswith("src:")}
+            if sources:
+                self.relation_weights.update(step, sources, realised)
+            out.update(self.relation_weights.metrics())
+        return out
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _selection_metrics(self, step: int, sel: np.ndarray, phases: list[str]) -> dict[str, float]:
@@ -501,6 +515,7 @@ class EnvScheduler:
             "metrics": {int(k): dict(v) for k, v in self._metrics.items()},
             "neighbors": self._neighbors.state_dict() if self._neighbors is not None else None,
             "selection_predictions": {int(s): {k: a.copy() for k, a in rec.items()} for s, rec in self.selection_predictions.items()},
+            "relation_weights": self.relation_weights.state_dict() if self.relation_weights is not None else None,
         }
         return state
 
@@ -528,6 +543,11 @@ class EnvScheduler:
         self.observed_steps = {int(s) for s in np.unique(self.log.arrays()["step"])}
         saved_pred = state.get("selection_predictions") or {}  # absent in states saved before the diagnostics
         self.selection_predictions = {int(s): {k: np.asarray(a).copy() for k, a in rec.items()} for s, rec in saved_pred.items()}
+        if self.relation_weights is not None:
+            rw_state = state.get("relation_weights")  # absent or None: saved without measured weights, start afresh
+            self.relation_weights = RelationWeights(self.cfg)
+            if rw_state is not None:
+                self.relation_weights.load_state_dict(rw_state)
         self._pred_cache = None
         if state.get("neighbors") is not None and saved == self.cfg:
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
