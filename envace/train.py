@@ -105,9 +105,14 @@ def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig) -> list[str]:
         return []
     kwargs = {k: dict(v) for k, v in (agent.pool_kwargs or {}).items()}
     try:
-        envs = training_environments(data.pools, kwargs, data.train_split, data.train_task_ids)
+        envs = training_environments(data.pools, kwargs, data.train_split)
         if agent.simulated_envs:
             chosen = simulated_environments(agent.simulated_envs, envs)
+            if data.train_task_ids is not None:  # only environments with training rows need a book
+                rows = training_environments(data.pools, kwargs, data.train_split, data.train_task_ids)
+                chosen = [env for env in chosen if env in rows]
+                if not chosen:
+                    return []
         else:  # auto for observation_source=simulator: every environment of the training and validation rows
             envs = {**training_environments(data.pools, kwargs, data.val_split), **envs}
             chosen = sorted(envs)

@@ -8,7 +8,8 @@ simulator's loop in its ``agent_name`` column, every other row the observation s
 and the one scoring path run both (reward: the pool's verifier on the real environment's shadow replay).
 
 :func:`simulated_environments` resolves the entries (env ids or fnmatch patterns) against the environments of the
-training rows, refusing an entry that matches none and an env id two pools share. :func:`build_worldbooks`
+training split of the pools, refusing an entry that matches none (a typo) and an env id two pools share; with
+explicit ``envace.data.train_task_ids`` only the matched environments that have training rows are simulated. :func:`build_worldbooks`
 (``worldbook: auto``) records the gold replays of each simulated environment's train-split tasks
 (:func:`envace.envs.traces.record_pool`) and builds one book per environment model-free (deterministic: the same
 traces and code give the same books), cached under ``$ENVACE_CACHE/worldbooks/<digest>`` where the digest covers
@@ -40,8 +41,8 @@ class WorldbookSelectionError(ValueError):
 
 def training_environments(pools: Sequence[str], pool_kwargs: Mapping[str, Mapping[str, Any]], split: str,
                           task_ids: Sequence[str] | None = None) -> dict[str, tuple[str, list[str]]]:
-    """``{env_id: (pool, [task ids])}`` of the training rows ``envace.data`` builds (``task_ids``: the explicit
-    ``train_task_ids``, else every task of ``split``)."""
+    """``{env_id: (pool, [task ids])}`` of the tasks of ``split`` in ``pools`` (``task_ids``: only those, e.g.
+    the explicit ``train_task_ids``)."""
     from envace.envs.base import get_pool
 
     keep = set(task_ids) if task_ids is not None else None
@@ -61,8 +62,8 @@ def training_environments(pools: Sequence[str], pool_kwargs: Mapping[str, Mappin
 
 
 def simulated_environments(entries: Sequence[str], envs: Mapping[str, Any]) -> list[str]:
-    """The training environments ``entries`` (env ids or fnmatch patterns) select, sorted; an entry that selects
-    none is an error naming it (a typo must not silently train everything in the real environment)."""
+    """The environments of ``envs`` that ``entries`` (env ids or fnmatch patterns) select, sorted; an entry that
+    selects none is an error naming it (a typo must not silently train everything in the real environment)."""
     chosen: set[str] = set()
     for entry in entries:
         hit = [e for e in envs if fnmatch.fnmatchcase(e, entry)]

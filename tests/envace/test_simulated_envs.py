@@ -108,17 +108,22 @@ def test_the_simulated_environments_training_rows_run_the_simulator_loop(tmp_pat
     assert names[LOOP_NAMES["simulator"]] < sum(r["agent_name"] == LOOP_NAMES["simulator"] for r in rows)
 
 
-def test_an_entry_matching_no_training_environment_is_refused(tmp_path, cache):
+def test_an_entry_matching_no_environment_is_refused(tmp_path, cache):
     cfg = cfg_of(tmp_path, "envace.agent.simulated_envs=[syn-bank-00,syn-nope-*]")
     with pytest.raises(ConfigError, match=r"'syn-nope-\*' matches no training environment .*syn-bank-00") as err:
         resolve_worldbooks(cfg, validate_envace_config(cfg))
     assert "\n" not in str(err.value) and not (cache / "worldbooks").exists()
-    # an environment with no row among explicit training tasks is not a training environment either
+    # explicit training tasks: a pattern still must match an environment of the train split (typos), but only the
+    # matched environments with training rows are simulated (and get a book)
     pool = SyntheticPool(**KW)
-    shop = [t for t in pool.task_ids("train") if pool.task(t).env_id == "syn-shop-01"][:2]
-    cfg = cfg_of(tmp_path, "envace.agent.simulated_envs=[syn-bank-00]", f"envace.data.train_task_ids=[{','.join(shop)}]")
-    with pytest.raises(ConfigError, match="'syn-bank-00' matches no training environment"):
-        resolve_worldbooks(cfg, validate_envace_config(cfg))
+    tasks = [t for env in ("syn-bank-00", "syn-shop-01")
+             for t in [t for t in pool.task_ids("train") if pool.task(t).env_id == env][:2]]
+    cfg = cfg_of(tmp_path, "envace.agent.simulated_envs=[syn-bank-*,syn-files-*]",
+                 f"envace.data.train_task_ids=[{','.join(tasks)}]")
+    assert resolve_worldbooks(cfg, validate_envace_config(cfg)) == ["syn-bank-00"]
+    assert sorted(load_worldbooks(cfg.envace.agent.worldbook)[1]) == ["syn-bank-00"]
+    cfg = cfg_of(tmp_path, "envace.agent.simulated_envs=[syn-files-*]", f"envace.data.train_task_ids=[{','.join(tasks)}]")
+    assert resolve_worldbooks(cfg, validate_envace_config(cfg)) == []  # nothing to simulate among these rows
 
 
 def _book(root: Path, pool_name: str, env: str, traces_pool=None) -> None:
