@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from envace.loop_config import LoopLimits, RehearsalPrompt
 from envace.rewards.checklist import ChecklistJudgeConfig
+from envace.roles import Role
 from trace2env.endpoint import RENAMED_KEYS, EndpointConfig
 
 __all__ = [
@@ -156,10 +157,15 @@ class AdvantageConfig:
     singleton: str = "zero"
     # subtracted from the reward of an output that decoded to empty text
     empty_penalty: float = 0.0
+    # roles whose outputs carry a policy-gradient loss (null: both); [act] is the ablation "EnvACE without the
+    # rehearse role's loss": rehearsals still write the observations, but are not trained
+    trained_roles: list[str] | None = None
 
     def __post_init__(self) -> None:
         _choice("advantage.baseline", self.baseline, ("output", "trajectory"))
         _choice("advantage.singleton", self.singleton, ("zero", "raw"))
+        for role in self.trained_roles or ():
+            _choice("advantage.trained_roles", role, tuple(r.value for r in Role))
         if self.epsilon < 0:
             raise ValueError(f"envace.advantage.epsilon must be >= 0, got {self.epsilon}")
 
@@ -182,6 +188,13 @@ class RewardConfig:
 
 
 @dataclass
+class ValidationConfig:
+    # after the validation verl runs (rollout.val_kwargs: its temperature and samples per task), a second, greedy
+    # pass over the same held-out tasks, one sample each (val-core/greedy/... and val-core/heldout_greedy/...)
+    greedy: bool = False
+
+
+@dataclass
 class EnvAceConfig:
     # training rows: which environment pools and splits
     data: DataConfig = field(default_factory=DataConfig)
@@ -191,6 +204,8 @@ class EnvAceConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     # reward components and their mix (verifiable replay, checklist judge)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # held-out validation beyond verl's own (envace.verl.trainer.HeldoutValidation)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     # run the pre-flight checks (GPU presence, Ray resources, model path) before launching
     preflight: bool = True
     # seconds between the sync trainer's checks that a step's rollouts are done (verl's replay buffer polls every

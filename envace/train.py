@@ -491,21 +491,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_learning(run_dir: Path) -> None:
-    """Print first-vs-last validation success and draw the reward curve (``scripts/plot_metrics.py --reward-curve``)."""
-    from envace.metrics import learning_summary, load_metrics, reward_curve
+    """Print first-vs-last held-out success (:func:`envace.metrics.learning_line`) and draw the reward curve
+    (``scripts/plot_metrics.py --reward-curve``)."""
+    from envace.metrics import learning_line, learning_summary, load_metrics, reward_curve
 
     if not any((run_dir / "metrics").glob("*.jsonl")):
         return  # no file logger in trainer.logger
     series = load_metrics(run_dir)
     summary = learning_summary(series)
     if summary is not None:
-        line = (f"envace: validation success {summary['first']:.3f} (step {summary['first_step']}) -> "
-                f"{summary['last']:.3f} (step {summary['last_step']}) [mean over {summary['sources']} validation sources]")
-        if "train_reward_first" in summary:
-            (a, b), (c, d) = summary["train_steps_first"], summary["train_steps_last"]
-            line += (f"; training reward {summary['train_reward_first']:.3f} (mean of steps {a}-{b}) -> "
-                     f"{summary['train_reward_last']:.3f} (steps {c}-{d})")
-        print(line, flush=True)
+        print(learning_line(summary), flush=True)
     print(f"envace: reward curve {reward_curve(series, run_dir / 'plots' / 'reward_curve.png')}", flush=True)
 
 

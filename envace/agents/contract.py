@@ -49,7 +49,11 @@ from typing import Any
 
 from envace.roles import Role
 
-__all__ = ["RolloutFields", "RolloutFieldsError", "key_trajectory"]
+__all__ = ["GREEDY_FIELD", "RolloutFields", "RolloutFieldsError", "key_trajectory"]
+
+#: the other direction, trainer to agent loop: a validation row carrying this field (true) is decoded greedily
+#: whatever ``rollout.val_kwargs`` says (the trainer's greedy validation pass, :mod:`envace.verl.trainer`)
+GREEDY_FIELD = "envace_greedy"
 
 #: the per-output keys (every envace row has them)
 OUTPUT_KEYS = ("role", "output_index", "empty", "format_error", "num_tokens")

@@ -52,7 +52,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from envace.agents import LOOP_NAMES
 from envace.agents.client import connect_endpoints
-from envace.agents.contract import RolloutFields
+from envace.agents.contract import GREEDY_FIELD, RolloutFields
 from envace.agents.engine import Role, Transcript, TurnEngine
 from envace.agents.sources import RealSource, RehearseSource, SimulatorSource
 from envace.agents.token_policy import (  # noqa: F401  (PrefixError, Generation, announce_tools: re-exported)
@@ -180,6 +180,8 @@ class EnvaceAgentLoop(AgentLoopBase):
         cfg = self.agent_cfg
         pool_name, task_id = task_ref(kwargs)
         episode = await asyncio.to_thread(self._episode, kwargs)
+        if kwargs.get(GREEDY_FIELD):  # the trainer's greedy validation pass (envace.verl.trainer)
+            sampling_params = {**sampling_params, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
         policy = VerlPolicy(self, sampling_params, cfg)
         source = self._source(policy, episode)
         transcript = await TurnEngine(cfg.limits).run(episode, policy, source)

@@ -22,20 +22,36 @@ It also adds, every step:
   ``simulated_calls`` (calls the Trace2Env simulator answered) columns in the per-step rollout dump
   (``rollouts/N.jsonl``).
 
+and, at every validation (:class:`HeldoutValidation`):
+
+* ``val-core/heldout/success/mean@N`` and ``.../sem@N``: held-out success over all validation tasks, sampled as
+  ``rollout.val_kwargs`` says (the CPU default: the training temperature, several samples a task), with its
+  standard error (:func:`envace.metrics.heldout_estimate`);
+* ``val-aux/heldout/success/change`` and ``.../change_sem``: the change since the run's first validation, paired by
+  task (:func:`envace.metrics.heldout_change`);
+* with ``envace.validation.greedy``, a second, greedy pass over the same tasks (one sample each): verl's own
+  per-category metrics under ``val-core/greedy/<pool>/<category>/...`` and ``val-core/heldout_greedy/success/...``;
+* each validation's per-task scores in ``<trainer.default_local_dir>/validation/step_<N>.json``: what the change is
+  computed from, so a resumed run still compares against its first validation.
+
 :class:`envace.verl.sched.EnvSchedTrainer` (``envsched_sync``) derives from it, so EnvSched and role-wise
 GRPO combine.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from envace.agents.contract import RolloutFields, key_trajectory
+from envace.agents.contract import GREEDY_FIELD, RolloutFields, key_trajectory
+from envace.metrics import HELDOUT, HELDOUT_GREEDY, heldout_change, heldout_estimate
 from envace.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -126,6 +142,89 @@ def role_metrics(
     return out
 
 
+#: data-source prefix of the greedy validation pass's rows
+GREEDY_PREFIX = "greedy/"
+
+
+class HeldoutValidation:
+    """Held-out validation as envace reports it, around verl's own ``_validate``: the task behind each validation
+    row, an optional greedy second pass over the same rows, and the held-out estimates of every validation.
+
+    verl's ``_validate`` gives each validation row a fresh uid and reports only per-data-source means. The
+    validation batches pass through :meth:`batches`, which, after verl has stamped a batch's uids, records each
+    uid's task, and (``greedy``) yields the batch a second time as its greedy copy: one sample a row, data source
+    ``greedy/<pool>/<category>``, and the row field the agent loop reads to decode greedily
+    (:data:`envace.agents.contract.GREEDY_FIELD`). :meth:`metrics` turns verl's per-sample scores into the
+    held-out estimates, and keeps each validation's per-task scores in ``out_dir`` (``step_<N>.json``).
+    """
+
+    def __init__(self, out_dir: Path, greedy: bool) -> None:
+        self.out_dir = out_dir
+        self.greedy = greedy
+        self.tasks: dict[str, str] = {}  # uid -> "pool/task_id" of the rows validated so far
+
+    def batches(self, loader: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for batch in loader:
+            yield batch
+            self._record(batch)
+            if self.greedy:
+                copy = self.greedy_copy(batch)
+                yield copy
+                self._record(copy)
+
+    @staticmethod
+    def greedy_copy(batch: Mapping[str, Any]) -> dict[str, Any]:
+        """``batch``'s rows again, to be decoded greedily once each, under ``greedy/``-prefixed data sources."""
+        size = len(batch["raw_prompt"])
+        copy = {k: v for k, v in batch.items() if k != "uid"}
+        sources = batch.get("data_source", ["unknown"] * size)
+        copy["data_source"] = np.array([f"{GREEDY_PREFIX}{s}" for s in sources], dtype=object)
+        copy["__rollout_n__"] = np.array([1] * size, dtype=object)
+        copy[GREEDY_FIELD] = np.array([True] * size, dtype=object)
+        return copy
+
+    def _record(self, batch: Mapping[str, Any]) -> None:
+        for uid, info in zip(batch["uid"], batch["extra_info"], strict=True):
+            self.tasks[str(uid)] = f"{info['pool']}/{info['task_id']}"
+
+    def metrics(self, step: int, data_sources: Sequence[str], sample_uids: Sequence[str],
+                scores: Sequence[float]) -> dict[str, float]:
+        per_pass: dict[str, dict[str, list[float]]] = {HELDOUT: defaultdict(list), HELDOUT_GREEDY: defaultdict(list)}
+        for source, uid, score in zip(data_sources, sample_uids, scores, strict=True):
+            which = HELDOUT_GREEDY if str(source).startswith(GREEDY_PREFIX) else HELDOUT
+            per_pass[which][self.tasks[str(uid)]].append(float(score))
+        out: dict[str, float] = {}
+        for which, per_task in per_pass.items():
+            if not per_task:
+                continue
+            est = heldout_estimate(per_task)
+            n = max(len(v) for v in per_task.values())
+            out[f"val-core/{which}/success/mean@{n}"] = est.mean
+            out[f"val-core/{which}/success/sem@{n}"] = est.sem
+            out[f"val-aux/{which}/success/tasks"] = float(est.tasks)
+        first = self._first_record()
+        record = {which: dict(per_task) for which, per_task in per_pass.items() if per_task}
+        self._write(step, record)
+        if first is not None and first[0] < step and first[1].get(HELDOUT) and per_pass[HELDOUT]:
+            change = heldout_change(first[1][HELDOUT], per_pass[HELDOUT])
+            out[f"val-aux/{HELDOUT}/success/change"] = change.mean
+            out[f"val-aux/{HELDOUT}/success/change_sem"] = change.sem
+        return out
+
+    def _first_record(self) -> tuple[int, dict[str, dict[str, list[float]]]] | None:
+        files = sorted(self.out_dir.glob("step_*.json"), key=lambda p: int(p.stem.split("_", 1)[1]))
+        if not files:
+            return None
+        return int(files[0].stem.split("_", 1)[1]), json.loads(files[0].read_text())
+
+    def _write(self, step: int, record: dict[str, Any]) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"step_{step}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, sort_keys=True))
+        os.replace(tmp, path)
+
+
 def _register() -> type:
     import transfer_queue as tq
     from verl.trainer.ppo.v1.trainer_base import register_trainer
@@ -189,6 +288,29 @@ def _register() -> type:
                 for key, row, adv in zip(batch.keys, rows, first, strict=True)
             }
             return batch
+
+        def _heldout(self) -> HeldoutValidation:
+            if getattr(self, "_heldout_validation", None) is None:
+                opts = ((self.config.get("envace") or {}).get("validation") or {})
+                out = Path(self.config.trainer.default_local_dir) / "validation"
+                self._heldout_validation = HeldoutValidation(out, greedy=bool(opts.get("greedy", False)))
+            return self._heldout_validation
+
+        def _validate(self) -> dict[str, float]:
+            loader = self.val_dataloader
+            self.val_dataloader = self._heldout().batches(loader)
+            try:
+                return super()._validate()
+            finally:
+                self.val_dataloader = loader
+
+        def _val_metrics_update(self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns,
+                                expected_acc_counts=None) -> dict[str, float]:
+            out = super()._val_metrics_update(data_sources, sample_uids, reward_extra_infos_dict, sample_turns,
+                                              expected_acc_counts=expected_acc_counts)
+            scores = reward_extra_infos_dict.get("acc") or reward_extra_infos_dict["reward"]
+            out.update(self._heldout().metrics(int(self.global_steps), data_sources, sample_uids, scores))
+            return out
 
         def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
             # called by verl's fit() right after step() for the same batch (before the rows are cleared)

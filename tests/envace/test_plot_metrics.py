@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,3 +48,48 @@ def test_learning_summary_averages_the_first_and_last_training_steps():
     long = {"critic/score/mean": {s: 0.1 for s in range(1, 41)}, **{k: v for k, v in series.items() if "val" in k}}
     assert learning_summary(long)["train_steps_last"] == (36, 40)  # at most 5 steps a side
     assert learning_summary({"critic/score/mean": reward}) is None  # no validation: nothing to report
+
+
+def test_heldout_estimate_is_the_mean_of_task_means_with_the_error_of_that_mean():
+    from envace.metrics import heldout_estimate
+
+    est = heldout_estimate({"a": [1, 1, 0, 0], "b": [1, 1, 1, 1], "c": [0, 0, 0, 0]})
+    assert (est.mean, est.tasks, est.samples) == (0.5, 3, 12)
+    # the spread of the three task means (0.5, 1, 0), not of 12 independent coin flips (which would give 0.151)
+    assert abs(est.sem - 0.2887) < 1e-4
+    assert math.isnan(heldout_estimate({"a": [1, 0]}).sem)
+    with pytest.raises(ValueError):
+        heldout_estimate({})
+
+
+def test_heldout_change_pairs_the_tasks_both_validations_scored():
+    from envace.metrics import heldout_change
+
+    first = {"a": [0, 0], "b": [1, 0], "c": [1, 1], "gone": [0, 0]}
+    last = {"a": [1, 0], "b": [1, 1], "c": [1, 1], "new": [1, 1]}
+    ch = heldout_change(first, last)
+    assert ch.tasks == 3 and abs(ch.mean - (0.5 + 0.5 + 0) / 3) < 1e-12
+    # the tasks' own levels cancel: the error is that of the differences (0.5, 0.5, 0)
+    assert abs(ch.sem - 0.16667) < 1e-4
+    with pytest.raises(ValueError):
+        heldout_change({"a": [1]}, {"b": [1]})
+
+
+def test_learning_line_reports_errors_the_paired_change_and_the_greedy_pass():
+    from envace.metrics import learning_line, learning_summary
+
+    series = {
+        "val-core/heldout/success/mean@4": {0: 0.20, 20: 0.32},
+        "val-core/heldout/success/sem@4": {0: 0.025, 20: 0.028},
+        "val-core/heldout_greedy/success/mean@1": {0: 0.30, 20: 0.36},
+        "val-core/synthetic/act/acc/mean@4": {0: 0.1, 20: 0.9},  # a category: not the held-out figure
+        "val-aux/heldout/success/change": {20: 0.12},
+        "val-aux/heldout/success/change_sem": {20: 0.03},
+        "critic/score/mean": {s: 0.1 for s in range(1, 21)},
+    }
+    summary = learning_summary(series)
+    assert (summary["first"], summary["last"], summary["first_sem"]) == (0.20, 0.32, 0.025)
+    line = learning_line(summary)
+    assert "0.200 ± 0.025 (step 0) -> 0.320 ± 0.028 (step 20)" in line
+    assert "change +0.120 ± 0.030 (+4.0 s.e., paired by task)" in line
+    assert "greedy 0.300 -> 0.360" in line

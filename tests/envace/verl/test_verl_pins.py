@@ -58,6 +58,12 @@ PINS = [
         f"{TRAINER} overrides"),
     Pin(f"{SYNC}._dump_generations", f"{BASE}._dump_generations",
         "(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)", f"{TRAINER} overrides"),
+    Pin(f"{SYNC}._validate", f"{BASE}._validate", "(self) -> dict[str, float]",
+        f"{TRAINER} overrides (HeldoutValidation.batches wraps val_dataloader)"),
+    Pin(f"{SYNC}._val_metrics_update", f"{BASE}._val_metrics_update",
+        "(self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, "
+        "expected_acc_counts: dict[tuple[str, str], int] | None = None) -> dict[str, float]",
+        f"{TRAINER} overrides (HeldoutValidation.metrics)"),
     Pin(f"{SYNC}._init_dataloader", f"{BASE}._init_dataloader", "(self)", f"{SCHED} overrides"),
     Pin(f"{SYNC}._next_train_batch", f"{BASE}._next_train_batch",
         "(self, num_prompts: int | None = None) -> tensordict._td.TensorDict", f"{SCHED} overrides"),
@@ -205,3 +211,28 @@ def test_every_override_of_envaces_verl_subclasses_is_pinned():
                 if f"{target}.{name}" not in pinned:
                     missing.append(f"{klass.__qualname__}.{name} overrides {target}.{name}")
     assert not missing, missing
+
+
+#: lines of verl's source envace's held-out validation relies on (``HeldoutValidation`` in envace/verl/trainer.py):
+#: ``_validate`` draws its batches from ``self.val_dataloader`` and stamps their uids on the drawn dict in place (the
+#: wrapper reads them back after each yield), and takes each row's sample count from its ``__rollout_n__`` (the greedy
+#: copy's one sample), which the agent-loop worker pops per prompt
+SOURCE_LINES = [
+    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", "for batch_dict in self.val_dataloader:"),
+    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", 'batch_dict["uid"] = np.array('),
+    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", '"__rollout_n__", [self.config.actor_rollout_ref'),
+    ("verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ._run_prompt", 'n = prompt.pop("__rollout_n__", '),
+]
+
+
+@pytest.mark.parametrize("target,line", SOURCE_LINES, ids=[f"{t.split(':')[1]}:{i}" for i, (t, _) in
+                                                          enumerate(SOURCE_LINES)])
+def test_pinned_verl_source_line(target, line):
+    assert md.version("verl") == VERSIONS["verl"]
+    module_name, _, path = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    obj = getattr(obj, "__ray_actor_class__", obj)
+    source = inspect.getsource(obj)
+    assert line in source, f"verl {VERSIONS['verl']}: {target} no longer contains {line!r} (envace/verl/trainer.py)"
