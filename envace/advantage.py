@@ -150,6 +150,7 @@ def compute_rolewise_advantage(
     epsilon: float = 1e-6,
     singleton: str = "zero",
     empty_penalty: float = 0.0,
+    trained_roles: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Role-wise GRPO advantage, EnvACE §4.2: ``A = (R − mean_{prompt, role}) / (std_{prompt, role} + ε)``.
 
@@ -170,6 +171,8 @@ def compute_rolewise_advantage(
         epsilon: added to the std.
         singleton: for a one-member group, ``"zero"`` (advantage 0) or ``"raw"`` (mean 0, std 1).
         empty_penalty: subtracted from the score of ``empty`` rows before the baselines.
+        trained_roles: role names whose rows keep their advantage; the other roles' rows get 0, so they carry no
+            policy-gradient loss (an ablation: EnvACE without the rehearse role's loss). Default: every role.
 
     Returns:
         ``(advantages, returns)``, both ``[bs, resp_len]`` and equal, as verl's GRPO.
@@ -218,6 +221,8 @@ def compute_rolewise_advantage(
     if norm_by_std:
         adv = adv / (std[group] + epsilon)
     keep = valid_np & ~(is_singleton[group] & (singleton == "zero"))
+    if trained_roles is not None:
+        keep &= np.isin(np.asarray(_canonical_roles(roles), dtype=object), list(trained_roles))
     adv = np.where(keep, adv, 0.0)
 
     adv_t = torch.as_tensor(adv, dtype=token_level_rewards.dtype, device=token_level_rewards.device)

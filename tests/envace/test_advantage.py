@@ -597,3 +597,17 @@ def test_estimator_without_index_raises_clear_error():
     fn = adv_mod.rolewise_adv_estimator
     with pytest.raises(ValueError, match="needs index"):
         fn(token_level_rewards=rewards, response_mask=mask, config=None, roles=["act", "act"])
+
+
+def test_trained_roles_zero_the_other_roles_and_leave_the_trained_roles_baselines_alone():
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [0.0], [0.5], [0.5]])
+    mask = torch.ones(6, 1)
+    index = np.array(["p"] * 6, dtype=object)
+    roles = np.array(["act", "act", "rehearse", "rehearse", "act", "rehearse"], dtype=object)
+    both, _ = compute_rolewise_advantage(rewards, mask, index, roles)
+    act_only, _ = compute_rolewise_advantage(rewards, mask, index, roles, trained_roles=["act"])
+    is_act = torch.tensor([r == "act" for r in roles])
+    assert torch.equal(act_only[is_act], both[is_act])  # the act baseline is unchanged
+    assert torch.count_nonzero(act_only[~is_act]) == 0 and torch.count_nonzero(both[~is_act]) > 0
+    codes, _ = compute_rolewise_advantage(rewards, mask, index, np.array([0, 0, 1, 1, 0, 1]), trained_roles=["act"])
+    assert torch.equal(codes, act_only)  # integer role codes select alike
