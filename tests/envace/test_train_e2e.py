@@ -1,12 +1,14 @@
-"""End to end on CPU through scripts/train.sh and the project's own config: EnvACE and EnvSched together.
+"""End to end on CPU through scripts/train.sh and the project's own config: all three methods in one run (``cpu_all``).
 
-Run A: 2 steps of EnvACE (``experiment=cpu_default``: the warm-started tiny Qwen3 acts and rehearses the
-environment on the synthetic pool, role-wise GRPO, reward = the pool's verifier on a real-environment
-replay of the actor's calls) with EnvSched choosing the batches, through verl's real V1 trainer (FSDP2 on
-gloo) and verl's own vLLM rollout replica on vLLM's CPU build, checkpointing at steps 1 and 2, validating in the
-real environment at step 2. Run B starts from a copy of A's step-1 checkpoint only, resumes (model, optimizer,
-dataloader and scheduler state) and runs step 2: its batch must equal the batch A chose at step 2 uninterrupted.
-B's checkpoint is then exported (``python -m envace.models export``) and served by ``vllm serve``.
+Run A: 2 steps of EnvACE (the warm-started tiny Qwen3 acts and rehearses, role-wise GRPO) on batches EnvSched
+picks, through verl's real V1 trainer (FSDP2 on gloo) and verl's own vLLM rollout replica on vLLM's CPU build,
+checkpointing at steps 1 and 2, validating in the real environment at step 2. The training tasks come from two
+environments of the synthetic pool: one ``cpu_all`` serves with a Trace2Env worldbook built from its recorded
+traces (the ``envace_simulator`` loop: only the acting role, every call answered by the simulator), one the policy
+rehearses (both roles); in both the reward is the pool's verifier on the real environment's shadow replay. Run B
+starts from a copy of A's step-1 checkpoint only, resumes (model, optimizer, dataloader and scheduler state) and
+runs step 2: its batch must equal the batch A chose at step 2 uninterrupted. B's checkpoint is then exported
+(``python -m envace.models export``) and served by ``vllm serve``.
 
 The weight sync is checked where it can fail, by verl's comparison of the rollout's sampled-token probabilities
 with the FSDP actor's recomputation (``sync_holds``): vLLM starts from random weights (verl's
@@ -19,6 +21,7 @@ the buckets without loading them) and the correlation of the two probabilities (
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -30,19 +33,33 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from envace.envs.base import get_pool
+from envace.envs.datasets import stable_order
 from envace.eval.server import launch_server
+from envace.verl.config import compose
 
 pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
 
+#: the environment cpu_all serves with a Trace2Env worldbook, and one it leaves to the policy's rehearsal
+SIMULATED, REHEARSED = "syn-bank-00", "syn-shop-01"
+
+
+def training_tasks(per_env: int = 8) -> list[str]:
+    """``per_env`` train-split tasks of each of the two environments (EnvSched's cold start takes one of each)."""
+    kwargs = compose(["experiment=cpu_all"]).envace.agent.pool_kwargs.synthetic
+    pool = get_pool("synthetic", **kwargs)
+    ids = stable_order(pool.task_ids("train"))
+    return [t for env in (SIMULATED, REHEARSED) for t in [t for t in ids if pool.task(t).env_id == env][:per_env]]
+
+
 FAST = [
-    "experiment=cpu_default",
+    # EnvACE + EnvSched + Trace2Env: cpu_envsched with syn-bank-*, syn-files-*, syn-library-* simulated (the
+    # training tasks, envace.data.train_task_ids=training_tasks(), are added in the test: collection builds no pool)
+    "experiment=cpu_all",
     # verl's own vLLM replica on vLLM's CPU build (the CPU default is hfcpu, the faster on 2 cores)
     "actor_rollout_ref.rollout.name=vllm",
-    "trainer.v1.trainer_mode=envsched_sync",
     # partial credit gives reward variance inside groups, so the advantages are not all zero
     "envace.agent.pool_kwargs.synthetic.reward=partial",
-    "data.train_batch_size=2",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
     "trainer.val_before_train=false",
     "trainer.logger=[console,file]",
     "trainer.total_training_steps=2",
@@ -77,22 +94,32 @@ def selections(run_dir: Path) -> dict[int, list[str]]:
     return {rec["step"]: rec["task_ids"] for rec in map(json.loads, lines)}
 
 
-def test_envace_envsched_train_checkpoint_resume(tmp_path, train_sh):
+def env_of(key: str) -> str:
+    return key.split("/")[-2]  # EnvSched's task keys are <pool>/<env_id>/t<N>
+
+
+def test_all_three_methods_train_checkpoint_resume(tmp_path, train_sh):
+    patterns = compose(["experiment=cpu_all"]).envace.agent.simulated_envs
+    assert any(fnmatch.fnmatchcase(SIMULATED, p) for p in patterns)
+    assert not any(fnmatch.fnmatchcase(REHEARSED, p) for p in patterns)
+    overrides = [*FAST, f"envace.data.train_task_ids=[{','.join(training_tasks())}]"]
     a = tmp_path / "a"
-    out_a = train_sh(a, *FAST)
+    out_a = train_sh(a, *overrides)
     roles_seen: set[str] = set()
+    by_env: dict[str, list[dict]] = defaultdict(list)
     for step in (1, 2):
         m = step_metrics(out_a, step)
         # the rollout server and the FSDP actor hold the same weights after every sync
         sync_holds(m)
         assert m["actor/grad_norm"] > 0  # every step updates, so every later rollout needs the sync
         assert 0.0 <= m["critic/score/mean"] <= 1.0
+        # EnvSched chose the step's batch and was fed back every group's rewards
         assert m["envsched/batch_size"] == 2 and m["envsched/observed_groups"] == 2
         # per-role metrics every step
         for key in ("envace/act/outputs", "envace/rehearse/outputs", "envace/act/calls_per_trajectory",
                     "envace/masked_rate", "envace/trajectories"):
             assert key in m, key
-        assert m["envace/trajectories"] == 8  # 2 prompts x 4 rollouts
+        assert m["envace/trajectories"] == 4  # 2 prompts x 2 rollouts
         rows = [json.loads(line) for line in (a / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
         roles_seen |= {r["role"] for r in rows}
         # role-wise GRPO: within each prompt's group, each role's advantages are centred on that role's mean
@@ -102,20 +129,34 @@ def test_envace_envsched_train_checkpoint_resume(tmp_path, train_sh):
                 continue
             assert r["role"] in ("act", "rehearse") and r["trajectory_id"] == r["uid"].rsplit("_", 1)[0]
             groups[(r["uid"].split("_")[0], r["role"])].append(r["advantage"])
+            by_env[r["env_id"]].append(r)
         for advs in groups.values():
             assert abs(sum(advs)) < 1e-4 * max(1, len(advs)), advs
     assert roles_seen == {"act", "rehearse"}  # both roles are trained
-    assert "val-core/synthetic" in out_a and "envace: training finished" in out_a
-    assert (a / "global_step_1" / "envsched.pt").is_file() and (a / "global_step_2" / "actor").is_dir()
+    # EnvSched's cold start takes one task of each environment: step 1 trained both kinds
     sel_a = selections(a)
     assert sorted(sel_a) == [1, 2] and all(len(v) == 2 for v in sel_a.values())
+    assert {env_of(t) for t in sel_a[1]} == {SIMULATED, REHEARSED}
+    assert set(by_env) == {env_of(t) for v in sel_a.values() for t in v}
+    # the simulated environment: the envace_simulator loop, the acting role only, calls answered by the worldbook
+    sim = by_env[SIMULATED]
+    assert {r["observation_source"] for r in sim} == {"simulator"} and {r["role"] for r in sim} == {"act"}
+    assert sum(r["simulated_calls"] for r in sim) > 0
+    # the other: rehearsed by the policy (both roles), its calls executed in the real environment, none simulated
+    reh = by_env[REHEARSED]
+    assert {r["observation_source"] for r in reh} == {"rehearse"} and {r["role"] for r in reh} == {"act", "rehearse"}
+    assert all(r["simulated_calls"] == 0 for r in reh)
+    # answered calls, simulated or rehearsed, were compared with the real environment's responses (the shadow)
+    assert sum(step_metrics(out_a, step).get("envace/rehearsal_fidelity/compared", 0.0) for step in (1, 2)) > 0
+    assert "val-core/synthetic" in out_a and "envace: training finished" in out_a
+    assert (a / "global_step_1" / "envsched.pt").is_file() and (a / "global_step_2" / "actor").is_dir()
 
     # B: only A's step-1 checkpoint
     b = tmp_path / "b"
     b.mkdir()
     shutil.copytree(a / "global_step_1", b / "global_step_1")
     (b / "latest_checkpointed_iteration.txt").write_text("1")
-    out_b = train_sh(b, *FAST)
+    out_b = train_sh(b, *overrides)
     assert "Resuming from" in out_b and "global_step_1" in out_b
     assert not re.search(r"\bstep:1 - ", out_b)
     m = step_metrics(out_b, 2)
