@@ -43,6 +43,10 @@ n_eff = (sum w)^2 / sum w^2.
 paper's weight until the measurement shows, at kappa standard errors, that a smaller weight ranks the
 realised statistic better: a relation without evidence is neither trusted less nor zeroed by the noise of a
 few groups, and one that predicts keeps counting.  Fewer than 3 effective steps: the paper's weights.
+
+Limits: one pair per statistic for the whole pool (not per environment); it is measured on the selected tasks,
+the ones the score already put first; ``EnvScheduler.predict`` for a past step uses the current weights.
+Measured on simulated learners: docs/results/envsched_baselines.md (issue 34, deliverable 3).
 """
 
 from __future__ import annotations
