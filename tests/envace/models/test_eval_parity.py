@@ -131,7 +131,11 @@ def test_eval_settings_are_the_cpu_default_runs_validation():
     exp = OmegaConf.load(ROOT / "configs" / "experiment" / "cpu_default.yaml")
     agent = exp.envace.agent
     s = W.EvalSettings()
-    assert agent.val_observation_source == "real" and exp.actor_rollout_ref.rollout.val_kwargs.do_sample is False
+    val = exp.actor_rollout_ref.rollout.val_kwargs
+    # validation samples at the training temperature (its greedy pass: envace.validation.greedy)
+    assert agent.val_observation_source == "real" and val.do_sample is True
+    assert OmegaConf.is_interpolation(val, "temperature") and val.temperature == exp.actor_rollout_ref.rollout.temperature
+    assert exp.envace.validation.greedy is True
     assert s.limits == LoopLimits(**OmegaConf.to_container(agent.limits))
     assert (s.act_max_tokens, s.rehearse_max_tokens) == (agent.act_max_tokens, agent.rehearse_max_tokens)
     assert s.env_timeout_s == agent.get("env_timeout_s", AgentConfig().env_timeout_s)
