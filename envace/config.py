@@ -50,6 +50,9 @@ class DataConfig:
     # training tasks by id (every pool; null: the whole train split, capped by max_tasks_per_pool); an id no pool's
     # train split holds is an error. Validation keeps val_split. E.g. tasks chosen inside a learnable band
     train_task_ids: list[str] | None = None
+    # task categories kept in both splits (a task's TaskSpec.category: a synthetic task's shape, a BFCL category;
+    # null: all), before max_tasks_per_pool; explicit train_task_ids are kept as given
+    categories: list[str] | None = None
     # where built parquet files go (null: $ENVACE_CACHE/data/<content hash>); a folder holding a build of another
     # recipe (its recipe.json) is an error, never silently reused
     out_dir: str | None = None

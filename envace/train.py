@@ -183,6 +183,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str] | None 
         "max": d.max_tasks_per_pool,
         "seed": d.seed,
         **({"train_task_ids": list(d.train_task_ids)} if d.train_task_ids is not None else {}),
+        **({"categories": list(d.categories)} if d.categories is not None else {}),
         "agent": loop_name(ecfg.agent.observation_source),
         "val_agent": loop_name(ecfg.agent.val_observation_source),
         "pool_kwargs": pool_kwargs,
@@ -222,6 +223,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str] | None 
             seed=d.seed,
             train_task_ids=d.train_task_ids,
             train_agent_by_env=recipe.get("simulated_envs"),
+            categories=d.categories,
         )
     except DatasetBuildError as exc:  # the data the config names cannot be built: the user's to fix
         raise ConfigError(f"envace.data: {exc}") from None

@@ -223,6 +223,7 @@ def build_parquet(
     val_agent_name: str | None = None,
     train_task_ids: Sequence[str] | None = None,
     train_agent_by_env: Mapping[str, str] | None = None,
+    categories: Sequence[str] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``val.parquet`` (+ ``manifest.json``) for ``pool_names`` into ``out_dir``.
 
@@ -234,7 +235,9 @@ def build_parquet(
     (pools define their own deterministic splits; BFCL's is a scenario-level hash, τ²'s the official
     one). ``limit_per_pool`` keeps, per pool and split, the first N tasks of :func:`stable_order` (a
     spread over categories, not the first N ids). ``train_task_ids`` keeps, instead, exactly those training
-    tasks, in that order (each must be in some pool's ``splits[0]``). Raises :class:`DatasetBuildError` if a task
+    tasks, in that order (each must be in some pool's ``splits[0]``). ``categories`` keeps only the tasks whose
+    ``TaskSpec.category`` is one of them, in both files, before ``limit_per_pool`` (explicit ``train_task_ids`` are
+    kept as given). Raises :class:`DatasetBuildError` if a task
     would appear in both files, a file would be empty or a ``train_task_ids`` entry is in no pool's train split.
     """
     if not pool_names:
@@ -255,6 +258,9 @@ def build_parquet(
         ids_by_split = {}
         for split in splits:
             ids = pool.task_ids(split)
+            if categories is not None and not (split == train_split and train_task_ids is not None):
+                keep = set(categories)
+                ids = [t for t in ids if pool.task(t).category in keep]
             if split == train_split and train_task_ids is not None:
                 known = set(ids)
                 ids = [t for t in train_task_ids if t in known]

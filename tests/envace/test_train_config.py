@@ -138,7 +138,7 @@ def test_observation_source_picks_the_loop_of_train_and_validation_rows(tmp_path
     from envace.train import prepare
 
     assert set(LOOP_NAMES.values()) <= set(registered_loop_names())
-    cfg = compose(["experiment=cpu_default", f"envace.data.out_dir={tmp_path}", "envace.data.max_tasks_per_pool=6",
+    cfg = compose(["experiment=cpu_default", f"envace.data.out_dir={tmp_path}", "envace.data.max_tasks_per_pool=12",
                    "actor_rollout_ref.model.path=builtin:tiny-qwen3"])  # the warm start takes minutes to build
     cfg, ecfg = prepare(cfg)
     assert ecfg.agent.observation_source == "rehearse" and cfg.algorithm.adv_estimator == "grpo_rolewise"

@@ -19,7 +19,7 @@ from envace.launch import cuda_mismatch
 from envace.train import init_ray, main
 from envace.verl.config import compose
 
-TINY = ["actor_rollout_ref.model.path=builtin:tiny-qwen3", "envace.data.max_tasks_per_pool=4", "data.max_prompt_length=8192"]
+TINY = ["actor_rollout_ref.model.path=builtin:tiny-qwen3", "envace.data.max_tasks_per_pool=8", "data.max_prompt_length=8192"]
 
 
 def test_a_value_verl_rejects_only_inside_its_workers_fails_before_ray(monkeypatch, tmp_path, capsys):
