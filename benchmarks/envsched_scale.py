@@ -18,16 +18,17 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
 * peak RSS of the process (``ru_maxrss``).
 
 A watchdog thread reads the resident set every 0.2 s and exits the process (code 3) above ``--max-rss-gib``
-(default 8), so a run that would not fit stops itself on a shared machine; run it under ``prlimit --as`` too,
-with room for the memory-mapped S_full matrix, which counts in the address space but not in the resident set
-beyond the pages a step reads (4.6 GB of files at 1,000,000 tasks: an address-space cap of 9 GB would refuse
-the mapping, hence 14 GB next to the 8 GiB resident-set watchdog).
+(default 8), printing every thread's stack (where the memory went), so a run that would not fit stops itself on a
+shared machine; run it under ``prlimit --as`` too, with room for the memory-mapped S_full matrix, which counts in
+the address space but not in the resident set beyond the pages a step reads (4.6 GB of files at 1,000,000 tasks:
+an address-space cap of 9 GB would refuse the mapping, hence 14 GB next to the 8 GiB resident-set watchdog).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import os
 import pstats
 import resource
@@ -59,7 +60,8 @@ def watchdog(limit_gib: float) -> None:
     def run() -> None:
         while True:
             if rss_bytes() > limit_gib * GIB:
-                print(f"ABORT: resident set {rss_bytes() / GIB:.2f} GiB above --max-rss-gib {limit_gib}", flush=True)
+                print(f"ABORT: resident set {rss_bytes() / GIB:.2f} GiB above --max-rss-gib {limit_gib}; where it was:", flush=True)
+                faulthandler.dump_traceback(sys.stdout, all_threads=True)  # the allocation that crossed the limit
                 os._exit(3)
             time.sleep(0.2)
 
@@ -110,7 +112,7 @@ def main() -> None:
         return w1 + time.perf_counter() - w, c1 + time.process_time() - c
 
     w0, _ = step(0)
-    print(f"cold-start step {w0:.2f} s wall", flush=True)
+    print(f"cold-start step {w0:.2f} s wall   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
     walls, cpus = [], []
     prof = cProfile.Profile() if args.cprofile else None
     for s in range(1, args.steps + 1):

@@ -128,31 +128,47 @@ class NeighborIndex:
         This is the part of a step whose cost must grow with N: any node's top-K may gain a newly observed node,
         so S_abs of the Delta new nodes to all N nodes is needed (O(N Delta)).  It is kept cheap: S_abs is
         computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows give
-        bit-identical products; App. E abstractions repeat across tasks) and gathered, in blocks of rows.  Only
-        rows whose top-K changes are merged: a candidate enters a row exactly when its key in ``merge_topk``'s
-        total order (quantised similarity, then lower index) beats the row's K-th entry (or the row is not
-        full); the other rows would come back unchanged.  Values stay float32 (the precision of the S_abs
-        product) until they are compared, as float64, exactly as ``merge_topk`` compares them.
+        bit-identical products; App. E abstractions repeat across tasks).  Only rows whose top-K changes are
+        merged: a candidate enters a row exactly when its key in ``merge_topk``'s total order (quantised
+        similarity, then lower index) beats the row's K-th entry (or the row is not full); the other rows would
+        come back unchanged.  The test needs each row's best candidate from another environment only, which is
+        among the top few keys of its distinct row, so the per-row work is O(N L) with L - 1 the most new nodes of
+        one environment, not O(N Delta); the rows that change merge the K + L - 1 best candidates of their distinct
+        row, not all Delta.  Values are the
+        float32 S_abs product cast to float64, compared exactly as ``merge_topk`` compares them.
         """
         g, env = self.graph, self.graph.env
         k = self.k["cross"]
         reps, group = g.abs_groups()
-        s_rep = np.asarray(g.x_abs[reps] @ g.x_abs[nodes].T.toarray())  # distinct rows x Delta, float32
+        s_rep = np.asarray(g.x_abs[reps] @ g.x_abs[nodes].T.toarray()).astype(np.float64)  # distinct rows x Delta
         node_env = env[nodes]
-        cand_tie = (1 << _IDX_BITS) - 1 - nodes  # the index part of merge_topk's key
+        # merge_topk's key of every (distinct row, candidate); candidates at or below min_sim never enter
+        none = np.iinfo(np.int64).min
+        key = np.floor(np.clip(s_rep, 0.0, 1.0) * _SIM_SCALE).astype(np.int64) * (1 << _IDX_BITS) + ((1 << _IDX_BITS) - 1 - nodes)
+        key[~(s_rep > self.min_sim)] = none
+        # a row's best candidate from another environment is among each distinct row's top L keys, L = one more
+        # than the most candidates any one environment has (at most L - 1 of them share the row's environment)
+        n_top = min(len(nodes), int(np.bincount(node_env).max()) + 1)
+        # and a candidate outside a distinct row's top K + L - 1 keys never reaches a top K of its rows: K others
+        # from other environments beat it, so only those are merged
+        n_merge = min(len(nodes), k + n_top - 1)
+        ranked = np.argsort(~key, axis=1)[:, : max(n_top, n_merge)]  # descending keys (~x = -x - 1: no overflow)
+        top = ranked[:, :n_top]
+        top_key, top_env = np.take_along_axis(key, top, 1), node_env[top]
+        merge_idx, merge_sim = nodes[ranked[:, :n_merge]], np.take_along_axis(s_rep, ranked[:, :n_merge], 1)
         for start in range(0, g.n, _CROSS_BLOCK):
             rows = np.arange(start, min(g.n, start + _CROSS_BLOCK))
-            s = s_rep[group[rows]].astype(np.float64)
-            s[env[rows][:, None] == node_env[None, :]] = -np.inf  # same environment -> not a cross edge
-            valid = s > self.min_sim
-            key = np.where(valid, np.floor(np.clip(s, 0.0, 1.0) * _SIM_SCALE), -1.0).astype(np.int64) * (1 << _IDX_BITS) + cand_tie
+            grp = group[rows]
+            other = top_env[grp] != env[rows][:, None]
+            best = np.where(other.any(axis=1), top_key[grp, other.argmax(axis=1)], none)
             kth_idx, kth_sim = self.idx["cross"][rows, k - 1], self.sim["cross"][rows, k - 1]
             kth_key = np.floor(np.clip(np.where(kth_idx >= 0, kth_sim, 0.0), 0.0, 1.0) * _SIM_SCALE).astype(np.int64) * (1 << _IDX_BITS) + (
                 (1 << _IDX_BITS) - 1 - np.maximum(kth_idx, 0))
-            enter = valid & ((kth_idx < 0)[:, None] | (key > kth_key[:, None]))
-            hit = np.flatnonzero(enter.any(axis=1))
+            hit = rows[(best != none) & ((kth_idx < 0) | (best > kth_key))]
             if len(hit):
-                self._merge("cross", rows[hit], np.broadcast_to(nodes, (len(hit), len(nodes))), s[hit])
+                cand, sim = merge_idx[group[hit]], merge_sim[group[hit]]
+                sim[env[hit][:, None] == env[cand]] = -np.inf  # same environment -> not a cross edge
+                self._merge("cross", hit, cand, sim)
 
     def _merge(self, rel: str, rows: np.ndarray, cand_idx: np.ndarray, s: np.ndarray) -> None:
         self.idx[rel][rows], self.sim[rel][rows] = merge_topk(self.idx[rel][rows], self.sim[rel][rows], cand_idx, s, self.k[rel], self.min_sim)

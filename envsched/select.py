@@ -27,7 +27,11 @@ try:  # scipy's compiled CSR x dense kernels, called without building matrix obj
 except ImportError:  # pragma: no cover - private module moved: same kernels through the public API
     _csr_matvec = _csr_matvecs = None
 
-_CHUNK = 16  # first lazy-evaluation chunk; later chunks grow x4
+_CHUNK = 16  # first lazy-evaluation chunk; later chunks grow x4 up to _ROW_BLOCK
+_ROW_BLOCK = 8192  # rows whose penalties are computed at once: bounds the temporaries (gathered entries, products)
+# rows read between releases of a memory-mapped x_full's pages: each page fault maps the 64 KiB around it (the
+# kernel's fault-around), so 8,192 scattered rows can bring ~1 GiB of the file into the resident set
+_RELEASE_ROWS = 8192
 _FEW_MEMBERS = 4  # nodes missing at most this many members are refreshed member by member
 
 
@@ -41,8 +45,10 @@ class PenaltyBlock:
     order, so a similarity does not depend on which path or which other nodes computed it.
     """
 
-    def __init__(self, x: sp.csr_matrix, fmap: np.ndarray, capacity: int):
+    def __init__(self, x: sp.csr_matrix, fmap: np.ndarray, capacity: int, release: Callable[[], None] | None = None):
         self.x, self.fmap = x, fmap
+        # a memory-mapped x_full's pages read by max_sim leave the resident set every _RELEASE_ROWS rows
+        self.release, self.rows_read = release, 0
         self.cap = max(int(capacity), 1)
         self.used: list[np.ndarray] = []
         self.n_feat = 0
@@ -88,8 +94,18 @@ class PenaltyBlock:
         return indptr, (self.fmap[rc] + 1).astype(np.int64), rv.astype(np.float64)
 
     def max_sim(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
-        """max_{start_r <= j < m} x_r . x_(member j) for each row r (-inf where start_r >= m)."""
+        """max_{start_r <= j < m} x_r . x_(member j) for each row r (-inf where start_r >= m), in blocks of
+        ``_ROW_BLOCK`` rows (each row's value is computed on its own, so the blocking does not change it)."""
+        if len(rows) <= _ROW_BLOCK:
+            return self._max_sim(rows, start)
+        return np.concatenate([self._max_sim(rows[a : a + _ROW_BLOCK], start[a : a + _ROW_BLOCK]) for a in range(0, len(rows), _ROW_BLOCK)])
+
+    def _max_sim(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
         n_rows, m, width = len(rows), self.m, self.n_feat + 1
+        self.rows_read += n_rows
+        if self.release is not None and self.rows_read >= _RELEASE_ROWS:
+            self.release()
+            self.rows_read = 0
         out = np.full(n_rows, -np.inf)
         if n_rows == 0 or m == 0:
             return out
@@ -155,7 +171,7 @@ class BatchBuilder:
         self.in_batch = np.zeros(n, dtype=bool)
         self.pen = np.zeros(n)
         self.pen_upto = np.zeros(n, dtype=np.int64)
-        self.block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(self.cfg.batch_size, 1))
+        self.block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(self.cfg.batch_size, 1), self.graph.release_pages)
         # per environment: members not yet in the batch that are available (level >= 1) and, in addition, not
         # blocked by C_task (level 0); kept up to date by add(), so the coverage phase works on environments
         n_env = len(self.graph.env_members)
@@ -234,7 +250,7 @@ class BatchBuilder:
 
         Lazy evaluation: the cached penalty is a lower bound of the current one (it only grows with the batch),
         so score - lambda_sim * cached penalty bounds each candidate's value from above.  Candidates are
-        refreshed in chunks of the highest bounds (16, 64, 256, ...) until no unrefreshed bound reaches the best
+        refreshed in chunks of the highest bounds (16, 64, 256, ... up to 8,192) until no unrefreshed bound reaches the best
         value; the result is the exact arg-max whatever the chunking.
         """
         lam = self.cfg.lambda_sim
@@ -259,7 +275,9 @@ class BatchBuilder:
         while pos < n:
             blk = order[pos : pos + size]
             pos, size = pos + size, min(size * 4, 1 << 16)
-            if best >= 0 and score[blk[0]] < best_val:
+            # no later node can beat the best: a value never exceeds its score, and a later node whose score equals
+            # the best value has a higher index than blk[0] (ties are ordered by index), so it loses the tie
+            if best >= 0 and (score[blk[0]] < best_val or (score[blk[0]] == best_val and blk[0] > best)):
                 break
             if callable(extra):
                 ok = self.eligible_nodes(blk, level)
@@ -277,13 +295,17 @@ class BatchBuilder:
     def _lazy_best(self, cands: np.ndarray, score: np.ndarray, best: int, best_val: float) -> tuple[int, float]:
         """The lazy arg-max of :meth:`pick` over ``cands`` (``score``: their scores, aligned with them), starting
         from a best (node, value) found elsewhere (-1, -inf: none): candidates are refreshed in chunks of the
-        highest upper bounds (16, 64, 256, ...) until no unrefreshed bound reaches the best value."""
+        highest upper bounds (16, 64, 256, ... up to ``_ROW_BLOCK``) until no unrefreshed bound reaches the best value."""
         lam = self.cfg.lambda_sim
         ub = score - lam * self.pen[cands]  # the cached penalty only grows: an upper bound
         open_ = np.ones(len(cands), dtype=bool) if best < 0 else (ub > best_val) | ((ub == best_val) & (cands < best))
-        size, rest = _CHUNK, np.flatnonzero(open_)
-        while len(rest):
-            top = rest if len(rest) <= size else rest[np.argpartition(-ub[rest], size - 1)[:size]]
+        rest = np.flatnonzero(open_)
+        if len(rest) > _CHUNK:  # highest bounds first (a first chunk that takes all needs no order)
+            rest = rest[np.argsort(-ub[rest], kind="stable")]
+        size, pos = _CHUNK, 0
+        while pos < len(rest):
+            top = rest[pos : pos + size]
+            pos += size
             nodes = cands[top]
             self._refresh(nodes)
             val = score[top] - lam * self.pen[nodes]
@@ -292,11 +314,9 @@ class BatchBuilder:
                 i = int(nodes[val == vmax].min())
                 best = i if vmax > best_val or best < 0 else min(best, i)
                 best_val = vmax
-            open_[top] = False
-            rest = np.flatnonzero(open_)
-            if not len(rest) or ub[rest].max() < best_val:
+            if pos >= len(rest) or ub[rest[pos]] < best_val:  # no unrefreshed bound reaches the best value
                 break
-            size *= 4
+            size = min(size * 4, _ROW_BLOCK)
         return best, best_val
 
     def add(self, i: int, phase: str) -> None:

@@ -40,6 +40,28 @@ def test_penalty_block_matches_dense(seed):
     assert (g.scratch_map() == -1).all()
 
 
+def test_penalty_rows_in_blocks_equal_one_pass_and_release_mapped_pages(monkeypatch):
+    """max_sim cut into row blocks gives the one-pass values bit for bit, and releases a memory-mapped x_full's
+    pages once per _RELEASE_ROWS rows read (so a scan over a million rows does not keep them resident)."""
+    from envsched import select
+
+    rng = np.random.default_rng(3)
+    x = rng.random((200, 60)) * (rng.random((200, 60)) < 0.15)
+    g = _graph(x, np.arange(200) % 5)
+    released = []
+    blk = PenaltyBlock(g.x_full, g.scratch_map(), 8, release=lambda: released.append(blk.rows_read))
+    for j in rng.choice(200, 10, replace=False):
+        blk.add(int(j))
+    rows, start = rng.permutation(200), rng.integers(0, 11, size=200)
+    whole = blk.max_sim(rows, start)
+    assert released == []
+    monkeypatch.setattr(select, "_ROW_BLOCK", 7)
+    monkeypatch.setattr(select, "_RELEASE_ROWS", 50)
+    assert np.array_equal(blk.max_sim(rows, start), whole)
+    assert len(released) == 4 and min(released) >= 50  # 400 rows read (200 + 200), one release per 50+ of them
+    blk.close()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lazy_pick_is_exact_argmax_lowest_index_on_ties(seed):
     rng = np.random.default_rng(seed)

@@ -138,12 +138,18 @@ def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, b
     return b.selected, b.relaxations
 
 
+@pytest.mark.parametrize("row_block", [None, 5], ids=["default_blocks", "blocks_of_5"])
 @pytest.mark.parametrize("seed", range(6))
-def test_pruned_picks_equal_the_full_scan(pool, seed):
+def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
     """coverage_pick (per-environment keys) and exploitation_pick (scan by descending score, stop when no
     later score can reach the best value) choose the nodes the unpruned Eq. 5 arg-max over all candidates
-    chooses, with ties, C_task / C3 / progress masks and cap relaxation (tiny caps)."""
+    chooses, with ties, C_task / C3 / progress masks and cap relaxation (tiny caps); also when the lazy chunks
+    and the penalty computation are cut into blocks of 5 rows (the 8,192 of a large pool, scaled down)."""
+    from envsched import select
     from envsched.select import BatchBuilder, CapState
+
+    if row_block is not None:
+        monkeypatch.setattr(select, "_ROW_BLOCK", row_block)
 
     graph = build_static_graph(pool, EnvSchedConfig())
     rng = np.random.default_rng(seed)
