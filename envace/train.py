@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from envace.cache import cache_dir
 from envace.config import ConfigError, EnvAceConfig, validate_envace_config
+from envace.roles import Role
 from envace.verl.config import compose, validate_verl_config
 
 BUILTIN_PREFIX = "builtin:"
@@ -70,6 +71,26 @@ def check_platform(cfg: DictConfig) -> None:
             check_vllm_install()
         except RuntimeError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
+    """Trained rehearsals sample at the temperature the trainer scores them at.
+
+    verl computes every row's log-probabilities at one temperature, ``rollout.temperature`` (the old log-probs,
+    the PPO ratio and, in bypass mode, the rollout's own log-probs taken as the old ones). A rehearsal sampled at
+    another temperature (``envace.agent.rehearse_temperature``) would be trained as if drawn from the policy at
+    ``rollout.temperature``: its ratio starts away from 1 and the clip drops its gradient where the advantage is
+    negative. That is only sound when the rehearse role carries no loss (``envace.advantage.trained_roles=[act]``)
+    or no rehearsal is generated.
+    """
+    temp, reh = float(cfg.actor_rollout_ref.rollout.temperature), ecfg.agent.rehearse_temperature
+    trained = ecfg.advantage.trained_roles is None or Role.REHEARSE.value in ecfg.advantage.trained_roles
+    if reh is not None and float(reh) != temp and ecfg.agent.observation_source == "rehearse" and trained:
+        raise ConfigError(
+            f"envace.agent.rehearse_temperature={reh} differs from actor_rollout_ref.rollout.temperature={temp}: "
+            "verl scores every trained output at the rollout temperature, so trained rehearsals must sample at it "
+            "(set envace.agent.rehearse_temperature=null, or envace.advantage.trained_roles=[act])"
+        )
 
 
 def check_worldbooks(path: str) -> None:
@@ -363,6 +384,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
     """Validate and resolve a composed config in place; raises ConfigError before heavy work."""
     ecfg = validate_envace_config(cfg)
     validate_envsched_config(cfg)
+    check_rehearse_temperature(cfg, ecfg)
     if ecfg.preflight:
         check_platform(cfg)
     simulated = resolve_worldbooks(cfg, ecfg)

@@ -57,7 +57,27 @@ from envace.roles import Role
 logger = logging.getLogger(__name__)
 
 #: envace's columns in the per-step rollout dump, from each row's rollout contract
-DUMP_COLUMNS = ("role", "trajectory_id", "advantage", "env_id", "observation_source", "simulated_calls")
+DUMP_COLUMNS = ("role", "trajectory_id", "advantage", "env_id", "observation_source", "simulated_calls",
+                "rollout_probs_diff_max")
+#: what the per-row ``rollout_probs_diff_max`` is computed from (present when verl recomputes the old log-probs)
+SYNC_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask")
+
+
+def row_probs_diff_max(old_log_probs: Any, rollout_log_probs: Any, response_mask: Any) -> list[float | None]:
+    """Per row, the largest |p_actor - p_rollout| over its response tokens: verl's
+    ``training/rollout_probs_diff_max`` (a batch maximum) resolved to the row that sets it, so a failed weight-sync
+    check names the role, environment and observation source of the tokens that differ. None: no token."""
+    out: list[float | None] = []
+    for old, roll, mask in zip(old_log_probs.unbind(0), rollout_log_probs.unbind(0), response_mask.unbind(0),
+                               strict=True):
+        n = min(old.numel(), roll.numel(), mask.numel())
+        keep = mask.reshape(-1)[:n].bool()
+        if not bool(keep.any()):
+            out.append(None)
+            continue
+        diff = (old.reshape(-1)[:n].float().exp() - roll.reshape(-1)[:n].float().exp()).abs()
+        out.append(float(diff[keep].max()))
+    return out
 
 
 def read_rows(keys: Sequence[str], extra_fields: Sequence[Mapping[str, Any] | None]) -> list[RolloutFields]:
@@ -274,18 +294,22 @@ def _register() -> type:
             # one read after the update: the advantages, the subclass's fields, and the extra_fields of any row
             # that _compute_advantage did not already read (all of them when the estimator is not grpo_rolewise)
             missing = [k for k in batch.keys if k not in self._row_cache]
-            fields = ["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else [])]
+            # verl reports rollout-vs-actor differences only when it recomputed the old log-probs
+            sync = "training/rollout_probs_diff_max" in metrics
+            fields = ["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else []),
+                      *(SYNC_FIELDS if sync else ())]
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             if missing:
                 self._row_cache.update(zip(batch.keys, read_rows(batch.keys, list(data["extra_fields"])), strict=True))
             rows = [self._row_cache[k] for k in batch.keys]
             first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
+            diffs = row_probs_diff_max(*(data[f] for f in SYNC_FIELDS)) if sync else [None] * len(rows)
             metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
             self._step_data = data  # for the subclass's step (STEP_FIELDS)
             self._step_rows = {
                 key: (row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id,
-                      row.observation_source, row.counters.get("simulated_calls", 0.0))
-                for key, row, adv in zip(batch.keys, rows, first, strict=True)
+                      row.observation_source, row.counters.get("simulated_calls", 0.0), diff)
+                for key, row, adv, diff in zip(batch.keys, rows, first, diffs, strict=True)
             }
             return batch
 
@@ -325,7 +349,7 @@ def _register() -> type:
             keys = reward_extra_infos_dict.get("uid")
             if labels and keys:
                 reward_extra_infos_dict = dict(reward_extra_infos_dict)
-                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0, "", "", 0.0)) for k in keys]
+                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0, "", "", 0.0, None)) for k in keys]
                 for i, name in enumerate(DUMP_COLUMNS):
                     reward_extra_infos_dict[name] = [r[i] for r in rows]
             return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)

@@ -78,10 +78,20 @@ FAST = [
 SYNC_TOLERANCE = 1e-2
 
 
-def sync_holds(m: dict[str, float]) -> None:
-    """The rollout server held the actor's weights for this step's rollout."""
-    assert m["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, m["training/rollout_probs_diff_max"]
-    assert m["training/rollout_actor_probs_pearson_corr"] > 0.99, m["training/rollout_actor_probs_pearson_corr"]
+def sync_holds(m: dict[str, float], run_dir: Path) -> None:
+    """The rollout server held the actor's weights for this step's rollout; a failure names the rows whose tokens
+    differ most (the dump's per-row ``rollout_probs_diff_max``: role, environment, observation source, output)."""
+    step = int(m["step"])
+    rows = [json.loads(line) for line in (run_dir / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+    worst = sorted((r for r in rows if r["rollout_probs_diff_max"] is not None),
+                   key=lambda r: -r["rollout_probs_diff_max"])[:3]
+    detail = [{k: r[k] for k in ("rollout_probs_diff_max", "role", "env_id", "observation_source", "uid")}
+              | {"output": r["output"][-300:]} for r in worst]
+    assert m["training/rollout_probs_diff_max"] < SYNC_TOLERANCE, (m["training/rollout_probs_diff_max"], detail)
+    assert m["training/rollout_actor_probs_pearson_corr"] > 0.99, (m["training/rollout_actor_probs_pearson_corr"],
+                                                                   detail)
+    # the dump's per-row column is verl's batch maximum resolved to rows
+    assert worst and abs(worst[0]["rollout_probs_diff_max"] - m["training/rollout_probs_diff_max"]) < 1e-6
 
 
 def step_metrics(out: str, step: int) -> dict[str, float]:
@@ -110,7 +120,7 @@ def test_all_three_methods_train_checkpoint_resume(tmp_path, train_sh):
     for step in (1, 2):
         m = step_metrics(out_a, step)
         # the rollout server and the FSDP actor hold the same weights after every sync
-        sync_holds(m)
+        sync_holds(m, a)
         assert m["actor/grad_norm"] > 0  # every step updates, so every later rollout needs the sync
         assert 0.0 <= m["critic/score/mean"] <= 1.0
         # EnvSched chose the step's batch and was fed back every group's rewards
@@ -161,7 +171,7 @@ def test_all_three_methods_train_checkpoint_resume(tmp_path, train_sh):
     assert not re.search(r"\bstep:1 - ", out_b)
     m = step_metrics(out_b, 2)
     # the resumed run's rollout server was synced from the restored actor, not left on its dummy weights
-    sync_holds(m)
+    sync_holds(m, b)
     assert (b / "global_step_2" / "actor").is_dir()
     assert selections(b) == {2: sel_a[2]}
 

@@ -181,3 +181,34 @@ def test_forward_compatibility_passes_the_check(tmp_path):
                             env=_cuda12_node(tmp_path / "b", cuda_works=False), capture_output=True, text=True,
                             timeout=120, check=False)
     assert broken.returncode == 2 and "needs driver >= 580.65.06" in broken.stderr, broken.stderr
+
+
+@pytest.mark.parametrize(("overrides", "refused"), [
+    # the rehearse role is trained but sampled cooler than verl scores it
+    (["envace.agent.rehearse_temperature=0.6"], True),
+    # the same temperature as the rollout's, or the rollout's by default
+    (["envace.agent.rehearse_temperature=1.0"], False),
+    ([], False),
+    # rehearsals that carry no loss may sample as they like
+    (["envace.agent.rehearse_temperature=0.6", "envace.advantage.trained_roles=[act]"], False),
+    # no rehearsal is generated
+    (["envace.agent.rehearse_temperature=0.6", "envace.agent.observation_source=real"], False),
+])
+def test_trained_rehearsals_sample_at_the_temperature_verl_scores_them_at(monkeypatch, tmp_path, capsys,
+                                                                          overrides, refused):
+    """verl computes every row's log-probs at ``rollout.temperature``; a trained rehearsal sampled at another
+    temperature would be trained off-policy with a ratio away from 1, so the config is refused before any work."""
+    from envace import train
+
+    def stop(*_args, **_kwargs):
+        raise SystemExit("past the check")
+
+    monkeypatch.setattr(train, "resolve_worldbooks", stop)
+    base = [*TINY, "actor_rollout_ref.rollout.temperature=1.0", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    if refused:
+        assert main([*base, *overrides]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "envace.agent.rehearse_temperature=0.6" in err[0] and "trained_roles=[act]" in err[0]
+    else:
+        with pytest.raises(SystemExit, match="past the check"):
+            main([*base, *overrides])

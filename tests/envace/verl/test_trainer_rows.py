@@ -125,7 +125,8 @@ def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimato
     assert metrics["envace/act/calls_per_trajectory"] == 1.5  # (1 + 3 + 1 + 1) / 4 trajectories
     assert metrics["envace/act/advantage_mean"] == pytest.approx(np.mean([0.0, 1.0, 2.0]))  # u2_0 masked
     # the rollout dump's labels (DUMP_COLUMNS): role, trajectory, advantage, environment, source, simulated calls
-    assert trainer._step_rows["u1_0_1"] == ("rehearse", "u1_0", 0.5, "e", "rehearse", 0.0)
+    # the last column, the row's rollout-vs-actor difference, exists only when verl recomputed the old log-probs
+    assert trainer._step_rows["u1_0_1"] == ("rehearse", "u1_0", 0.5, "e", "rehearse", 0.0, None)
     assert batch.keys == SUB_BATCHES[0] + SUB_BATCHES[1]
 
 
@@ -174,3 +175,19 @@ def test_a_row_that_breaks_the_contract_stops_the_step_before_the_estimator_runs
     monkeypatch.setitem(ROWS, "u1_0_1", {k: v for k, v in ROWS["u1_0_1"].items() if k != "trajectory_id"})
     with pytest.raises(RolloutFieldsError, match="row u1_0_1: extra_fields lack trajectory_id"):
         make_trainer("envace_sync", "grpo").step({}, {})
+
+
+def test_row_probs_diff_max_names_the_row_verls_batch_maximum_comes_from():
+    """The per-row column of the rollout dump: the largest probability difference over the row's response tokens
+    (masked tokens ignored), whose maximum over rows is verl's ``training/rollout_probs_diff_max``."""
+    from envace.verl.trainer import row_probs_diff_max
+
+    def nested(rows):
+        return torch.nested.nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+
+    old = nested([[-0.1, -2.0, -0.5], [-1.0], [-0.3, -0.3]])
+    roll = nested([[-0.1, -2.0, -5.0], [-1.5], [-0.3, -0.3]])
+    mask = nested([[1, 1, 0], [1], [0, 0]])
+    got = row_probs_diff_max(old, roll, mask)
+    # row 0: its only differing token is masked; row 1: |e^-1 - e^-1.5|; row 2: nothing to compare
+    assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(np.exp(-1.0) - np.exp(-1.5)) and got[2] is None
