@@ -155,6 +155,12 @@ class EnvSchedConfig(BaseModel):
     relation_weight_confidence: float = Field(2.0, ge=0.0)
     # A step counts only with at least this many observed groups.
     relation_weight_min_groups: int = Field(8, ge=4)
+    # The pair in force until a measured pair beats it: "paper" (1, 1), or "none" (0, 0): every relation starts
+    # faded (the "without both" ablation) and earns its weight (needs 0.0 in relation_weight_grid).
+    relation_weight_start: Literal["paper", "none"] = "paper"
+    # One pair (c_in, c_cross) for all three statistics, measured on the mean of their paired differences,
+    # instead of one pair per statistic.
+    relation_weight_shared: bool = False
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).
@@ -238,6 +244,8 @@ class EnvSchedConfig(BaseModel):
                 raise ValueError(f"{name}: lower bound {lo} exceeds upper bound {hi}")
         if 1.0 not in self.relation_weight_grid or any(not 0.0 <= c <= 1.0 for c in self.relation_weight_grid):
             raise ValueError("relation_weight_grid must lie in [0, 1] and hold 1.0 (the paper's weight)")
+        if self.relation_weight_start == "none" and 0.0 not in self.relation_weight_grid:
+            raise ValueError("relation_weight_start: none needs 0.0 in relation_weight_grid")
         if any(w < 0 for w in self.view_weights) or sum(self.view_weights) <= 0:
             raise ValueError("view_weights must be non-negative with a positive sum")
         return self

@@ -92,8 +92,13 @@ class RelationWeights:
         grid = sorted(set(float(c) for c in cfg.relation_weight_grid))
         self.pairs = list(itertools.product(grid, grid))  # (c_in, c_cross)
         self.paper = self.pairs.index((1.0, 1.0))
-        # per (y, pair): decayed sums of w, w^2 (same for every pair), w d, w d^2; the step they are at
-        self.sums = np.zeros((len(STATS), len(self.pairs), 4))
+        # the reference pair c_0: in force until a pair beats it (the paper's (1, 1), or (0, 0): relations faded)
+        start = 1.0 if getattr(cfg, "relation_weight_start", "paper") == "paper" else 0.0
+        self.reference = self.pairs.index((start, start))
+        self.shared = bool(getattr(cfg, "relation_weight_shared", False))
+        # per (y, pair), and a last row for the mean over the statistics (the shared pair): decayed sums of w,
+        # w^2 (same for every pair), w d, w d^2 of the paired differences d = z - z(c_0); the step they are at
+        self.sums = np.zeros((len(STATS) + 1, len(self.pairs), 4))
         self.step = -1
 
     def _decay_to(self, step: int) -> None:
@@ -122,26 +127,36 @@ class RelationWeights:
         n = len(sources["W"])
         if n < self.cfg.relation_weight_min_groups:
             return
+        ds = []
         for a, y in enumerate(STATS):
             real = np.asarray(realised[y], dtype=np.float64)
             if np.ptp(real) == 0:
                 continue
-            pred = self.predictions(y, sources)
-            rho = np.zeros(len(self.pairs))  # a constant prediction ranks nothing: rho = 0
-            varies = np.ptp(pred, axis=1) > 0
-            if varies.any():
-                with warnings.catch_warnings():  # a constant row is excluded above; scipy still warns on ties
-                    warnings.simplefilter("ignore")
-                    corr = spearmanr(np.column_stack([pred[varies].T, real]))[0]
-                # two columns give the coefficient, more the matrix (its last row: each prediction vs realised)
-                rho[varies] = np.nan_to_num(corr if np.ndim(corr) == 0 else corr[-1, :-1])
-            z = np.arctanh(np.clip(rho, -0.999999, 0.999999))
-            d = z - z[self.paper]
+            d = self.step_gain(self.predictions(y, sources), real)
             self.sums[a] += np.stack([np.ones_like(d), np.ones_like(d), d, d * d], axis=1)
+            ds.append(d)
+        if ds:  # the shared pair's step evidence: the mean paired difference over the statistics that varied
+            d = np.mean(ds, axis=0)
+            self.sums[-1] += np.stack([np.ones_like(d), np.ones_like(d), d, d * d], axis=1)
+
+    def step_gain(self, pred: np.ndarray, real: np.ndarray) -> np.ndarray:
+        """One step's paired differences d(c) = z(c) - z(c_0) of the grid's predictions ``pred`` (pairs x groups)
+        of the realised statistic ``real``: z = artanh of Spearman's rho (``scipy.stats.spearmanr``); a constant
+        prediction ranks nothing, z = 0."""
+        rho = np.zeros(len(self.pairs))
+        varies = np.ptp(pred, axis=1) > 0
+        if varies.any():
+            with warnings.catch_warnings():  # a constant row is excluded above; scipy still warns on ties
+                warnings.simplefilter("ignore")
+                corr = spearmanr(np.column_stack([pred[varies].T, real]))[0]
+            # two columns give the coefficient, more the matrix (its last row: each prediction vs realised)
+            rho[varies] = np.nan_to_num(corr if np.ndim(corr) == 0 else corr[-1, :-1])
+        z = np.arctanh(np.clip(rho, -0.999999, 0.999999))
+        return z - z[self.reference]
 
     def lower_bounds(self) -> np.ndarray:
         """(statistic, pair) lower confidence bounds D - kappa sd / sqrt(n_eff) (-inf before 3 effective steps;
-        0 for the paper's pair)."""
+        0 for the reference pair c_0); the last row: the shared pair's (the mean over the statistics)."""
         w, w2, wd, wd2 = (self.sums[..., k] for k in range(4))
         n_eff = np.where(w2 > 0, w * w / np.where(w2 > 0, w2, 1.0), 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -149,7 +164,7 @@ class RelationWeights:
             sd = np.sqrt(np.maximum(wd2 / w - mean**2, 0.0))
             lcb = mean - self.cfg.relation_weight_confidence * sd / np.sqrt(n_eff)
         lcb = np.where(n_eff >= _MIN_STEPS, lcb, -np.inf)
-        lcb[:, self.paper] = 0.0
+        lcb[:, self.reference] = 0.0
         return lcb
 
     def weights(self) -> dict[str, dict[str, float]]:
@@ -159,9 +174,10 @@ class RelationWeights:
         total = np.asarray([sum(p) for p in self.pairs])
         out = {}
         for a, y in enumerate(STATS):
-            best = self.paper
-            if lcb[a].max() > 0.0:
-                tied = np.flatnonzero(lcb[a] >= lcb[a].max() - 1e-12)
+            row = lcb[-1] if self.shared else lcb[a]
+            best = self.reference
+            if row.max() > 0.0:
+                tied = np.flatnonzero(row >= row.max() - 1e-12)
                 best = int(tied[np.argmax(total[tied])])
             out[y] = dict(zip(RELATIONS, self.pairs[best]))
         return out
@@ -175,6 +191,8 @@ class RelationWeights:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sums = np.asarray(state["sums"], dtype=np.float64)
+        if sums.shape == (len(STATS), *self.sums.shape[1:]):  # saved before the shared row: it starts afresh
+            sums = np.concatenate([sums, np.zeros((1, *self.sums.shape[1:]))])
         if sums.shape != self.sums.shape:
             raise ValueError(f"relation weight state of shape {sums.shape}, expected {self.sums.shape} (another grid)")
         self.sums = sums.copy()
