@@ -158,9 +158,10 @@ class EnvSchedConfig(BaseModel):
     # The pair in force until a measured pair beats it: "paper" (1, 1), or "none" (0, 0): every relation starts
     # faded (the "without both" ablation) and earns its weight (needs 0.0 in relation_weight_grid).
     relation_weight_start: Literal["paper", "none"] = "paper"
-    # One pair (c_in, c_cross) for all three statistics, measured on the mean of their paired differences,
-    # instead of one pair per statistic.
-    relation_weight_shared: bool = False
+    # What a pair is measured on: "statistic": one pair per statistic v, m, d, by how its prediction ranks that
+    # statistic; "mean": one pair for all three, by the mean of their paired differences; "score": one pair for
+    # all three, by how Eq. 12's score u (from the pair's v-hat, m-hat, d-hat) ranks the realised variance.
+    relation_weight_measure: Literal["statistic", "mean", "score"] = "statistic"
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).

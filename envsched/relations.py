@@ -58,9 +58,10 @@ from typing import Any
 import numpy as np
 from scipy.stats import spearmanr
 
-from .estimate import STATS, fuse_prior, graph_prior
+from .estimate import STATS, fuse_prior, graph_prior, quantile_score, reconstructed_variance
 
 RELATIONS = ("in", "cross")
+ROWS = (*STATS, "mean", "score")  # what a pair's evidence is measured on (relation_weight_measure)
 _MIN_STEPS = 3.0  # effective steps before a measured pair can replace the paper's weights
 
 
@@ -95,10 +96,10 @@ class RelationWeights:
         # the reference pair c_0: in force until a pair beats it (the paper's (1, 1), or (0, 0): relations faded)
         start = 1.0 if getattr(cfg, "relation_weight_start", "paper") == "paper" else 0.0
         self.reference = self.pairs.index((start, start))
-        self.shared = bool(getattr(cfg, "relation_weight_shared", False))
-        # per (y, pair), and a last row for the mean over the statistics (the shared pair): decayed sums of w,
+        self.measure = getattr(cfg, "relation_weight_measure", "statistic")
+        # rows v, m, d, "mean" (over the statistics) and "score" (Eq. 12), columns the pairs: decayed sums of w,
         # w^2 (same for every pair), w d, w d^2 of the paired differences d = z - z(c_0); the step they are at
-        self.sums = np.zeros((len(STATS) + 1, len(self.pairs), 4))
+        self.sums = np.zeros((len(ROWS), len(self.pairs), 4))
         self.step = -1
 
     def _decay_to(self, step: int) -> None:
@@ -127,17 +128,21 @@ class RelationWeights:
         n = len(sources["W"])
         if n < self.cfg.relation_weight_min_groups:
             return
-        ds = []
-        for a, y in enumerate(STATS):
+        pred = {y: self.predictions(y, sources) for y in STATS}
+        gains = {}
+        for y in STATS:
             real = np.asarray(realised[y], dtype=np.float64)
-            if np.ptp(real) == 0:
-                continue
-            d = self.step_gain(self.predictions(y, sources), real)
-            self.sums[a] += np.stack([np.ones_like(d), np.ones_like(d), d, d * d], axis=1)
-            ds.append(d)
-        if ds:  # the shared pair's step evidence: the mean paired difference over the statistics that varied
-            d = np.mean(ds, axis=0)
-            self.sums[-1] += np.stack([np.ones_like(d), np.ones_like(d), d, d * d], axis=1)
+            if np.ptp(real) > 0:
+                gains[y] = self.step_gain(pred[y], real)
+        if gains:  # the mean over the statistics that varied
+            gains["mean"] = np.mean([gains[y] for y in STATS if y in gains], axis=0)
+        if "v" in gains:  # Eq. 12's score u(c) of each pair, ranked against the realised variance
+            cfg = self.cfg
+            u = np.stack([quantile_score(pred["v"][k], reconstructed_variance(pred["d"][k], pred["m"][k], cfg.reconstructed_target, cfg.rollouts_per_task), cfg.quantile_weight_v)
+                          for k in range(len(self.pairs))])
+            gains["score"] = self.step_gain(u, np.asarray(realised["v"], dtype=np.float64))
+        for row, d in gains.items():
+            self.sums[ROWS.index(row)] += np.stack([np.ones_like(d), np.ones_like(d), d, d * d], axis=1)
 
     def step_gain(self, pred: np.ndarray, real: np.ndarray) -> np.ndarray:
         """One step's paired differences d(c) = z(c) - z(c_0) of the grid's predictions ``pred`` (pairs x groups)
@@ -156,7 +161,7 @@ class RelationWeights:
 
     def lower_bounds(self) -> np.ndarray:
         """(statistic, pair) lower confidence bounds D - kappa sd / sqrt(n_eff) (-inf before 3 effective steps;
-        0 for the reference pair c_0); the last row: the shared pair's (the mean over the statistics)."""
+        0 for the reference pair c_0); rows ``ROWS``."""
         w, w2, wd, wd2 = (self.sums[..., k] for k in range(4))
         n_eff = np.where(w2 > 0, w * w / np.where(w2 > 0, w2, 1.0), 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -174,7 +179,7 @@ class RelationWeights:
         total = np.asarray([sum(p) for p in self.pairs])
         out = {}
         for a, y in enumerate(STATS):
-            row = lcb[-1] if self.shared else lcb[a]
+            row = lcb[a] if self.measure == "statistic" else lcb[ROWS.index(self.measure)]
             best = self.reference
             if row.max() > 0.0:
                 tied = np.flatnonzero(row >= row.max() - 1e-12)
@@ -191,8 +196,8 @@ class RelationWeights:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sums = np.asarray(state["sums"], dtype=np.float64)
-        if sums.shape == (len(STATS), *self.sums.shape[1:]):  # saved before the shared row: it starts afresh
-            sums = np.concatenate([sums, np.zeros((1, *self.sums.shape[1:]))])
+        if sums.shape == (len(STATS), *self.sums.shape[1:]):  # saved with the per-statistic rows only
+            sums = np.concatenate([sums, np.zeros((len(ROWS) - len(STATS), *self.sums.shape[1:]))])
         if sums.shape != self.sums.shape:
             raise ValueError(f"relation weight state of shape {sums.shape}, expected {self.sums.shape} (another grid)")
         self.sums = sums.copy()
