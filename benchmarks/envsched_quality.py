@@ -43,9 +43,11 @@ similarity penalty) with the score q replaced by the percentile rank of the lear
 variance: what a perfect predictor would reach under the paper's coverage rule, so the distance between it and
 full EnvSched is what better prediction can still gain.  ``measured relation weights`` is full EnvSched with
 ``relation_weights: measured`` (``envsched/relations.py``: each relation's Eq. 3 weight chosen online by how
-well it predicted the realised statistics; issue 34, deliverable 3).  ``--extra`` adds the non-paper relation options
-(``fusion: evidence``, ``cross_reference: environment``, and the same with longer half-lives; longer half-lives
-alone; ``cross_reference: environment_mean`` with ``quantile_weight_v: 0.35``, with and without longer half-lives;
+well it predicted the realised statistics, starting from relations faded; issue 34, deliverable 3);
+``measured relation weights, start (1, 1)``: the same with the paper's weights as the reference
+(``relation_weight_start: paper``).  ``--extra`` adds the non-paper relation options (``fusion: evidence``,
+``cross_reference: environment``, and the same with longer half-lives; longer half-lives alone;
+``cross_reference: environment_mean`` with ``quantile_weight_v: 0.35``, with and without longer half-lives;
 ``reconstructed_target: learnability``);
 ``--set KEY=JSON`` changes a field of every EnvSched arm.
 
@@ -113,6 +115,7 @@ RELATION_ARMS = ("without S_abs", "without S_full", "without both")
 ORACLE = "oracle q (ceiling)"
 # Relations weighted by their measured predictive value (issue 34, deliverable 3; envsched/relations.py).
 MEASURED = "measured relation weights"
+MEASURED_PAPER_START = "measured relation weights, start (1, 1)"  # relation_weight_start: paper
 DIAG = ("all", "observed", "within_env", "cross_env_only")
 TRUE_DIAG = ("all", "observed", "unobs_env")
 
@@ -130,6 +133,7 @@ def arms(base: EnvSchedConfig, extra: bool) -> dict[str, Any]:
         "without identifier filter": base.replace(identifier_filter=False),
         ORACLE: base,
         MEASURED: base.replace(relation_weights="measured"),
+        MEASURED_PAPER_START: base.replace(relation_weights="measured", relation_weight_start="paper"),
         **BASELINES,
     }
     if extra:

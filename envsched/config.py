@@ -143,9 +143,9 @@ class EnvSchedConfig(BaseModel):
     # Weights of the two relations in Eq. 3 (beyond the paper; envsched/relations.py).  "paper": fixed (each
     # relation's evidence mass as it is).  "measured": per statistic v, m, d, each relation's mass is scaled by
     # c in relation_weight_grid, the pair (c_in, c_cross) whose predictions of the selected tasks ranked the
-    # realised statistic best (Spearman, Fisher z, paired against the paper's (1, 1), decayed over steps), if
-    # it beats (1, 1) at relation_weight_confidence standard errors; else (1, 1).  c = 0 fades a relation to
-    # b_t (both faded = the "without both" ablation).
+    # realised statistic best (Spearman, Fisher z, paired against the reference pair relation_weight_start,
+    # decayed over steps), if it beats the reference at relation_weight_confidence standard errors; else the
+    # reference.  c = 0 fades a relation to b_t (both faded = the "without both" ablation).
     relation_weights: Literal["paper", "measured"] = "paper"
     # The candidate weights of each relation; must hold 1.0 (the paper's).
     relation_weight_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
@@ -155,6 +155,10 @@ class EnvSchedConfig(BaseModel):
     relation_weight_confidence: float = Field(2.0, ge=0.0)
     # A step counts only with at least this many observed groups.
     relation_weight_min_groups: int = Field(8, ge=4)
+    # The pair in force until a measured pair beats it at relation_weight_confidence standard errors: "none"
+    # (0, 0), every relation starts faded (the "without both" ablation) and earns its weight (needs 0.0 in
+    # relation_weight_grid); "paper": (1, 1), a relation keeps the paper's weight until a smaller one ranks better.
+    relation_weight_start: Literal["none", "paper"] = "none"
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).
@@ -238,6 +242,8 @@ class EnvSchedConfig(BaseModel):
                 raise ValueError(f"{name}: lower bound {lo} exceeds upper bound {hi}")
         if 1.0 not in self.relation_weight_grid or any(not 0.0 <= c <= 1.0 for c in self.relation_weight_grid):
             raise ValueError("relation_weight_grid must lie in [0, 1] and hold 1.0 (the paper's weight)")
+        if self.relation_weight_start == "none" and 0.0 not in self.relation_weight_grid:
+            raise ValueError("relation_weight_start: none needs 0.0 in relation_weight_grid")
         if any(w < 0 for w in self.view_weights) or sum(self.view_weights) <= 0:
             raise ValueError("view_weights must be non-negative with a positive sum")
         return self

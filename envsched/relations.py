@@ -26,26 +26,40 @@ the same as scaling lambda_s, so one weight per relation is all there is to choo
 (Eq. 6) is where a faded relation falls back to; the environment reference (``cross_reference:
 environment``) stays the transfer inside the cross relation, weighted with it.
 
-**What is measured** (``RelationWeights.update``, when a step is observed).  At selection the scheduler keeps,
-for each selected task, what its long-half-life prediction was made of: W_i, y-bar_i, b_t and, per relation,
-S^r_i = sum_j a^r_ij y-bar_j and A^r_i = sum_j a^r_ij.  From these, Eq. 3' and Eq. 4 give the prediction y-hat_i(c)
-the task would have had under every pair c = (c^in, c^cross) of a grid (``relation_weight_grid``, which holds
-the paper's 1), without another pass over the pool.  For each pair the step contributes Spearman's rank
-correlation (``scipy.stats.spearmanr``) of y-hat(c) with the realised statistic of the step's groups (Eq. 2 /
-9), on Fisher's z scale (z = artanh rho; a constant prediction ranks nothing, z = 0), and the paired
-difference d_s(c) = z_s(c) - z_s(1, 1) against the paper's weights.  Over steps these are averaged with the
-half-life weights 2^{-(t - s) / h} of Eq. 10 (``relation_weight_half_life``), so the weights follow a learner
-whose neighbours start or stop predicting: mean D(c), sd of d, and the effective number of steps
+**What is measured** (``RelationWeights.update``, when a step is observed).  At selection the scheduler keeps, for
+each selected task, what its long-half-life prediction was made of: W_i, y-bar_i, b_t and, per relation, S^r_i =
+sum_j a^r_ij y-bar_j and A^r_i = sum_j a^r_ij.  From these, Eq. 3' and Eq. 4 give the prediction y-hat_i(c) the
+task would have had under every pair c = (c^in, c^cross) of a grid (``relation_weight_grid``, which holds the
+paper's 1 and the ablation's 0), without another pass over the pool.  For each pair the step contributes
+Spearman's rank correlation (``scipy.stats.spearmanr``) of y-hat(c) with the realised statistic of the step's
+groups (Eq. 2 / 9), on Fisher's z scale (z = artanh rho; a constant prediction ranks nothing, z = 0), and the
+paired difference d_s(c) = z_s(c) - z_s(c_0) against the reference pair c_0 (below).  Over steps these are
+averaged with the half-life weights 2^{-(t - s) / h} of Eq. 10 (``relation_weight_half_life``), so the weights
+follow a learner whose neighbours start or stop predicting: mean D(c), sd of d, and the effective number of steps
 n_eff = (sum w)^2 / sum w^2.
 
 **The weights used** are the pair with the largest lower confidence bound D(c) - kappa sd(d) / sqrt(n_eff)
-(``relation_weight_confidence`` = kappa), where the paper's pair has D = 0 exactly.  So a relation keeps the
-paper's weight until the measurement shows, at kappa standard errors, that a smaller weight ranks the
-realised statistic better: a relation without evidence is neither trusted less nor zeroed by the noise of a
-few groups, and one that predicts keeps counting.  Fewer than 3 effective steps: the paper's weights.
+(``relation_weight_confidence`` = kappa), where the reference pair c_0 has D = 0 exactly; fewer than 3
+effective steps: c_0.  The reference (``relation_weight_start``) is the pair in force until the measurement
+shows, at kappa standard errors, that another ranks the realised statistic better:
+
+* ``none`` (the default of the measured mode): c_0 = (0, 0), every relation faded, the "without both"
+  ablation.  A relation earns its weight: it counts once its evidence is shown to rank the realised statistic
+  better than the task's own history and b_t alone, and the noise of a few groups cannot switch it on.
+* ``paper``: c_0 = (1, 1); a relation keeps the paper's weight until a smaller one is shown to rank better.
+
+Why (0, 0): the first steps decide which tasks have an own history, and a group of 8's realised variance and
+dispersion are too noisy for the bound to clear within a few steps.  Started at (1, 1), the weights of v and
+d left it only after 60-80 steps where neighbours say little (``partial-local``, 51 x 400), and relations
+kept over the first 10 steps alone cost 2 % of the run's variance per group there; started at (0, 0), the
+mean's relations clear the bound at the 3-step minimum where neighbours predict and v's and d's within about
+10 steps (docs/results/envsched_baselines.md, issue 34, deliverable 3).
 
 Limits: one pair per statistic for the whole pool (not per environment); it is measured on the selected tasks,
-the ones the score already put first; ``EnvScheduler.predict`` for a past step uses the current weights.
+the ones the score already put first, and by how each statistic is ranked, not by the batch it leads to: at the
+paper's pool size (51 x 50) with informative neighbours the relations it switches on rank the statistics
+better yet the batches' variance trails "without both" by 0.6-2.3 %; ``EnvScheduler.predict`` for a past step
+uses the current weights.
 Measured on simulated learners: docs/results/envsched_baselines.md (issue 34, deliverable 3).
 """
 
@@ -61,7 +75,7 @@ from scipy.stats import spearmanr
 from .estimate import STATS, fuse_prior, graph_prior
 
 RELATIONS = ("in", "cross")
-_MIN_STEPS = 3.0  # effective steps before a measured pair can replace the paper's weights
+_MIN_STEPS = 3.0  # effective steps before a measured pair can replace the reference pair
 
 
 def weighted_relation_estimate(num: np.ndarray, mass: np.ndarray, b_t: float, lambda_g: float, c: float) -> np.ndarray:
@@ -92,7 +106,10 @@ class RelationWeights:
         grid = sorted(set(float(c) for c in cfg.relation_weight_grid))
         self.pairs = list(itertools.product(grid, grid))  # (c_in, c_cross)
         self.paper = self.pairs.index((1.0, 1.0))
-        # per (y, pair): decayed sums of w, w^2 (same for every pair), w d, w d^2; the step they are at
+        # c_0, the pair in force until another is measured to rank better (relation_weight_start)
+        start = {"none": 0.0, "paper": 1.0}[cfg.relation_weight_start]
+        self.reference = self.pairs.index((start, start))
+        # per (y, pair): decayed sums of w, w^2 (same for every pair), w d, w d^2, d = z - z(c_0); the step they are at
         self.sums = np.zeros((len(STATS), len(self.pairs), 4))
         self.step = -1
 
@@ -136,12 +153,12 @@ class RelationWeights:
                 # two columns give the coefficient, more the matrix (its last row: each prediction vs realised)
                 rho[varies] = np.nan_to_num(corr if np.ndim(corr) == 0 else corr[-1, :-1])
             z = np.arctanh(np.clip(rho, -0.999999, 0.999999))
-            d = z - z[self.paper]
+            d = z - z[self.reference]
             self.sums[a] += np.stack([np.ones_like(d), np.ones_like(d), d, d * d], axis=1)
 
     def lower_bounds(self) -> np.ndarray:
         """(statistic, pair) lower confidence bounds D - kappa sd / sqrt(n_eff) (-inf before 3 effective steps;
-        0 for the paper's pair)."""
+        0 for the reference pair c_0)."""
         w, w2, wd, wd2 = (self.sums[..., k] for k in range(4))
         n_eff = np.where(w2 > 0, w * w / np.where(w2 > 0, w2, 1.0), 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -149,17 +166,18 @@ class RelationWeights:
             sd = np.sqrt(np.maximum(wd2 / w - mean**2, 0.0))
             lcb = mean - self.cfg.relation_weight_confidence * sd / np.sqrt(n_eff)
         lcb = np.where(n_eff >= _MIN_STEPS, lcb, -np.inf)
-        lcb[:, self.paper] = 0.0
+        lcb[:, self.reference] = 0.0
         return lcb
 
     def weights(self) -> dict[str, dict[str, float]]:
-        """{y: {"in": c, "cross": c}}: the pair of largest lower bound; among tied pairs (the same ranking, e.g.
-        (1, 0) and (0.5, 0) where every task has the same evidence mass) the one nearest the paper's (1, 1)."""
+        """{y: {"in": c, "cross": c}}: the pair of largest lower bound, c_0 unless one is > 0; among tied pairs (the
+        same ranking, e.g. (1, 0) and (0.5, 0) where every task has the same evidence mass) the one nearest the
+        paper's (1, 1)."""
         lcb = self.lower_bounds()
         total = np.asarray([sum(p) for p in self.pairs])
         out = {}
         for a, y in enumerate(STATS):
-            best = self.paper
+            best = self.reference
             if lcb[a].max() > 0.0:
                 tied = np.flatnonzero(lcb[a] >= lcb[a].max() - 1e-12)
                 best = int(tied[np.argmax(total[tied])])
@@ -171,11 +189,15 @@ class RelationWeights:
         return {f"relation_weight_{y}_{r}": c for y, per in self.weights().items() for r, c in per.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sums": self.sums.copy(), "step": int(self.step)}
+        return {"sums": self.sums.copy(), "step": int(self.step), "reference": self.pairs[self.reference]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sums = np.asarray(state["sums"], dtype=np.float64)
         if sums.shape != self.sums.shape:
             raise ValueError(f"relation weight state of shape {sums.shape}, expected {self.sums.shape} (another grid)")
+        ref = tuple(float(c) for c in state.get("reference", (1.0, 1.0)))  # saved before the option: (1, 1)
+        if ref != self.pairs[self.reference]:
+            raise ValueError(f"relation weight state measured against {ref}, the config's reference is "
+                             f"{self.pairs[self.reference]} (relation_weight_start)")
         self.sums = sums.copy()
         self.step = int(state["step"])
