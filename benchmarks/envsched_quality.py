@@ -328,7 +328,9 @@ def main() -> None:
         _fail(f"--learners: unknown learner(s) {unknown}; choose from {list(LEARNERS)}")
     try:
         overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-        base = EnvSchedConfig(batch_size=BATCH, rollouts_per_task=ROLLOUTS).replace(**overrides)
+        # every arm starts from the paper's method, its fixed relation weights (the library's default, the measured
+        # weights, is the arm MEASURED)
+        base = EnvSchedConfig(batch_size=BATCH, rollouts_per_task=ROLLOUTS, relation_weights="paper").replace(**overrides)
     except ValueError as exc:  # a --set without '=', invalid JSON, an unknown or invalid config field
         _fail(f"--set: {exc}".splitlines()[0])
     variants = arms(base, args.extra)

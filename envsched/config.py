@@ -146,7 +146,7 @@ class EnvSchedConfig(BaseModel):
     # realised statistic best (Spearman, Fisher z, paired against the reference pair relation_weight_start,
     # decayed over steps), if it beats the reference at relation_weight_confidence standard errors; else the
     # reference.  c = 0 fades a relation to b_t (both faded = the "without both" ablation).
-    relation_weights: Literal["paper", "measured"] = "paper"
+    relation_weights: Literal["paper", "measured"] = "measured"
     # The candidate weights of each relation; must hold 1.0 (the paper's).
     relation_weight_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     # Half-life in steps of the step weights 2^(-(t - s) / h) averaging the measured correlations (as Eq. 10).

@@ -1,6 +1,6 @@
 """Relations that earn their weight: each relation's weight in Eq. 3 chosen by measured predictive value.
 
-**Beyond the paper** (config ``relation_weights: measured``; the paper, and the default, is ``paper``).
+**Beyond the paper** (config ``relation_weights: measured``, the default; the paper's fixed weights are ``paper``).
 
 The paper fuses its evidence with fixed weights: Eq. 3 shrinks each relation's neighbour evidence toward the
 global reference b_t with a fixed lambda_g,

@@ -150,5 +150,6 @@ def test_the_envsched_recipe_has_the_envsched_papers_values():
     assert rollout.max_model_len == 32000 == cfg.data.max_prompt_length + cfg.data.max_response_length
     assert actor.ppo_max_token_len_per_gpu >= rollout.max_model_len
     assert (cfg.envsched.rho, cfg.envsched.k_within, cfg.envsched.k_cross) == (0.5, 6, 12)
+    assert cfg.envsched.relation_weights == "paper"
     assert cfg.envace.agent.observation_source == "real" and cfg.envace.agent.act_layout == "trajectory"
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, rollout.name) == (2, 8, "vllm")

@@ -1,7 +1,8 @@
 """Selections at the paper's pool size (51 environments x 50 tasks) are pinned.
 
 The scale work (sparse / memory-mapped graph, chunked TF-IDF, pruned candidate search) must leave EnvSched's
-choices unchanged where the paper runs it: the batches of steps 0-5 for seed 0, the default config and fixed
+choices unchanged where the paper runs it: the batches of steps 0-5 for seed 0, the default config with the paper's
+fixed relation weights (``relation_weights: paper``; the measured weights are beyond the paper) and fixed
 rewards (a deterministic function of task and step, so no learner is involved) are stored in
 ``data/pinned_selections_51x50.json``, taken on the code before those changes.  Regenerate only for a
 deliberate change of the method: ``python tests/envsched/test_envsched_pinned.py --write``.
@@ -29,7 +30,7 @@ def fixed_rewards(node: int, step: int, k: int = 8) -> list[float]:
 
 def run(cfg: EnvSchedConfig | None = None) -> dict[str, list]:
     pool = TaskPool.from_records(synthetic_records(51, 50, seed=0))
-    sched = EnvScheduler(pool, cfg or EnvSchedConfig())
+    sched = EnvScheduler(pool, cfg or EnvSchedConfig(relation_weights="paper"))
     batches, q = [], []
     for step in range(STEPS):
         ids = sched.select(step)

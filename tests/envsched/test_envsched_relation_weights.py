@@ -168,7 +168,7 @@ def test_without_evidence_or_gain_the_weights_are_the_reference(start, c0):
 
 # ---- in the scheduler ---------------------------------------------------------------------------------
 def test_measured_mode_starts_as_the_paper_and_logs_its_weights(pool, graph):
-    paper = _sched(pool, graph)
+    paper = _sched(pool, graph, relation_weights="paper")
     measured = _sched(pool, graph, relation_weights="measured", relation_weight_start="paper")
     for step in range(2):  # step 0 (cold start) has no own history, so step 1 is chosen with weights 1
         ids = paper.select(step)
@@ -217,7 +217,8 @@ def test_a_refused_observe_leaves_the_weights_unchanged(pool, graph):
 
 
 def test_config_fields_are_validated():
-    assert EnvSchedConfig().relation_weights == "paper"  # the paper's fixed weights stay the default
+    # the default: relations start faded and earn their weight (docs/results/envsched_baselines.md)
+    assert (EnvSchedConfig().relation_weights, EnvSchedConfig().relation_weight_start) == ("measured", "none")
     for bad in ({"relation_weights": "learned"}, {"relation_weight_start": "half"},
                 {"relation_weight_start": "none", "relation_weight_grid": [0.5, 1.0]}, {"relation_weight_half_life": 0.0}, {"relation_weight_confidence": -1.0},
                 {"relation_weight_min_groups": 3}, {"relation_weight_grid": [0.0, 0.5]}, {"relation_weight_grid": [1.0, 2.0]}):

@@ -247,7 +247,8 @@ def test_kernel_cache_kept_between_steps_gives_the_uncached_prediction(pool):
         ids = sched.select(step)
         nb = sched.neighbors
         cached = sched.predict(step)
-        plain = predict_all(sched.log, nb.idx, nb.sim, step, pool.task_ids, sched.cfg, sched.env)
+        plain = predict_all(sched.log, nb.idx, nb.sim, step, pool.task_ids, sched.cfg, sched.env,
+                            relation_weights=sched.relation_weights.weights())
         for name in ("v", "m", "d", "u_long", "u_short", "q"):
             assert np.array_equal(getattr(cached, name), getattr(plain, name)), (step, name)
         if "cross" in nb.kernel_cache:

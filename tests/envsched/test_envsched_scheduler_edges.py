@@ -141,8 +141,9 @@ def test_cold_start_modes_draw_from_the_rng_only_when_random(pool, graph):
 
 def test_select_scores_with_the_prediction_of_its_own_step(pool, graph):
     """A step that skips ahead is scored with predict(step), not with the prediction for the step after the
-    last one (the half-life weights, Eq. 10, depend on t)."""
-    s = sched(pool, graph)
+    last one (the half-life weights, Eq. 10, depend on t; with the paper's relation weights every task's prior
+    moves with them, so q differs between the two steps)."""
+    s = sched(pool, graph, relation_weights="paper")
     s.observe(0, rewards_for(s.select(0), 0))
     assert not np.array_equal(s.predict(30).q, s.predict(1).q)
     seen = []
