@@ -63,6 +63,7 @@ class NeighborIndex:
         self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
         self.observed = np.zeros(n, dtype=bool)
         self.kernel_cache: dict[str, Any] = {}  # Eq. 7 kernels of the last prediction (estimate.predict_all)
+        self._cross_classes: tuple[np.ndarray, np.ndarray] | None = None
         # within-environment S_full: every entry is the same value whichever nodes are observed together
         # (see ``within_sim``)
         x = graph.x_full
@@ -102,6 +103,25 @@ class NeighborIndex:
         # cross-environment relation: S_abs, rows in other environments
         if self.k["cross"] > 0:
             self._add_cross(nodes)
+
+    def cross_classes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lowest node of each class, class of every node): nodes with the same abstract row
+        (``StaticGraph.abs_groups``) and the same environment, whose N^cross rows are always identical.
+
+        N^cross(i) is the top K over the observed nodes j outside env(i) in ``merge_topk``'s order of S_abs_ij;
+        S_abs_ij is computed once per distinct abstract row (``_add_cross``), so it depends on i only through
+        that row, and the excluded environment is env(i): every merge gives two such nodes the same inputs
+        (starting from the same empty rows), hence the same rows.  ``estimate.prediction_classes`` computes the
+        cross relation once per class (EnvSched Eq. 3, 7).  Static: computed once."""
+        if self._cross_classes is None:
+            _, group = self.graph.abs_groups()
+            env = self.graph.env.astype(np.int64)
+            _, first, inverse = np.unique(group * (int(env.max()) + 1 if len(env) else 1) + env, return_index=True, return_inverse=True)
+            order = np.argsort(first)  # classes by their lowest node
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            self._cross_classes = (first[order].astype(np.int64), rank[inverse.ravel()])
+        return self._cross_classes
 
     def within_sim(self, e: int, pos: np.ndarray) -> np.ndarray:
         """S_full (Eq. 1) between all members of environment ``e`` and its members at positions ``pos``

@@ -162,7 +162,7 @@ class EnvScheduler:
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
         rw = self.relation_weights.weights() if self.relation_weights is not None else None
-        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw)
+        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw, nb.cross_classes())
         self._pred_cache = (*key, pred)
         return pred
 
