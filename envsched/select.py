@@ -26,6 +26,10 @@ try:  # scipy's compiled CSR x dense kernels, called without building matrix obj
     from scipy.sparse._sparsetools import csr_matvecs as _csr_matvecs
 except ImportError:  # pragma: no cover - private module moved: same kernels through the public API
     _csr_matvec = _csr_matvecs = None
+try:  # scipy's compiled row gather (what x[rows] runs): one pass over the rows' entries
+    from scipy.sparse._sparsetools import csr_row_index as _csr_row_index
+except ImportError:  # pragma: no cover
+    _csr_row_index = None
 
 _CHUNK = 16  # first lazy-evaluation chunk; later chunks grow x4 up to _ROW_BLOCK
 _ROW_BLOCK = 8192  # rows whose penalties are computed at once: bounds the temporaries (gathered entries, products)
@@ -87,11 +91,20 @@ class PenaltyBlock:
 
     def _rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """CSR (indptr, slot, value) of x[rows] in slot space (features of no member -> slot 0)."""
-        rc, rv, _ = _gather_rows(self.x, rows)
-        lens = self.x.indptr[rows + 1] - self.x.indptr[rows]
+        x = self.x
+        lens = x.indptr[rows + 1] - x.indptr[rows]
         indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lens, out=indptr[1:])
-        return indptr, (self.fmap[rc] + 1).astype(np.int64), rv.astype(np.float64)
+        if _csr_row_index is not None and x.indptr.dtype == x.indices.dtype:
+            # the entries of x[rows] in row order, as scipy's x[rows] copies them (no position arrays)
+            rc = np.empty(int(indptr[-1]), dtype=x.indices.dtype)
+            rv = np.empty(int(indptr[-1]), dtype=x.data.dtype)
+            _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
+        else:
+            rc, rv, _ = _gather_rows(x, rows)
+        slots = self.fmap[rc]
+        slots += 1
+        return indptr, slots, np.asarray(rv, dtype=np.float64)
 
     def max_sim(self, rows: np.ndarray, start: np.ndarray) -> np.ndarray:
         """max_{start_r <= j < m} x_r . x_(member j) for each row r (-inf where start_r >= m), in blocks of
@@ -128,14 +141,15 @@ class PenaltyBlock:
                     np.maximum(best, np.where(st <= j, y, -np.inf), out=best)
                 out[grp] = best
             else:
-                mat = self.by_slot[:width]  # contiguous: all stored members at once
+                lo = int(st.min())  # the members some row of the group has not seen, lo..m-1, all at once
+                mat = np.ascontiguousarray(self.by_slot[:width, lo:m])
                 if _csr_matvecs is not None:
-                    y2 = np.zeros((len(grp), self.cap))
-                    _csr_matvecs(len(grp), width, self.cap, indptr, slots, vals, mat.ravel(), y2.ravel())
+                    y2 = np.zeros((len(grp), m - lo))
+                    _csr_matvecs(len(grp), width, m - lo, indptr, slots, vals, mat.ravel(), y2.ravel())
                 else:
                     y2 = sp.csr_matrix((vals, slots, indptr), shape=(len(grp), width)) @ mat
-                cols = np.arange(self.cap)[None, :]
-                y2 = np.where((cols >= st[:, None]) & (cols < m), y2, -np.inf)
+                cols = np.arange(lo, m)[None, :]
+                y2 = np.where(cols >= st[:, None], y2, -np.inf)
                 out[grp] = y2.max(axis=1)
         return out
 
