@@ -145,16 +145,17 @@ class NeighborIndex:
     def _add_cross(self, nodes: np.ndarray) -> None:
         """Merge ``nodes`` into N^cross of every node of another environment.
 
-        This is the part of a step whose cost must grow with N: any node's top-K may gain a newly observed node,
-        so S_abs of the Delta new nodes to all N nodes is needed (O(N Delta)).  It is kept cheap: S_abs is
-        computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows give
-        bit-identical products; App. E abstractions repeat across tasks).  Only rows whose top-K changes are
-        merged: a candidate enters a row exactly when its key in ``merge_topk``'s total order (quantised
-        similarity, then lower index) beats the row's K-th entry (or the row is not full); the other rows would
-        come back unchanged.  The test needs each row's best candidate from another environment only, which is
-        among the top few keys of its distinct row, so the per-row work is O(N L) with L - 1 the most new nodes of
-        one environment, not O(N Delta); the rows that change merge the K + L - 1 best candidates of their distinct
-        row, not all Delta.  Values are the
+        Any node's top-K may gain a newly observed node, so S_abs of the Delta new nodes to every node is needed.
+        S_abs is computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows
+        give bit-identical products; App. E abstractions repeat across tasks), and the rows themselves are
+        updated once per cross class (``cross_classes``: same abstract row and environment, identical rows), so
+        the test and the merge are O(C L) for C classes, not O(N L); only the rows of the classes that change are
+        then copied (O(changed rows x K)).  Only rows whose top-K changes are merged: a candidate enters a row
+        exactly when its key in ``merge_topk``'s total order (quantised similarity, then lower index) beats the
+        row's K-th entry (or the row is not full); the other rows would come back unchanged.  The test needs each
+        row's best candidate from another environment only, which is among the top few keys of its distinct
+        row, so the per-row work is O(L) with L - 1 the most new nodes of one environment, not O(Delta); the rows
+        that change merge the K + L - 1 best candidates of their distinct row, not all Delta.  Values are the
         float32 S_abs product cast to float64, compared exactly as ``merge_topk`` compares them.
         """
         g, env = self.graph, self.graph.env
@@ -176,19 +177,30 @@ class NeighborIndex:
         top = ranked[:, :n_top]
         top_key, top_env = np.take_along_axis(key, top, 1), node_env[top]
         merge_idx, merge_sim = nodes[ranked[:, :n_merge]], np.take_along_axis(s_rep, ranked[:, :n_merge], 1)
-        for start in range(0, g.n, _CROSS_BLOCK):
-            rows = np.arange(start, min(g.n, start + _CROSS_BLOCK))
+        # the test and the merge run on one node per cross class (same abstract row, same environment: identical
+        # N^cross rows, hence identical inputs and results), then the merged rows are copied to their classes
+        crows, cinv = self.cross_classes()
+        hit_cls = np.zeros(len(crows), dtype=bool)
+        for start in range(0, len(crows), _CROSS_BLOCK):
+            rows = crows[start : start + _CROSS_BLOCK]
             grp = group[rows]
             other = top_env[grp] != env[rows][:, None]
             best = np.where(other.any(axis=1), top_key[grp, other.argmax(axis=1)], none)
             kth_idx, kth_sim = self.idx["cross"][rows, k - 1], self.sim["cross"][rows, k - 1]
             kth_key = np.floor(np.clip(np.where(kth_idx >= 0, kth_sim, 0.0), 0.0, 1.0) * _SIM_SCALE).astype(np.int64) * (1 << _IDX_BITS) + (
                 (1 << _IDX_BITS) - 1 - np.maximum(kth_idx, 0))
-            hit = rows[(best != none) & ((kth_idx < 0) | (best > kth_key))]
+            hit_at = np.flatnonzero((best != none) & ((kth_idx < 0) | (best > kth_key)))
+            hit = rows[hit_at]
             if len(hit):
+                hit_cls[start + hit_at] = True
                 cand, sim = merge_idx[group[hit]], merge_sim[group[hit]]
                 sim[env[hit][:, None] == env[cand]] = -np.inf  # same environment -> not a cross edge
                 self._merge("cross", hit, cand, sim)
+        if hit_cls.any():
+            members = np.flatnonzero(hit_cls[cinv])
+            src = crows[cinv[members]]
+            self.idx["cross"][members] = self.idx["cross"][src]
+            self.sim["cross"][members] = self.sim["cross"][src]
 
     def _merge(self, rel: str, rows: np.ndarray, cand_idx: np.ndarray, s: np.ndarray) -> None:
         self.idx[rel][rows], self.sim[rel][rows] = merge_topk(self.idx[rel][rows], self.sim[rel][rows], cand_idx, s, self.k[rel], self.min_sim)

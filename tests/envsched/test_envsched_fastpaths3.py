@@ -114,3 +114,74 @@ def test_kernel_cache_over_changing_class_rows_equals_no_cache(pool):
 
     _run(many_envs, EnvSchedConfig(batch_size=8), 8, check)
     assert min(sizes) < len(many_envs) and len(set(sizes)) > 2  # fewer rows than tasks, and rows changing
+
+
+def _penalty_graph(seed, n=300, f=80):
+    import scipy.sparse as sp
+
+    from envsched.graph import StaticGraph
+
+    rng = np.random.default_rng(seed)
+    x = sp.csr_matrix(rng.random((n, f)) * (rng.random((n, f)) < 0.2))
+    env = np.arange(n) % 6
+    return StaticGraph(x_full=x, x_abs=x, env=env, env_members=[np.flatnonzero(env == e) for e in range(6)], descriptions=[], extractor_counts={}), rng
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
+    """Eq. 5 penalties of rows re-read from the row cache (one per block, one shared by consecutive blocks, one
+    too small that empties itself), read by csr_row_index or by the numpy gather: the same floats as a block
+    without cache; only rows read from x count towards the page release."""
+    from envsched import select
+    from envsched.select import PenaltyBlock, RowCache
+
+    g, rng = _penalty_graph(seed)
+    n = g.n
+    entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
+    shared, small = RowCache(g.x_full), RowCache(g.x_full, entry * g.x_full.nnz // 3)
+    for batch in range(2):  # the shared caches carry rows from one batch's block to the next
+        blocks = {"none": PenaltyBlock(g.x_full, np.full(80, -1), 4, cache_bytes=0),
+                  "own": PenaltyBlock(g.x_full, np.full(80, -1), 4),
+                  "shared": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=shared),
+                  "small": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=small)}
+        members = []
+        for _ in range(6):  # members arrive between refreshes, rows are read again
+            j = int(rng.integers(n))
+            members.append(j)
+            for b in blocks.values():
+                b.add(j)
+            rows = rng.choice(n, 90, replace=False)
+            start = rng.integers(0, blocks["none"].m + 1, size=90)
+            want = blocks["none"].max_sim(rows, start)
+            for name in ("own", "shared", "small"):
+                before = blocks[name].rows_read
+                cached = (blocks[name].cached(rows) >= 0).sum()
+                assert np.array_equal(blocks[name].max_sim(rows, start), want), (batch, name)
+                assert blocks[name].rows_read - before == len(rows) - cached
+        assert blocks["none"].row_cache.rows == 0 and 0 < small.used <= small.capacity < shared.used
+        cached = shared.lookup(np.arange(n))
+        assert (cached >= 0).sum() == shared.rows and np.array_equal(np.sort(cached[cached >= 0]), np.arange(shared.rows))
+        for b in blocks.values():
+            b.close()
+    small.clear()
+    assert small.rows == 0 and (small.lookup(np.arange(n)) == -1).all()
+    # the numpy gather (scipy's private kernel missing) gives the same floats
+    monkeypatch.setattr(select, "_csr_row_index", None)
+    plain = PenaltyBlock(g.x_full, np.full(80, -1), 4)
+    for j in members:
+        plain.add(j)
+    rows, start = np.arange(n), np.zeros(n, dtype=np.int64)
+    assert np.array_equal(plain.max_sim(rows, start), blocks["none"].max_sim(rows, start))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_descending_order_equals_stable_argsort(seed):
+    from envsched.select import descending_order
+
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 2, 5, 1000):
+        for x in (rng.random(n), np.round(rng.random(n), 1 + seed % 2), np.where(rng.random(n) < 0.5, 0.0, -0.0),
+                  np.where(rng.random(n) < 0.3, np.inf, np.round(rng.random(n), 1)), np.full(n, 0.25)):
+            assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
+    x = np.array([0.3, np.nan, 0.3, 0.1])
+    assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
