@@ -138,7 +138,7 @@ def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
     g, rng = _penalty_graph(seed)
     n = g.n
     entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
-    shared, small = RowCache(g.x_full), RowCache(g.x_full, entry * g.x_full.nnz // 3)
+    shared, small = RowCache(g.x_full, entry * g.x_full.nnz), RowCache(g.x_full, entry * g.x_full.nnz // 3)
     for batch in range(2):  # the shared caches carry rows from one batch's block to the next
         blocks = {"none": PenaltyBlock(g.x_full, np.full(80, -1), 4, cache_bytes=0),
                   "own": PenaltyBlock(g.x_full, np.full(80, -1), 4),
@@ -185,3 +185,15 @@ def test_descending_order_equals_stable_argsort(seed):
             assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
     x = np.array([0.3, np.nan, 0.3, 0.1])
     assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
+
+
+def test_row_cache_size():
+    from envsched import select
+    from envsched.select import RowCache
+
+    g, _ = _penalty_graph(0)
+    entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
+    assert RowCache(g.x_full).capacity == g.x_full.nnz // select._ROW_CACHE_SHARE  # an eighth of x_full ...
+    assert RowCache(g.x_full, 10 * entry).capacity == 10
+    big = type("X", (), {"nnz": 10**9, "indices": g.x_full.indices, "data": g.x_full.data, "shape": (10**6, 10)})()
+    assert RowCache(big).capacity == select._ROW_CACHE_BYTES // entry  # ... and at most _ROW_CACHE_BYTES
