@@ -157,17 +157,19 @@ def environment_reference(ybar: np.ndarray, W: np.ndarray, env: np.ndarray, b_t:
     return e[env]
 
 
-def relation_values(ybar: np.ndarray, safe: np.ndarray, env_level: np.ndarray | None, interval: tuple[float, float]) -> np.ndarray:
+def relation_values(ybar: np.ndarray, safe: np.ndarray, env_level: np.ndarray | None, interval: tuple[float, float], rows: np.ndarray | None = None) -> np.ndarray:
     """What each neighbour j of target i contributes to Eq. 3 (one row per target, one column per neighbour).
 
     ``env_level is None`` (paper, ``cross_reference = "global"``): y-bar_j.  Otherwise (``"environment"``):
     clip_{I_y}(y-bar_j - e_env(j) + e_env(i)) (Eq. 6 clip interval), the neighbour's deviation from its own
     environment's level moved to the target's environment.  The shrinkage target of Eq. 3 stays b_t, so a
-    relation without neighbours still carries no evidence.
+    relation without neighbours still carries no evidence.  ``rows``: the targets of the rows of ``safe`` (None:
+    one row per node, in node order).
     """
     if env_level is None:
         return ybar[safe]
-    vals = ybar[safe] - env_level[safe] + env_level[:, None]
+    target = env_level if rows is None else env_level[rows]
+    vals = ybar[safe] - env_level[safe] + target[:, None]
     return np.clip(vals, interval[0], interval[1])
 
 
@@ -214,29 +216,52 @@ def fuse_prior(P: np.ndarray, W: np.ndarray, ybar: np.ndarray, lambda_s: float) 
 # ---------------------------------------------------------------------------------------------------
 
 
-def percentile_rank(z: np.ndarray) -> np.ndarray:
-    """EnvSched Eq. 8: pr(z_i) = (rank_avg(z_i) - 0.5) / N over the full pool, average ranks for ties."""
+def percentile_rank(z: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+    """EnvSched Eq. 8: pr(z_i) = (rank_avg(z_i) - 0.5) / N over the full pool, average ranks for ties.
+
+    ``counts``: ``z[k]`` stands for ``counts[k]`` equal entries of the pool (classes of tasks with the same
+    value, ``prediction_classes``); N = sum(counts), and each entry gets the value its class's tasks get in
+    ``percentile_rank(np.repeat(z, counts))``."""
     z = np.asarray(z, dtype=np.float64)
-    return (average_rank(z) - 0.5) / z.size
+    total = z.size if counts is None else int(np.sum(counts))
+    return (average_rank(z, counts) - 0.5) / total
 
 
-def average_rank(z: np.ndarray) -> np.ndarray:
+def average_rank(z: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
     """``scipy.stats.rankdata(z, method="average")`` for a 1-D float array (ranks 1..n, ties share the mean
     rank; half-integers, so exactly the same floats), without scipy's per-call overhead.  NaN input goes to
-    scipy (its NaN policy)."""
+    scipy (its NaN policy).
+
+    ``counts`` (EnvSched Eq. 8 over classes of equal tasks): ``z[k]`` stands for ``counts[k]`` (>= 1) equal
+    entries; entry k gets the rank of its value in ``np.repeat(z, counts)`` (the same half-integers, from a sort
+    of ``len(z)`` values instead of ``sum(counts)``)."""
     z = np.asarray(z, dtype=np.float64)
     n = z.size
-    if z.ndim != 1 or n == 0 or np.isnan(z).any():
+    if counts is not None:
+        counts = np.asarray(counts, dtype=np.int64)
+        if z.ndim != 1 or counts.shape != z.shape or (n and counts.min() < 1):
+            raise ValueError("average_rank: counts must be positive integers aligned with a 1-D z")
+        if n and np.isnan(z).any():  # scipy's NaN policy on the expanded array
+            return rankdata(np.repeat(z, counts), method="average")[np.cumsum(counts) - counts]
+    elif z.ndim != 1 or n == 0 or np.isnan(z).any():
         return rankdata(z, method="average")
+    if n == 0:
+        return np.zeros(0)
     sorter = np.argsort(z)  # any order within ties: tied values get one rank
     zs = z[sorter]
-    first = np.empty(n, dtype=bool)
-    first[0] = True
-    np.not_equal(zs[1:], zs[:-1], out=first[1:])
-    dense = np.empty(n, dtype=np.int64)
-    dense[sorter] = np.cumsum(first)
-    count = np.append(np.flatnonzero(first), n)
-    return 0.5 * (count[dense] + count[dense - 1] + 1)
+    bound = np.empty(n + 1, dtype=bool)  # bound[k]: sorted position k starts a run of equal values (k = n: the end)
+    bound[0] = bound[n] = True
+    np.not_equal(zs[1:], zs[:-1], out=bound[1:n])
+    edges = np.flatnonzero(bound)
+    if counts is None:
+        lo, hi = edges[:-1], edges[1:]  # entries before the run, entries up to its end
+    else:
+        cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts[sorter], out=cum[1:])
+        lo, hi = cum[edges[:-1]], cum[edges[1:]]
+    out = np.empty(n)
+    out[sorter] = np.repeat(0.5 * (hi + lo + 1), np.diff(edges))
+    return out
 
 
 def reconstructed_variance(d_hat: np.ndarray, m_hat: np.ndarray, target: str = "bernoulli", k: int = 8) -> np.ndarray:
@@ -254,23 +279,35 @@ def reconstructed_variance(d_hat: np.ndarray, m_hat: np.ndarray, target: str = "
     raise ValueError(f"reconstructed_target must be 'bernoulli' or 'learnability', got {target!r}")
 
 
-def quantile_score(v_hat: np.ndarray, f: np.ndarray, weight_v: float = 0.65) -> np.ndarray:
-    """EnvSched Eq. 12 (right): u = Q_{v-hat}[ 0.65 pr(v-hat) + 0.35 pr(f) ], Q linear-interpolated."""
-    p = weight_v * percentile_rank(v_hat) + (1.0 - weight_v) * percentile_rank(f)
-    return linear_quantiles(v_hat, p)
+def quantile_score(v_hat: np.ndarray, f: np.ndarray, weight_v: float = 0.65, counts: np.ndarray | None = None) -> np.ndarray:
+    """EnvSched Eq. 12 (right): u = Q_{v-hat}[ 0.65 pr(v-hat) + 0.35 pr(f) ], Q linear-interpolated
+    (``counts``: entry k stands for ``counts[k]`` equal tasks, see ``percentile_rank``)."""
+    p = weight_v * percentile_rank(v_hat, counts) + (1.0 - weight_v) * percentile_rank(f, counts)
+    return linear_quantiles(v_hat, p, counts)
 
 
-def linear_quantiles(x: np.ndarray, p: np.ndarray) -> np.ndarray:
+def linear_quantiles(x: np.ndarray, p: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
     """``np.quantile(x, p, method="linear")`` for a 1-D finite ``x`` and many probabilities ``p``: the same
     floats (numpy's virtual index (n - 1) p, neighbouring order statistics and its two-sided lerp), from one
     sort of ``x``.  numpy partitions at every requested index instead: with p of length N = 1,000,000 that
-    took ~1 s a call, this ~0.1 s.  Non-finite input goes to numpy."""
+    took ~1 s a call, this ~0.1 s.  Non-finite input goes to numpy.
+
+    ``counts``: ``x[k]`` stands for ``counts[k]`` equal values (``np.quantile(np.repeat(x, counts), p)``): one
+    sort of ``len(x)`` values, then the sorted values repeated."""
     x = np.asarray(x, dtype=np.float64)
     p = np.asarray(p, dtype=np.float64)
-    n = x.size
+    if counts is not None:
+        counts = np.asarray(counts, dtype=np.int64)
+        if x.ndim != 1 or counts.shape != x.shape or x.size == 0 or not np.isfinite(x).all() or not np.isfinite(p).all():
+            return np.quantile(np.repeat(x, counts), p, method="linear")
+    n = x.size if counts is None else int(counts.sum())
     if x.ndim != 1 or n == 0 or p.ndim != 1 or not np.isfinite(x).all() or not np.isfinite(p).all():
         return np.quantile(x, p, method="linear")
-    xs = np.sort(x)
+    if counts is None:
+        xs = np.sort(x)
+    else:  # the sorted repeated x (N values, one pass): cheaper than a search per probability
+        order = np.argsort(x)
+        xs = np.repeat(x[order], counts[order])
     vi = (n - 1) * p
     prev = np.floor(vi)
     nxt = prev + 1
@@ -289,10 +326,11 @@ def linear_quantiles(x: np.ndarray, p: np.ndarray) -> np.ndarray:
     return out
 
 
-def decline_priority(u_long: np.ndarray, u_short: np.ndarray, eta: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
-    """EnvSched Eq. 13: u = u_long - eta max{u_long - u_short, 0};  q = pr(u).  Returns (u, q)."""
+def decline_priority(u_long: np.ndarray, u_short: np.ndarray, eta: float = 0.5, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """EnvSched Eq. 13: u = u_long - eta max{u_long - u_short, 0};  q = pr(u).  Returns (u, q) (``counts``: see
+    ``percentile_rank``)."""
     u = u_long - eta * np.maximum(u_long - u_short, 0.0)
-    return u, percentile_rank(u)
+    return u, percentile_rank(u, counts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,7 +408,96 @@ class Prediction:
         return {tid: {"v": float(self.v[i]), "m": float(self.m[i]), "d": float(self.d[i]), "q": float(self.q[i])} for i, tid in enumerate(self.task_ids)}
 
 
-def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None, env: np.ndarray | None = None, persistent: bool = False, relation_weights: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+@dataclass
+class PredictionClasses:
+    """Tasks whose prediction inputs are the same, computed once (``prediction_classes``).
+
+    ``rows``: one node per class, ascending; ``inverse[i]``: the class of node i (``rows[inverse[i]]`` has node
+    i's inputs); ``counts``: the class sizes.  ``cross_rows`` / ``cross_inverse``: the same for N^cross alone
+    (``NeighborIndex.cross_classes``): node i's N^cross row equals that of ``cross_rows[cross_inverse[i]]``.
+    """
+
+    rows: np.ndarray
+    inverse: np.ndarray
+    counts: np.ndarray
+    cross_rows: np.ndarray
+    cross_inverse: np.ndarray
+
+
+def prediction_classes(log: ObservationLog, nbr_idx: dict[str, np.ndarray], t: int, n: int, cross_classes: tuple[np.ndarray, np.ndarray]) -> PredictionClasses:
+    """Group the tasks whose Eq. 3-4 and 6-12 inputs for step ``t`` are identical (they get identical floats).
+
+    A task without own history (H_t(i) empty: W = 0 and y-bar = b_t in Eq. 11) and without any entry in its
+    N^in row (Eq. 3 within: no neighbour at all, so every a_ij is 0 and G^in is the value of an empty row)
+    depends on nothing of its own but its N^cross row, and with ``cross_reference`` other than "global" its
+    environment.  ``cross_classes`` (rows, inverse) groups nodes with identical N^cross rows within one
+    environment (``NeighborIndex.cross_classes``), so such tasks form one class per cross class; every other task
+    (own history, or a within-environment neighbour) is a class of its own.  Computing each class once makes the
+    relation sums O(classes x K) instead of O(N x K) (EnvSched Eq. 3, 7); the ranks of Eq. 8 and the quantiles of
+    Eq. 12 weight each class by its size (``percentile_rank(z, counts)``), giving each task the same value.
+    """
+    cross_rows, cross_inverse = cross_classes
+    obs = log.arrays()
+    grouped = np.ones(n, dtype=bool)
+    grouped[obs["node"][obs["step"] < t]] = False  # own history
+    if nbr_idx["in"].shape[1]:
+        grouped &= (nbr_idx["in"] < 0).all(axis=1)
+    g_rows = np.flatnonzero(grouped)
+    g_cls = cross_inverse[g_rows]
+    first = np.full(len(cross_rows), n, dtype=np.int64)
+    np.minimum.at(first, g_cls, g_rows)  # the lowest grouped node of each cross class stands for it
+    rows = np.sort(np.concatenate([np.flatnonzero(~grouped), first[first < n]]))
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[rows] = np.arange(len(rows))
+    inverse[g_rows] = inverse[first[g_cls]]
+    return PredictionClasses(rows, inverse, np.bincount(inverse, minlength=len(rows)), np.asarray(cross_rows), np.asarray(cross_inverse))
+
+
+def _kernel(kernels: dict[str, Any] | None, rel: str, rows: np.ndarray | None, sim: np.ndarray, avail: np.ndarray, floor: float, persistent: bool) -> np.ndarray:
+    """The W-independent Eq. 7 kernel of the given neighbour rows (``rows``: their nodes, None: every node in
+    order), taken from ``kernels[rel]`` for each row whose mask (and, when the cache holds them, neighbour
+    similarities) is unchanged, computed for the others; the kernel is row-wise, so the result equals
+    ``neighbor_kernel(sim, avail, floor)``.  The cache then holds these rows (``kernels[f"{rel}:rows"]``)."""
+    old = kernels.get(rel) if kernels is not None else None
+    old_rows = kernels.get(f"{rel}:rows") if kernels is not None else None
+    old_sim = kernels.get(f"{rel}:sim") if kernels is not None else None
+    kern, changed, moved = None, None, False
+    if old is not None and old[0].ndim == 2 and old[0].shape[1] == avail.shape[1] and (rows is None) == (old_rows is None):
+        if rows is None or (len(rows) == len(old_rows) and np.array_equal(rows, old_rows)):
+            if old[0].shape == avail.shape:
+                o_avail, kern = old
+                changed = (o_avail != avail).any(axis=1)
+                if old_sim is not None:
+                    changed |= (old_sim != sim).any(axis=1)
+        else:  # other rows: each row's cached entry, where the cache has it
+            moved = True
+            pos = np.searchsorted(old_rows, rows)
+            found = pos < len(old_rows)
+            found[found] = old_rows[pos[found]] == rows[found]
+            pos = np.where(found, pos, 0)
+            kern = old[1][pos] if len(old_rows) else np.zeros(avail.shape)
+            changed = ~found
+            if len(old_rows):
+                changed |= (old[0][pos] != avail).any(axis=1)
+                if old_sim is not None:
+                    changed |= (old_sim[pos] != sim).any(axis=1)
+    if kern is None:
+        kern = neighbor_kernel(sim, avail, floor)
+    elif changed.any():
+        kern = kern if moved else kern.copy()
+        kern[changed] = neighbor_kernel(sim[changed], avail[changed], floor)
+    if kernels is not None and (changed is None or moved or changed.any()):
+        kernels[rel] = (avail, kern)
+        if rows is None:
+            kernels.pop(f"{rel}:rows", None)
+        else:
+            kernels[f"{rel}:rows"] = rows
+        if old_sim is not None or persistent:
+            kernels[f"{rel}:sim"] = np.array(sim, dtype=np.float64)
+    return kern
+
+
+def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, h: float, n: int, cfg: EnvSchedConfig, kernels: dict[str, Any] | None = None, env: np.ndarray | None = None, persistent: bool = False, relation_weights: dict[str, dict[str, float]] | None = None, classes: PredictionClasses | None = None) -> dict[str, Any]:
     """One prediction pass for half-life h: Eq. 6, 11, 7, 3, 4 for y in {v, m, d}, then Eq. 12.
 
     ``relation_weights`` ({y: {"in": c, "cross": c}}, ``relations.RelationWeights.weights``; beyond the paper):
@@ -384,6 +511,11 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
     recomputed.  ``persistent=True`` (a cache kept from step to step, ``NeighborIndex.kernel_cache``) also
     keeps a copy of the neighbour similarities and recomputes the rows whose neighbour lists changed: at
     1,000,000 tasks a step changes few rows, and the kernel (a row median and N x K exponentials) was ~0.6 s.
+
+    ``classes`` (``prediction_classes``): Eq. 3-4 and 12 are computed once per class of tasks with identical
+    inputs, N^cross once per cross class; "v", "m", "d", "f", "u" then come back per class (aligned with
+    ``classes.rows``; ``x[classes.inverse]`` gives every task the value it gets without classes), "W" and
+    "sources" per task.
     """
     obs = log.arrays()
     intervals = {"v": cfg.clip_v, "m": cfg.clip_m, "d": cfg.clip_d}
@@ -401,30 +533,18 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
         ybars[y] = ybar
         out["b"][y] = b_t
     assert W is not None
+    # the nodes whose neighbour rows are computed (None: all, in node order), and where each computed task's
+    # relation values are found among them (None: the same position)
+    rows = None if classes is None else classes.rows
+    rel_rows = {"in": rows, "cross": None if classes is None else classes.cross_rows}
+    to_task = {"in": None, "cross": None if classes is None else classes.cross_inverse[rows]}
     weights = {}
     for rel in ("in", "cross"):
-        idx = nbr_idx[rel]
+        rr = rel_rows[rel]
+        idx = nbr_idx[rel] if rr is None else nbr_idx[rel][rr]
         safe = np.maximum(idx, 0)
         avail = (idx >= 0) & (W[safe] > 0)
-        hit = kernels.get(rel) if kernels is not None else None
-        if hit is not None and hit[0].shape == avail.shape:
-            # rows whose mask (or, when the cache holds them, neighbour similarities) changed are recomputed;
-            # the kernel is row-wise, so the other rows keep exactly the values a full pass gives
-            changed = (hit[0] != avail).any(axis=1)
-            prev_sim = kernels.get(f"{rel}:sim")  # type: ignore[union-attr]
-            if prev_sim is not None:
-                changed |= (prev_sim != nbr_sim[rel]).any(axis=1)
-            kern = hit[1]
-            if changed.any():
-                kern = kern.copy()
-                kern[changed] = neighbor_kernel(nbr_sim[rel][changed], avail[changed], cfg.bandwidth_floor)
-        else:
-            changed = None
-            kern = neighbor_kernel(nbr_sim[rel], avail, cfg.bandwidth_floor)
-        if kernels is not None and (changed is None or changed.any()):
-            kernels[rel] = (avail, kern)
-            if f"{rel}:sim" in kernels or persistent:
-                kernels[f"{rel}:sim"] = np.array(nbr_sim[rel], dtype=np.float64)
+        kern = _kernel(kernels, rel, rr, nbr_sim[rel] if rr is None else nbr_sim[rel][rr], avail, cfg.bandwidth_floor, persistent)
         root_w = np.sqrt(np.clip(W, cfg.neighbor_weight_clip[0], cfg.neighbor_weight_clip[1]))  # per node, then gathered
         a = np.where(avail, kern * root_w[safe], 0.0)
         weights[rel] = (safe, a)
@@ -432,17 +552,27 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
         raise ValueError(f"cross_reference={cfg.cross_reference!r} needs the environment of every task (env=...)")
     env_relative = {"global": (), "environment": STATS, "environment_mean": ("m",)}[cfg.cross_reference]
     mass = {rel: a.sum(axis=1) for rel, (_, a) in weights.items()}
+
+    def per_task(x: np.ndarray, rel: str) -> np.ndarray:  # a relation's per-row values, for the computed tasks
+        return x if to_task[rel] is None else x[to_task[rel]]
+
+    def per_node(x: np.ndarray, rel: str) -> np.ndarray:  # a relation's per-row values, for every node
+        if classes is None:
+            return x
+        return x[classes.inverse] if rel == "in" else x[classes.cross_inverse]
+
     if relation_weights is not None:
         from .relations import weighted_relation_estimate  # relations.py imports this module
 
-        out["sources"] = {"W": W, **{f"A:{rel}": mass[rel] for rel in weights}}
+        out["sources"] = {"W": W, **{f"A:{rel}": per_node(mass[rel], rel) for rel in weights}}
+    W_rows = W if rows is None else W[rows]
     for y in STATS:
         G, m_used = {}, dict(mass)
         for rel, (safe, a) in weights.items():
             level = None
             if rel == "cross" and y in env_relative:
                 level = environment_reference(ybars[y], W, env, out["b"][y], cfg.lambda_g)
-            vals = relation_values(ybars[y], safe, level, intervals[y])
+            vals = relation_values(ybars[y], safe, level, intervals[y], rel_rows[rel])
             if relation_weights is None:
                 G[rel] = relation_estimate(a, vals, out["b"][y], cfg.lambda_g, mass[rel])
             else:  # Eq. 3' (envsched/relations.py): the relation's evidence mass scaled by its measured weight
@@ -450,30 +580,39 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
                 num = np.sum(a * vals, axis=1)
                 G[rel] = weighted_relation_estimate(num, mass[rel], out["b"][y], cfg.lambda_g, c)
                 m_used[rel] = c * mass[rel]
-                out["sources"][f"{y}:S:{rel}"] = num
+                out["sources"][f"{y}:S:{rel}"] = per_node(num, rel)
         if relation_weights is not None:
             out["sources"][f"{y}:own"] = ybars[y]
             out["sources"][f"{y}:b"] = np.broadcast_to(out["b"][y], ybars[y].shape)
-        P = graph_prior(G["in"], G["cross"], m_used["in"], m_used["cross"], out["b"][y], cfg.lambda_g, cfg.fusion_within, cfg.fusion)
-        out[y] = fuse_prior(P, W, ybars[y], cfg.lambda_s)
+        P = graph_prior(per_task(G["in"], "in"), per_task(G["cross"], "cross"), per_task(m_used["in"], "in"), per_task(m_used["cross"], "cross"), out["b"][y], cfg.lambda_g, cfg.fusion_within, cfg.fusion)
+        out[y] = fuse_prior(P, W_rows, ybars[y] if rows is None else ybars[y][rows], cfg.lambda_s)
     out["f"] = reconstructed_variance(out["d"], out["m"], cfg.reconstructed_target, cfg.rollouts_per_task)
-    out["u"] = quantile_score(out["v"], out["f"], cfg.quantile_weight_v)
+    out["u"] = quantile_score(out["v"], out["f"], cfg.quantile_weight_v, None if classes is None else classes.counts)
     out["W"] = W
     return out
 
 
-def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig, env: np.ndarray | None = None, kernels: dict[str, Any] | None = None, relation_weights: dict[str, dict[str, float]] | None = None) -> Prediction:
+def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: dict[str, np.ndarray], t: int, task_ids: list[str], cfg: EnvSchedConfig, env: np.ndarray | None = None, kernels: dict[str, Any] | None = None, relation_weights: dict[str, dict[str, float]] | None = None, cross_classes: tuple[np.ndarray, np.ndarray] | None = None) -> Prediction:
     """EnvSched Eq. 12–13 over both half-lives: q_{i,t} for every task of the pool (``env``: environment code
     of every task, needed for ``cross_reference = "environment"``; ``kernels``: a kernel cache kept between
     calls on the same neighbour arrays, see ``estimate_half_life``; ``relation_weights``: Eq. 3' of
-    ``envsched/relations.py`` in both passes, the long pass's ``sources`` kept on the Prediction)."""
+    ``envsched/relations.py`` in both passes, the long pass's ``sources`` kept on the Prediction).
+
+    ``cross_classes`` ((rows, inverse), ``NeighborIndex.cross_classes``: nodes of one class have identical
+    N^cross rows and one environment): each class of tasks with identical inputs is computed once
+    (``prediction_classes``), the same floats as without."""
     n = len(task_ids)
     persistent = kernels is not None
     kernels = {} if kernels is None else kernels
-    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels, env, persistent, relation_weights)
-    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels, env, persistent, relation_weights)
-    u, q = decline_priority(long["u"], short["u"], cfg.eta_decline)
-    return Prediction(task_ids=task_ids, v=long["v"], m=long["m"], d=long["d"], f=long["f"], u_long=long["u"], u_short=short["u"], u=u, q=q, reference=dict(long["b"]), step=t, sources=long.get("sources"))
+    classes = None if cross_classes is None else prediction_classes(log, nbr_idx, t, n, cross_classes)
+    long = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_long, n, cfg, kernels, env, persistent, relation_weights, classes)
+    short = estimate_half_life(log, nbr_idx, nbr_sim, t, cfg.h_short, n, cfg, kernels, env, persistent, relation_weights, classes)
+    u, q = decline_priority(long["u"], short["u"], cfg.eta_decline, None if classes is None else classes.counts)
+
+    def node(x: np.ndarray) -> np.ndarray:
+        return x if classes is None else x[classes.inverse]
+
+    return Prediction(task_ids=task_ids, v=node(long["v"]), m=node(long["m"]), d=node(long["d"]), f=node(long["f"]), u_long=node(long["u"]), u_short=node(short["u"]), u=node(u), q=node(q), reference=dict(long["b"]), step=t, sources=long.get("sources"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class NeighborIndex:
         self.sim = {r: np.full((n, k), -np.inf) for r, k in self.k.items()}
         self.observed = np.zeros(n, dtype=bool)
         self.kernel_cache: dict[str, Any] = {}  # Eq. 7 kernels of the last prediction (estimate.predict_all)
+        self._cross_classes: tuple[np.ndarray, np.ndarray] | None = None
         # within-environment S_full: every entry is the same value whichever nodes are observed together
         # (see ``within_sim``)
         x = graph.x_full
@@ -103,6 +104,25 @@ class NeighborIndex:
         if self.k["cross"] > 0:
             self._add_cross(nodes)
 
+    def cross_classes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lowest node of each class, class of every node): nodes with the same abstract row
+        (``StaticGraph.abs_groups``) and the same environment, whose N^cross rows are always identical.
+
+        N^cross(i) is the top K over the observed nodes j outside env(i) in ``merge_topk``'s order of S_abs_ij;
+        S_abs_ij is computed once per distinct abstract row (``_add_cross``), so it depends on i only through
+        that row, and the excluded environment is env(i): every merge gives two such nodes the same inputs
+        (starting from the same empty rows), hence the same rows.  ``estimate.prediction_classes`` computes the
+        cross relation once per class (EnvSched Eq. 3, 7).  Static: computed once."""
+        if self._cross_classes is None:
+            _, group = self.graph.abs_groups()
+            env = self.graph.env.astype(np.int64)
+            _, first, inverse = np.unique(group * (int(env.max()) + 1 if len(env) else 1) + env, return_index=True, return_inverse=True)
+            order = np.argsort(first)  # classes by their lowest node
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            self._cross_classes = (first[order].astype(np.int64), rank[inverse.ravel()])
+        return self._cross_classes
+
     def within_sim(self, e: int, pos: np.ndarray) -> np.ndarray:
         """S_full (Eq. 1) between all members of environment ``e`` and its members at positions ``pos``
         (dense |members| x |pos|, float64).
@@ -125,16 +145,17 @@ class NeighborIndex:
     def _add_cross(self, nodes: np.ndarray) -> None:
         """Merge ``nodes`` into N^cross of every node of another environment.
 
-        This is the part of a step whose cost must grow with N: any node's top-K may gain a newly observed node,
-        so S_abs of the Delta new nodes to all N nodes is needed (O(N Delta)).  It is kept cheap: S_abs is
-        computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows give
-        bit-identical products; App. E abstractions repeat across tasks).  Only rows whose top-K changes are
-        merged: a candidate enters a row exactly when its key in ``merge_topk``'s total order (quantised
-        similarity, then lower index) beats the row's K-th entry (or the row is not full); the other rows would
-        come back unchanged.  The test needs each row's best candidate from another environment only, which is
-        among the top few keys of its distinct row, so the per-row work is O(N L) with L - 1 the most new nodes of
-        one environment, not O(N Delta); the rows that change merge the K + L - 1 best candidates of their distinct
-        row, not all Delta.  Values are the
+        Any node's top-K may gain a newly observed node, so S_abs of the Delta new nodes to every node is needed.
+        S_abs is computed once per distinct row of the abstract view (``StaticGraph.abs_groups``: identical rows
+        give bit-identical products; App. E abstractions repeat across tasks), and the rows themselves are
+        updated once per cross class (``cross_classes``: same abstract row and environment, identical rows), so
+        the test and the merge are O(C L) for C classes, not O(N L); only the rows of the classes that change are
+        then copied (O(changed rows x K)).  Only rows whose top-K changes are merged: a candidate enters a row
+        exactly when its key in ``merge_topk``'s total order (quantised similarity, then lower index) beats the
+        row's K-th entry (or the row is not full); the other rows would come back unchanged.  The test needs each
+        row's best candidate from another environment only, which is among the top few keys of its distinct
+        row, so the per-row work is O(L) with L - 1 the most new nodes of one environment, not O(Delta); the rows
+        that change merge the K + L - 1 best candidates of their distinct row, not all Delta.  Values are the
         float32 S_abs product cast to float64, compared exactly as ``merge_topk`` compares them.
         """
         g, env = self.graph, self.graph.env
@@ -156,19 +177,30 @@ class NeighborIndex:
         top = ranked[:, :n_top]
         top_key, top_env = np.take_along_axis(key, top, 1), node_env[top]
         merge_idx, merge_sim = nodes[ranked[:, :n_merge]], np.take_along_axis(s_rep, ranked[:, :n_merge], 1)
-        for start in range(0, g.n, _CROSS_BLOCK):
-            rows = np.arange(start, min(g.n, start + _CROSS_BLOCK))
+        # the test and the merge run on one node per cross class (same abstract row, same environment: identical
+        # N^cross rows, hence identical inputs and results), then the merged rows are copied to their classes
+        crows, cinv = self.cross_classes()
+        hit_cls = np.zeros(len(crows), dtype=bool)
+        for start in range(0, len(crows), _CROSS_BLOCK):
+            rows = crows[start : start + _CROSS_BLOCK]
             grp = group[rows]
             other = top_env[grp] != env[rows][:, None]
             best = np.where(other.any(axis=1), top_key[grp, other.argmax(axis=1)], none)
             kth_idx, kth_sim = self.idx["cross"][rows, k - 1], self.sim["cross"][rows, k - 1]
             kth_key = np.floor(np.clip(np.where(kth_idx >= 0, kth_sim, 0.0), 0.0, 1.0) * _SIM_SCALE).astype(np.int64) * (1 << _IDX_BITS) + (
                 (1 << _IDX_BITS) - 1 - np.maximum(kth_idx, 0))
-            hit = rows[(best != none) & ((kth_idx < 0) | (best > kth_key))]
+            hit_at = np.flatnonzero((best != none) & ((kth_idx < 0) | (best > kth_key)))
+            hit = rows[hit_at]
             if len(hit):
+                hit_cls[start + hit_at] = True
                 cand, sim = merge_idx[group[hit]], merge_sim[group[hit]]
                 sim[env[hit][:, None] == env[cand]] = -np.inf  # same environment -> not a cross edge
                 self._merge("cross", hit, cand, sim)
+        if hit_cls.any():
+            members = np.flatnonzero(hit_cls[cinv])
+            src = crows[cinv[members]]
+            self.idx["cross"][members] = self.idx["cross"][src]
+            self.sim["cross"][members] = self.sim["cross"][src]
 
     def _merge(self, rel: str, rows: np.ndarray, cand_idx: np.ndarray, s: np.ndarray) -> None:
         self.idx[rel][rows], self.sim[rel][rows] = merge_topk(self.idx[rel][rows], self.sim[rel][rows], cand_idx, s, self.k[rel], self.min_sim)

@@ -36,7 +36,7 @@ from .graph_cache import load_or_build_graph
 from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
 from .relations import RelationWeights
-from .select import BatchBuilder, CapState, cold_start_batch
+from .select import BatchBuilder, CapState, RowCache, cold_start_batch, descending_order
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class EnvScheduler:
         self.counters = {"identifier_checked": 0, "identifier_filtered": 0, "replay_mismatch": 0, "replay_error": 0}
         self._metrics: dict[int, dict[str, float]] = {}
         self._pred_cache: tuple[int, int, Prediction] | None = None
+        self._row_cache: RowCache | None = None  # x_full rows read by the Eq. 5 penalties, kept across batches
         # relation_weights: measured (beyond the paper, envsched/relations.py): the relations' Eq. 3 weights
         self.relation_weights = RelationWeights(self.cfg) if self.cfg.relation_weights == "measured" else None
         if self.cfg.scheduler == "envsched":
@@ -162,7 +163,7 @@ class EnvScheduler:
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
         rw = self.relation_weights.weights() if self.relation_weights is not None else None
-        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw)
+        pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw, nb.cross_classes())
         self._pred_cache = (*key, pred)
         return pred
 
@@ -230,7 +231,9 @@ class EnvScheduler:
     def _select_envsched(self, step: int) -> tuple[list[int], list[str], dict[str, float]]:
         cfg = self.cfg
         pred = self.predict(step)
-        builder = BatchBuilder(self.graph, cfg, self._cap_state(step), self.available.copy())
+        if self._row_cache is None:
+            self._row_cache = RowCache(self.graph.x_full)
+        builder = BatchBuilder(self.graph, cfg, self._cap_state(step), self.available.copy(), row_cache=self._row_cache)
         try:
             return self._fill(builder, step, pred.q)
         finally:
@@ -251,7 +254,7 @@ class EnvScheduler:
             nb = self.neighbors
             progress_block = self.progress.blocked([nb.idx["in"], nb.idx["cross"]])
         score = q * exposure_factor(self.sel_count, cfg.exposure_c0)
-        order = np.argsort(-score, kind="stable")  # one O(N log N) sort per batch; each pick scans its head
+        order = descending_order(score)  # one O(N log N) sort per batch; each pick scans its head
         ignored_progress = 0
         while len(builder.selected) < B:
             i, used_filtered = builder.exploitation_pick(score, ~progress_block, order)

@@ -49,7 +49,8 @@ def test_penalty_rows_in_blocks_equal_one_pass_and_release_mapped_pages(monkeypa
     x = rng.random((200, 60)) * (rng.random((200, 60)) < 0.15)
     g = _graph(x, np.arange(200) % 5)
     released = []
-    blk = PenaltyBlock(g.x_full, g.scratch_map(), 8, release=lambda: released.append(blk.rows_read))
+    # no row cache here (cache_bytes=0): every max_sim reads x (the cache: test_envsched_fastpaths3.py)
+    blk = PenaltyBlock(g.x_full, g.scratch_map(), 8, release=lambda: released.append(blk.rows_read), cache_bytes=0)
     for j in rng.choice(200, 10, replace=False):
         blk.add(int(j))
     rows, start = rng.permutation(200), rng.integers(0, 11, size=200)

@@ -214,17 +214,20 @@ def _reference_add_cross(nb, nodes):
 
 @pytest.mark.parametrize("min_sim", [0.0, 0.3])
 def test_cross_update_equals_the_full_merge(pool, monkeypatch, min_sim):
-    """NeighborIndex._add_cross (distinct abstract rows, blocks of rows, merge only where a candidate beats the
-    K-th entry) gives the neighbour arrays of merging every row that may change; the synthetic pool's
-    abstractions repeat, so similarities tie and the index tie-break decides."""
+    """NeighborIndex._add_cross (distinct abstract rows, one row per cross class in blocks, merge only where a
+    candidate beats the K-th entry, merged rows copied to their classes) gives the neighbour arrays of merging
+    every row that may change; the synthetic pool's abstractions repeat, so similarities tie and the index
+    tie-break decides."""
     from envsched import neighbors as neighbors_mod
 
     graph = build_static_graph(pool, EnvSchedConfig())
     reps, group = graph.abs_groups()
     assert len(reps) < graph.n and np.array_equal(group[reps], np.arange(len(reps)))
-    monkeypatch.setattr(neighbors_mod, "_CROSS_BLOCK", 50)
+    monkeypatch.setattr(neighbors_mod, "_CROSS_BLOCK", 20)
     rng = np.random.default_rng(int(min_sim * 10))
     new, ref = NeighborIndex(graph, 0, 12, min_sim), NeighborIndex(graph, 0, 12, min_sim)
+    crows, cinv = new.cross_classes()
+    assert 20 < len(crows) < graph.n  # several blocks of classes, classes of several nodes
     for _ in range(6):
         nodes = np.unique(rng.choice(np.flatnonzero(~new.observed), 15, replace=False))
         new.add_observed(nodes)
