@@ -90,8 +90,8 @@ ESTIMATORS = {
     # (candidates: ``act`` tasks, whose reward, the real environment's replay of the actor's write, does not depend on
     # what the rehearsals said, so the warm start's real-environment success measures it; on an answer task the
     # answer comes from a rehearsed observation, and the initial reward was 0.0 to 0.02 on the band's query tasks)
+    # (both roles sample at the rollout temperature: verl scores every trained output at it)
     "grpo_rolewise": Estimator(10, (
-        "envace.agent.rehearse_temperature=0.6",
         "actor_rollout_ref.actor.optim.lr=1e-3",
     ), shapes=("act",)),
 }
