@@ -98,13 +98,13 @@ def _last(values: dict[int, float]) -> float | None:
     return values[max(values)] if values else None
 
 
-def _ms(values: list[float]) -> str:
+def _ms(values: list[float], digits: int = 3) -> str:
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return "-"
     if len(values) == 1:  # one seed: no spread to show
-        return f"{values[0]:.3f}"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def report(results: dict[str, list[dict]], out: Path) -> None:
@@ -117,7 +117,7 @@ def report(results: dict[str, list[dict]], out: Path) -> None:
         sem = statistics.fmean(v for r in rs for v in r["heldout_sem"].values())
         print(f"{arm:<18}{cells}{sem:>17.3f}")
     print(f"\n{'arm':<18}{'change first->last':>20}{'change s.e. (run)':>19}{'greedy first':>16}{'greedy last':>16}"
-          f"{'rollouts':>10}{'tokens':>10}{'wall s':>16}")
+          f"{'rollouts':>10}{'tokens':>12}{'wall s':>18}")
     for arm, rs in results.items():
         greedy_first = [r["greedy"][min(r["greedy"], key=int)] for r in rs if r["greedy"]]
         greedy_last = [r["greedy"][max(r["greedy"], key=int)] for r in rs if r["greedy"]]
@@ -125,7 +125,7 @@ def report(results: dict[str, list[dict]], out: Path) -> None:
         print(f"{arm:<18}{_ms([r['change'] for r in rs]):>20}"
               f"{(statistics.fmean(sems) if sems else float('nan')):>19.3f}{_ms(greedy_first):>16}"
               f"{_ms(greedy_last):>16}{statistics.fmean(r['rollouts'] for r in rs):>10.0f}"
-              f"{statistics.fmean(r['tokens'] for r in rs):>10.0f}{_ms([r['wall_s'] for r in rs]):>16}")
+              f"{statistics.fmean(r['tokens'] for r in rs):>12.0f}{_ms([r['wall_s'] for r in rs], 0):>18}")
     plot(results, steps, out / "learning.png")
     print(f"\nplot: {out / 'learning.png'}")
 
