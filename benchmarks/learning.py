@@ -14,15 +14,17 @@ envace              nothing: act + rehearse, role-wise GRPO (EnvACE §4.2)
 grpo_real           the policy acts against the real environment (``observation_source=real``): GRPO on the act
                     outputs, no rehearsals (the estimator is the same; with one role it is GRPO)
 no_rehearse_loss    EnvACE, but the rehearse role's outputs carry no loss (``envace.advantage.trained_roles=[act]``)
-control             no update: every step generates and scores, none trains (``trainer.critic_warmup`` = the steps)
+control             no update: every step generates and scores, none trains (``trainer.critic_warmup`` = steps + 1:
+                    verl updates the actor at step s iff critic_warmup <= s)
 ==================  ================================================================================================
 
 It prints, per arm, held-out success at every validation (``val-core/heldout/success/mean@N``, mean ± sd over the
 seeds, and the mean of the runs' own standard errors), the greedy pass's first and last, the paired change from the
-first validation to the last (mean ± sd over seeds), and the budget: rollouts (trajectories) and tokens generated
-(both roles) over the run, and the wall time of the command; then draws the four curves (``--out``/learning.png).
-Runs whose directory already holds a finished run (a ``validation/step_<last>.json``) are read, not re-run, so an
-interrupted benchmark resumes.
+first validation to the last (mean ± sd over seeds), the steps that updated the actor, and the budget: rollouts
+(trajectories) and tokens generated (both roles) over the run, and the wall time of the command; then draws the four
+curves (``--out``/learning.png). A run whose directory already holds its result (``benchmark.json``, written when the
+run finished) is read, not re-run, so an interrupted benchmark resumes. A control run that updated the actor, or
+another arm's run that never did, stops the benchmark.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ ARMS: dict[str, list[str]] = {
     "envace": [],
     "grpo_real": ["envace.agent.observation_source=real"],
     "no_rehearse_loss": ["envace.advantage.trained_roles=[act]"],
-    "control": [],  # trainer.critic_warmup is set to the run's steps below
+    "control": [],  # trainer.critic_warmup is set past the run's last step below
 }
 
 
@@ -61,7 +63,7 @@ def run_arm(arm: str, seed: int, out: Path, overrides: list[str], steps: int) ->
     done = run_dir / "benchmark.json"
     if done.exists():
         return json.loads(done.read_text())
-    extra = list(ARMS[arm]) + ([f"trainer.critic_warmup={steps}"] if arm == "control" else [])
+    extra = list(ARMS[arm]) + ([f"trainer.critic_warmup={steps + 1}"] if arm == "control" else [])
     cmd = [str(REPO / "scripts" / "train.sh"), *overrides, *extra, f"data.seed={seed}",
            f"trainer.default_local_dir={run_dir}", "trainer.save_freq=-1", f"trainer.experiment_name=learning_{arm}"]
     print("$", " ".join(cmd), flush=True)
@@ -77,6 +79,10 @@ def run_arm(arm: str, seed: int, out: Path, overrides: list[str], steps: int) ->
         print(log.read_text()[-4000:], file=sys.stderr)
         raise SystemExit(f"{arm} seed {seed}: scripts/train.sh exited {proc.returncode} (log: {log})")
     series = load_metrics(run_dir)
+    # the steps that updated the actor (verl reports actor/* metrics only from an update)
+    updates = len(series.get("actor/pg_loss", {}))
+    if (arm == "control") != (updates == 0):
+        raise SystemExit(f"{arm} seed {seed}: the actor was updated at {updates} of {steps} steps ({run_dir})")
     key = next(k for k in series if k.startswith("val-core/heldout/success/mean@"))
     greedy = next((k for k in series if k.startswith("val-core/heldout_greedy/success/mean@")), None)
     result = {
@@ -86,6 +92,7 @@ def run_arm(arm: str, seed: int, out: Path, overrides: list[str], steps: int) ->
         "greedy": {str(s): v for s, v in sorted(series[greedy].items())} if greedy else {},
         "change": _last(series.get("val-aux/heldout/success/change", {})),
         "change_sem": _last(series.get("val-aux/heldout/success/change_sem", {})),
+        "updates": updates,
         "rollouts": sum(series.get("envace/trajectories", {}).values()),
         "tokens": sum(series.get("envace/act/tokens", {}).values()) + sum(
             series.get("envace/rehearse/tokens", {}).values()),
@@ -117,14 +124,15 @@ def report(results: dict[str, list[dict]], out: Path) -> None:
         sem = statistics.fmean(v for r in rs for v in r["heldout_sem"].values())
         print(f"{arm:<18}{cells}{sem:>17.3f}")
     print(f"\n{'arm':<18}{'change first->last':>20}{'change s.e. (run)':>19}{'greedy first':>16}{'greedy last':>16}"
-          f"{'rollouts':>10}{'tokens':>12}{'wall s':>18}")
+          f"{'updates':>9}{'rollouts':>10}{'tokens':>12}{'wall s':>18}")
     for arm, rs in results.items():
         greedy_first = [r["greedy"][min(r["greedy"], key=int)] for r in rs if r["greedy"]]
         greedy_last = [r["greedy"][max(r["greedy"], key=int)] for r in rs if r["greedy"]]
         sems = [r["change_sem"] for r in rs if r["change_sem"] is not None]
         print(f"{arm:<18}{_ms([r['change'] for r in rs]):>20}"
               f"{(statistics.fmean(sems) if sems else float('nan')):>19.3f}{_ms(greedy_first):>16}"
-              f"{_ms(greedy_last):>16}{statistics.fmean(r['rollouts'] for r in rs):>10.0f}"
+              f"{_ms(greedy_last):>16}{statistics.fmean(r.get('updates', math.nan) for r in rs):>9.0f}"
+              f"{statistics.fmean(r['rollouts'] for r in rs):>10.0f}"
               f"{statistics.fmean(r['tokens'] for r in rs):>12.0f}{_ms([r['wall_s'] for r in rs], 0):>18}")
     plot(results, steps, out / "learning.png")
     print(f"\nplot: {out / 'learning.png'}")

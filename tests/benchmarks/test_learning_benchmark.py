@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -24,7 +26,7 @@ lb = _load()
 
 def _result(arm: str, seed: int, first: float, last: float) -> dict:
     return {"arm": arm, "seed": seed, "wall_s": 400.0 + seed, "heldout": {"0": first, "20": last},
-            "heldout_sem": {"0": 0.03, "20": 0.03}, "greedy": {"0": 0.32, "20": 0.30}, "change": last - first,
+            "heldout_sem": {"0": 0.03, "20": 0.03}, "greedy": {"0": 0.32, "20": 0.30}, "change": last - first, "updates": 0,
             "change_sem": 0.03, "rollouts": 320.0, "tokens": 27000.0 + seed}
 
 
@@ -54,3 +56,36 @@ def test_report_prints_mean_and_sd_over_seeds_and_draws_the_plot(tmp_path, capsy
     one = {"control": [_result("control", 0, 0.21, 0.21)]}
     lb.report(one, tmp_path)
     assert "nan" not in capsys.readouterr().out  # one seed: the value alone
+
+
+def _fake_run(tmp_path, monkeypatch, pg_loss_steps):
+    """run_arm against a stubbed train.sh (records its command) whose metrics show ``pg_loss_steps`` updates."""
+    import envace.metrics
+
+    cmds = []
+
+    def train_sh(cmd, **kwargs):
+        cmds.append(cmd)
+        run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("trainer.default_local_dir="))
+        Path(run_dir).mkdir(parents=True)
+        return lb.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(lb.subprocess, "run", train_sh)
+    series = {"val-core/heldout/success/mean@4": {0: 0.1, 20: 0.2}, "val-core/heldout/success/sem@4": {0: 0.02, 20: 0.02},
+              "actor/pg_loss": {s: 0.0 for s in pg_loss_steps}}
+    monkeypatch.setattr(envace.metrics, "load_metrics", lambda run_dir: series)
+    return cmds
+
+
+def test_the_control_trains_at_no_step_and_a_run_that_did_stops_the_benchmark(tmp_path, monkeypatch):
+    # verl updates the actor at step s iff trainer.critic_warmup <= s: the control's warmup lies past its last step
+    cmds = _fake_run(tmp_path, monkeypatch, pg_loss_steps=[])
+    assert lb.run_arm("control", 0, tmp_path, [], 20)["updates"] == 0
+    assert "trainer.critic_warmup=21" in cmds[0]
+    cmds = _fake_run(tmp_path, monkeypatch, pg_loss_steps=[20])
+    with pytest.raises(SystemExit, match="control seed 1: the actor was updated at 1 of 20 steps"):
+        lb.run_arm("control", 1, tmp_path, [], 20)
+    cmds = _fake_run(tmp_path, monkeypatch, pg_loss_steps=[])
+    with pytest.raises(SystemExit, match="envace seed 0: the actor was updated at 0 of 20 steps"):
+        lb.run_arm("envace", 0, tmp_path, [], 20)
+    assert not any("critic_warmup" in a for a in cmds[0])
