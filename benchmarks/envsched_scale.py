@@ -15,7 +15,10 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
   content hash);
 * step: median (and max) wall / CPU seconds of ``select(step) + observe(step, rewards)`` over ``--steps``
   steps (default 20) at B = 64, K = 8, after the cold-start step;
-* peak RSS of the process (``ru_maxrss``).
+* peak RSS of the process (``ru_maxrss``);
+* with ``relation_weights: measured`` (the default; ``--relation-weights paper`` for the paper's fixed weights),
+  the relations' weights after the last step: while a relation is faded, the tasks without an own history share
+  one prediction, and Eq. 5 must compare the similarity penalties of all the tied candidates it may pick.
 
 A watchdog thread reads the resident set every 0.2 s and exits the process (code 3) above ``--max-rss-gib``
 (default 8), printing every thread's stack (where the memory went), so a run that would not fit stops itself on a
@@ -76,13 +79,15 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="graph_cache_dir (run twice: the second run is a cache hit)")
     ap.add_argument("--max-rss-gib", type=float, default=8.0, help="abort above this resident set")
     ap.add_argument("--cprofile", type=int, default=0, metavar="K", help="print the K most expensive functions of the steps")
+    ap.add_argument("--relation-weights", choices=("measured", "paper"), default=EnvSchedConfig.model_fields["relation_weights"].default,
+                    help="EnvSchedConfig.relation_weights (default: the config's)")
     args = ap.parse_args()
     watchdog(args.max_rss_gib)
     n_envs = max(1, args.tasks // args.per_env)
     per = min(args.per_env, args.tasks)
     load = Path("/proc/loadavg").read_text().split()[0]
     print(f"N = {n_envs * per:,} tasks ({n_envs:,} environments x {per}), B = 64, K = 8; {os.cpu_count()} CPUs, "
-          f"load average {load}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+          f"relation_weights {args.relation_weights}, load average {load}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
 
     t0, c0 = time.perf_counter(), time.process_time()
     pool = TaskPool.from_records(iter_synthetic_records(n_envs, per, seed=0))
@@ -92,7 +97,8 @@ def main() -> None:
     n_checks = np.fromiter((len(t.verifier_checks) for t in pool.tasks), dtype=np.int64, count=len(pool))
     learner = SimulatedLearner(pool.env, archetype, n_checks)
 
-    cfg = EnvSchedConfig(batch_size=64, rollouts_per_task=8, graph_cache_dir=args.cache)
+    cfg = EnvSchedConfig(batch_size=64, rollouts_per_task=8, graph_cache_dir=args.cache,
+                         relation_weights=args.relation_weights)
     t0, c0 = time.perf_counter(), time.process_time()
     sched = EnvScheduler(pool, cfg)
     build_wall, build_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -124,6 +130,10 @@ def main() -> None:
         walls.append(w), cpus.append(c)
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+    if sched.relation_weights is not None:  # the relations' weights after the last step (0: faded, 1: the paper's)
+        rw = sched.relation_weights.weights()
+        print("relation weights after step " + str(args.steps) + ": "
+              + ", ".join(f"{y} in {w['in']:g} / cross {w['cross']:g}" for y, w in rw.items()), flush=True)
     print(f"step   median {np.median(walls):.3f} s wall / {np.median(cpus):.3f} s CPU, max {max(walls):.3f} s wall "
           f"over steps 1..{args.steps}   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
     print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} cache={rep['cache']} peak_rss_gib={peak_rss_gib():.2f} "
