@@ -158,21 +158,26 @@ def bystander():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-#: the default run's synthetic pool (configs/experiment/cpu_default.yaml), cut to its first two environments
-SIM_POOL = {"n_envs": 2, "shapes": ["act", "query", "lookup_act", "lookup_query"], "renamings": False,
-            "reward": "binary"}
+#: environments of the default run's synthetic pool the two-node run keeps (its first two)
+SIM_ENVS = 2
 
 
 @pytest.fixture(scope="module")
 def worldbooks(tmp_path_factory) -> Path:
-    """One worldbook per environment of ``SIM_POOL``, built model-free from gold traces of its train split."""
+    """One worldbook per environment of the default run's synthetic pool (configs/experiment/cpu_default.yaml) cut
+    to ``SIM_ENVS`` environments, built model-free from gold traces of its train split."""
+    from omegaconf import OmegaConf
+
+    from envace.verl.config import compose
+
+    pool_kwargs = OmegaConf.to_container(compose(["experiment=cpu_default"]).envace.agent.pool_kwargs.synthetic)
     out = tmp_path_factory.mktemp("worldbooks")
     proc = subprocess.run([str(REPO / "scripts" / "build_worldbook.sh"), "--pool", "synthetic", "--out", str(out),
-                           "--pool-kwargs", json.dumps(SIM_POOL)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, check=False)
+                           "--pool-kwargs", json.dumps({**pool_kwargs, "n_envs": SIM_ENVS})], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     books = out / "books"
-    assert len([d for d in books.iterdir() if (d / "manifest.json").is_file()]) == SIM_POOL["n_envs"]
+    assert len([d for d in books.iterdir() if (d / "manifest.json").is_file()]) == SIM_ENVS
     return books
 
 
@@ -188,7 +193,7 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
         # Trace2Env simulator; the reward still comes from the real environment's replay (the shadow)
         "experiment=cpu_default",
         "envace.agent.observation_source=simulator", f"envace.agent.worldbook={worldbooks}",
-        f"+envace.agent.pool_kwargs.synthetic.n_envs={SIM_POOL['n_envs']}",
+        f"+envace.agent.pool_kwargs.synthetic.n_envs={SIM_ENVS}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",

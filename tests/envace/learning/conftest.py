@@ -7,9 +7,9 @@ Each run trains on 8 fixed synthetic training tasks with the warm-started tiny Q
 
 * ``grpo``: plain GRPO acting in the real environment, one training sample per trajectory.
 * ``grpo_rolewise``: EnvACE as ``experiment=cpu_default`` runs it: the policy acts and rehearses every tool
-  response (rehearsals sampled at 0.6), one training sample per generation, act and rehearse advantages with
-  separate baselines within each task's group; the reward is the verifier on a real-environment replay of the
-  calls.
+  response (both at the rollout temperature), one training sample per generation, act and rehearse advantages
+  with separate baselines within each task's group; the reward is the verifier on a real-environment replay of
+  the calls.
 
 **The tasks are chosen by the warm start's measured success, not by position** (``learnable_tasks``): the first
 ``CANDIDATES`` training tasks (the data build's seeded order) are each rolled out ``PROBE_SAMPLES`` times at the

@@ -268,14 +268,24 @@ def test_learning_pool_is_the_easy_synthetic_configuration():
                                                        ["renamings", False]]
 
 
-def test_default_run_trains_on_the_warm_start_pool():
-    """The CPU default (configs/experiment/cpu_default.yaml) draws its tasks from the pool the warm start learned."""
+def test_default_run_trains_on_the_warm_start_pool_extended():
+    """The CPU default (configs/experiment/cpu_default.yaml) draws its tasks from the pool the warm start learned,
+    with more tasks per environment: the warm start's tasks and splits are its first 50 of each environment, so no
+    task the supervision saw is held out, and the held-out `act` tasks grow from 124 to 187."""
+    from envace.envs.synthetic.pool import SyntheticPool
     from envace.verl.config import compose
 
     cfg = compose(["experiment=cpu_default"])
     kwargs = dict(cfg.envace.agent.pool_kwargs.synthetic)
     assert kwargs.pop("reward") == "binary"
+    tasks_per_env = kwargs.pop("tasks_per_env")
     assert {k: tuple(v) if not isinstance(v, bool) else v for k, v in kwargs.items()} == dict(W.LEARNING_POOL_KWARGS)
+    warm, rl = W.learning_pool(), SyntheticPool(tasks_per_env=tasks_per_env, **dict(W.LEARNING_POOL_KWARGS))
+    assert warm.tasks_per_env == 50 < tasks_per_env
+    assert all(rl.task(t) == warm.task(t) and rl.split_of(t) == warm.split_of(t) for t in warm.task_ids())
+    assert not set(rl.task_ids("test")) & set(warm.task_ids("train"))
+    held_out = [t for t in rl.task_ids("test") if rl.task(t).category == "act"]
+    assert len(held_out) == 187 and len([t for t in warm.task_ids("test") if warm.task(t).category == "act"]) == 124
     assert cfg.actor_rollout_ref.model.path == f"builtin:{W.WARM_NAME}" and list(cfg.envace.data.pools) == ["synthetic"]
     assert W.warm_recipe_hash() != W.warm_recipe_hash(dataclasses.replace(W.DEFAULT_CONFIG, pool_kwargs=()))
 
