@@ -188,6 +188,11 @@ class EnvSchedConfig(BaseModel):
     exposure_c0: float = Field(16.0, gt=0.0)
     # lambda_sim: batch similarity penalty of Eq. 5.
     lambda_sim: float = Field(0.08, ge=0.0)
+    # Eq. 5 over a tie of more than this many tasks with equal a_i (unobserved tasks share one prediction while the
+    # relations are faded) compares the penalties of this many of them, the first eligible in a fixed hash order of
+    # the task index (spread over environments), not all: a pick's cost stops growing with N. Smaller ties, and every
+    # tie with null, get the exact arg-max (pools of up to 32,768 tasks always). Implementation choice.
+    eq5_max_tied: int | None = Field(32768, ge=1)
     # C1: at most this many tasks of one environment per batch.
     cap_env_round: int = Field(4, ge=1)
     # C3: at most this many tasks of one environment over the current and two previous steps.

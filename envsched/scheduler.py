@@ -36,7 +36,7 @@ from .graph_cache import load_or_build_graph
 from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
 from .relations import RelationWeights
-from .select import BatchBuilder, CapState, RowCache, cold_start_batch, descending_order
+from .select import BatchBuilder, CapState, RowCache, cold_start_batch, scan_order
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class EnvScheduler:
             nb = self.neighbors
             progress_block = self.progress.blocked([nb.idx["in"], nb.idx["cross"]])
         score = q * exposure_factor(self.sel_count, cfg.exposure_c0)
-        order = descending_order(score)  # one O(N log N) sort per batch; each pick scans its head
+        order = scan_order(score, cfg.eq5_max_tied)  # one O(N log N) sort per batch; each pick scans its head
         ignored_progress = 0
         while len(builder.selected) < B:
             i, used_filtered = builder.exploitation_pick(score, ~progress_block, order)

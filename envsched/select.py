@@ -8,6 +8,10 @@ evaluated lazily: the penalty max_{j in B} S_full_ij only grows as the batch gro
 gives an upper bound of each candidate's score and only the top candidates are refreshed (exact arg-max,
 no N x B similarity matrix).  Hard caps (C1 per batch, C3 over a rolling window, C_task consecutive
 selections) restrict A; the coverage phase further restricts A lexicographically.
+
+A tie of more than ``eq5_max_tied`` nodes with equal a_i (unobserved tasks while the relations are faded) is the
+one place the arg-max is not exact: there the penalties of ``eq5_max_tied`` of them are compared (``ScanOrder``),
+since the exact arg-max over a tie needs every tied node's penalty and a tie can hold most of the pool.
 """
 
 from __future__ import annotations
@@ -64,6 +68,40 @@ def descending_order(x: np.ndarray) -> np.ndarray:
     if int(run[-1]).bit_length() + bits > 62:  # pragma: no cover - over 2^31 nodes
         return np.argsort(-x, kind="stable")
     return np.sort((run << bits) | s) & ((1 << bits) - 1)
+
+
+def spread_key(nodes: np.ndarray) -> np.ndarray:
+    """A fixed pseudo-random order of node indices (Fibonacci hashing: index x 0x9E3779B97F4A7C15 mod 2^64, a
+    bijection on uint64). Node indices run environment by environment, so a prefix of a tie in this order spreads
+    over the tie's environments where a prefix in index order holds the first few."""
+    return np.asarray(nodes, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class ScanOrder:
+    """The nodes in the order the Eq. 5 picks scan them: by descending value, ties by ascending index, except the
+    runs of more than ``max_tied`` equal values (``long_runs``: their [start, end) positions in ``nodes``), which are
+    ordered by :func:`spread_key`; a pick compares the first ``max_tied`` eligible nodes of such a run."""
+
+    nodes: np.ndarray
+    long_runs: tuple[tuple[int, int], ...] = ()
+    max_tied: int | None = None
+
+
+def scan_order(x: np.ndarray, max_tied: int | None) -> ScanOrder:
+    """:func:`descending_order` of ``x``, each run of more than ``max_tied`` equal values (None: none is) put in
+    :func:`spread_key` order (one O(N log N) sort per batch; the picks scan its head)."""
+    x = np.asarray(x, dtype=np.float64)
+    nodes = descending_order(x)
+    if max_tied is None or len(nodes) <= max_tied:
+        return ScanOrder(nodes, (), max_tied)
+    xs = x[nodes]
+    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
+    ends = np.r_[starts[1:], len(nodes)]
+    long_ = ends - starts > max_tied
+    for a, b in zip(starts[long_], ends[long_], strict=True):
+        nodes[a:b] = nodes[a:b][np.argsort(spread_key(nodes[a:b]))]
+    return ScanOrder(nodes, tuple(zip(starts[long_].tolist(), ends[long_].tolist(), strict=True)), max_tied)
 
 
 class RowCache:
@@ -297,7 +335,7 @@ class BatchBuilder:
         self.env_free = np.bincount(self.env[free], minlength=n_env)
         self.env_free_unblocked = np.bincount(self.env[free & ~self.caps.blocked_tasks], minlength=n_env)
         self._min_obs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # coverage: least observation count per env
-        self._q_order: tuple[np.ndarray, np.ndarray] | None = None  # coverage: nodes by descending q
+        self._q_order: tuple[np.ndarray, ScanOrder] | None = None  # coverage: nodes by descending q
 
     # ---- eligibility ---------------------------------------------------------------------------
     def eligible(self, level: int = 0, extra: np.ndarray | None = None) -> np.ndarray:
@@ -376,11 +414,12 @@ class BatchBuilder:
             return int(cands[np.argmax(score)])
         return self._lazy_best(cands, score, -1, -np.inf)[0]
 
-    def scan_pick(self, order: np.ndarray, score: np.ndarray, level: int, extra: np.ndarray | Callable[[np.ndarray], np.ndarray] | None = None) -> int | None:
-        """EnvSched Eq. 5 over ``eligible(level, extra)`` with a = ``score``, scanning the nodes in ``order``
-        (every node, by descending score, ties by ascending index): the same node ``pick`` returns over
-        ``flatnonzero(eligible(level, extra))``, or None when no node is eligible (``extra``: a mask over all
-        nodes, or a function giving the mask of the nodes it is passed).
+    def scan_pick(self, order: ScanOrder, score: np.ndarray, level: int, extra: np.ndarray | Callable[[np.ndarray], np.ndarray] | None = None) -> int | None:
+        """EnvSched Eq. 5 over ``eligible(level, extra)`` with a = ``score``, scanning the nodes in ``order`` (every
+        node, by descending score; see :class:`ScanOrder`): the same node ``pick`` returns over
+        ``flatnonzero(eligible(level, extra))`` where no run of ``order.long_runs`` is reached, and otherwise over
+        those candidates with each long run's cut to its first ``order.max_tied`` eligible nodes; None when no node
+        is eligible (``extra``: a mask over all nodes, or a function giving the mask of the nodes it is passed).
 
         Candidate pruning, exact: a value score - lambda_sim * penalty never exceeds its score (penalties are
         similarities of non-negative TF-IDF rows, >= 0), so once the next score in the order is below the best
@@ -389,26 +428,57 @@ class BatchBuilder:
         """
         lam = self.cfg.lambda_sim
         best, best_val = -1, -np.inf
-        pos, size, n = 0, _CHUNK * 16, len(order)
+        nodes, n = order.nodes, len(order.nodes)
+        runs = iter(order.long_runs)
+        run = next(runs, (n, n))
+        pos, size = 0, _CHUNK * 16
         while pos < n:
-            blk = order[pos : pos + size]
-            pos, size = pos + size, min(size * 4, 1 << 16)
+            if pos == run[0]:  # a long tie: its first max_tied eligible nodes in spread_key order
+                start, pos = run
+                run = next(runs, (n, n))
+                if best >= 0 and score[nodes[start]] < best_val:
+                    break
+                cand = self._tie_sample(nodes[start:pos], order.max_tied, level, extra)
+                if not len(cand):
+                    continue
+                if not self.selected or lam == 0.0:
+                    return int(cand.min())  # values = the tie's score: ties go to the lowest index
+                best, best_val = self._lazy_best(cand, score[cand], best, best_val)
+                continue
+            blk = nodes[pos : min(pos + size, run[0])]
+            pos, size = pos + len(blk), min(size * 4, 1 << 16)
             # no later node can beat the best: a value never exceeds its score, and a later node whose score equals
             # the best value has a higher index than blk[0] (ties are ordered by index), so it loses the tie
             if best >= 0 and (score[blk[0]] < best_val or (score[blk[0]] == best_val and blk[0] > best)):
                 break
-            if callable(extra):
-                ok = self.eligible_nodes(blk, level)
-                ok &= extra(blk)
-            else:
-                ok = self.eligible_nodes(blk, level, extra)
-            cand = blk[ok]
+            cand = blk[self._eligible_in(blk, level, extra)]
             if not len(cand):
                 continue
             if not self.selected or lam == 0.0:
                 return int(cand[0])  # value = score: the first eligible node in the order
             best, best_val = self._lazy_best(cand, score[cand], best, best_val)
         return best if best >= 0 else None
+
+    def _eligible_in(self, nodes: np.ndarray, level: int, extra: np.ndarray | Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
+        """``eligible(level, extra)[nodes]`` (``extra``: a mask over all nodes or a function of the nodes)."""
+        if callable(extra):
+            ok = self.eligible_nodes(nodes, level)
+            ok &= extra(nodes)
+            return ok
+        return self.eligible_nodes(nodes, level, extra)
+
+    def _tie_sample(self, run: np.ndarray, max_tied: int, level: int, extra: np.ndarray | Callable[[np.ndarray], np.ndarray] | None) -> np.ndarray:
+        """The first ``max_tied`` eligible nodes of ``run`` (a long tie in spread_key order), read in growing
+        blocks: where most of the tie is eligible only about ``max_tied`` nodes are checked."""
+        taken: list[np.ndarray] = []
+        count, pos, size = 0, 0, _CHUNK * 16
+        while pos < len(run) and count < max_tied:
+            blk = run[pos : pos + size]
+            pos, size = pos + len(blk), min(size * 4, 1 << 16)
+            cand = blk[self._eligible_in(blk, level, extra)][: max_tied - count]
+            taken.append(cand)
+            count += len(cand)
+        return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 
     def _lazy_best(self, cands: np.ndarray, score: np.ndarray, best: int, best_val: float) -> tuple[int, float]:
         """The lazy arg-max of :meth:`pick` over ``cands`` (``score``: their scores, aligned with them), starting
@@ -482,7 +552,7 @@ class BatchBuilder:
             in_envs = np.zeros(len(self.graph.env_members), dtype=bool)
             in_envs[envs] = True
             if self._q_order is None or self._q_order[0] is not q:
-                self._q_order = (q, descending_order(q))
+                self._q_order = (q, scan_order(q, self.cfg.eq5_max_tied))
             return self.scan_pick(self._q_order[1], q, level, lambda nodes, in_envs=in_envs, m3=m3: in_envs[self.env[nodes]] & (obs_count[nodes] == m3))
         return None
 
@@ -499,14 +569,14 @@ class BatchBuilder:
             self._min_obs[lvl] = (obs_count, env_min)
         return self._min_obs[lvl][1]
 
-    def exploitation_pick(self, score: np.ndarray, progress_ok: np.ndarray, order: np.ndarray | None = None) -> tuple[int | None, bool]:
+    def exploitation_pick(self, score: np.ndarray, progress_ok: np.ndarray, order: ScanOrder | None = None) -> tuple[int | None, bool]:
         """Exploitation: Eq. 5 with a = q * omega over candidates that pass the progress filter.
         Returns (node, used_filtered) where used_filtered says the progress filter had to be ignored.
 
-        ``order``: all nodes by descending score, ties by ascending index (``np.argsort(-score, kind="stable")``,
-        computed once per batch by the caller); the pick scans it (``scan_pick``)."""
+        ``order``: ``scan_order(score, cfg.eq5_max_tied)``, computed once per batch by the caller; the pick scans
+        it (``scan_pick``)."""
         if order is None:
-            order = descending_order(score)
+            order = scan_order(score, self.cfg.eq5_max_tied)
         top = 3 if self.cfg.relax_caps_when_short else 0
         for extra in (progress_ok, None):
             for level in range(top + 1):

@@ -118,8 +118,25 @@ def test_within_env_columns_equal_the_whole_block(pool):
             assert np.array_equal(cached.within_sim(e, pos), block[:, pos])
 
 
-def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, batch):
-    """The batch the unpruned selection builds: every pick over ``candidates()`` (all N nodes)."""
+def _tie_cut(c, a, max_tied):
+    """The candidates ``c`` with each value that more than ``max_tied`` of all nodes share in ``a`` (a long tie) cut
+    to the ``max_tied`` of its candidates first in spread_key order (None: ``c``)."""
+    from envsched.select import spread_key
+
+    if max_tied is None:
+        return c
+    kept = []
+    for v in np.unique(a[c]):
+        cv = c[a[c] == v]
+        if (a == v).sum() > max_tied:
+            cv = cv[np.argsort(spread_key(cv))][:max_tied]
+        kept.append(cv)
+    return np.sort(np.concatenate(kept))
+
+
+def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, batch, max_tied=None):
+    """The batch the unpruned selection builds: every pick over ``candidates()`` (all N nodes), each long tie cut
+    to its first ``max_tied`` candidates in spread_key order (None: no cut)."""
     for _ in range(n_cov):
         c = b.candidates()
         if not len(c):
@@ -127,6 +144,7 @@ def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, b
         for key_of in (lambda c: b.batch_env_count[b.env[c]], lambda c: env_exposure[b.env[c]], lambda c: obs_count[c]):
             key = key_of(c)
             c = c[key == key.min()]
+        c = _tie_cut(c, q, max_tied)
         b.add(b.pick(c, q[c]), "coverage")
     while len(b.selected) < batch:
         c = b.candidates(progress_ok)
@@ -134,28 +152,22 @@ def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, b
             c = b.candidates()
         if not len(c):
             break
+        c = _tie_cut(c, score, max_tied)
         b.add(b.pick(c, score[c]), "exploitation")
     return b.selected, b.relaxations
 
 
-@pytest.mark.parametrize("row_block", [None, 5], ids=["default_blocks", "blocks_of_5"])
-@pytest.mark.parametrize("seed", range(6))
-def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
-    """coverage_pick (per-environment keys) and exploitation_pick (scan by descending score, stop when no
-    later score can reach the best value) choose the nodes the unpruned Eq. 5 arg-max over all candidates
-    chooses, with ties, C_task / C3 / progress masks and cap relaxation (tiny caps); also when the lazy chunks
-    and the penalty computation are cut into blocks of 5 rows (the 8,192 of a large pool, scaled down)."""
-    from envsched import select
-    from envsched.select import BatchBuilder, CapState
-
-    if row_block is not None:
-        monkeypatch.setattr(select, "_ROW_BLOCK", row_block)
+def _pruned_and_reference(pool, seed, max_tied, decimals):
+    """The batch coverage_pick + exploitation_pick build and the one ``_reference_batch`` builds, on random
+    predictions rounded to ``decimals`` (ties), caps, masks and ``eq5_max_tied=max_tied``."""
+    from envsched.select import BatchBuilder, CapState, scan_order
 
     graph = build_static_graph(pool, EnvSchedConfig())
     rng = np.random.default_rng(seed)
     n, n_env = graph.n, len(graph.env_members)
-    cfg = EnvSchedConfig(cap_env_round=[4, 1, 2, 4, 3, 1][seed], cap_env_window=[11, 2, 5, 11, 6, 3][seed], lambda_sim=[0.08, 0.08, 0.5, 0.0, 0.3, 0.08][seed])
-    q = np.round(rng.random(n), 2)  # many exact ties
+    cfg = EnvSchedConfig(cap_env_round=[4, 1, 2, 4, 3, 1][seed], cap_env_window=[11, 2, 5, 11, 6, 3][seed],
+                         lambda_sim=[0.08, 0.08, 0.5, 0.0, 0.3, 0.08][seed], eq5_max_tied=max_tied)
+    q = np.round(rng.random(n), decimals)
     score = q * (1.0 + rng.integers(0, 3, n) / 16.0) ** -0.5
     env_exposure = rng.integers(0, 3, n_env).astype(float)
     obs_count = rng.integers(0, 2, n)
@@ -164,10 +176,10 @@ def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
     available = rng.random(n) < 0.95
     batch = [64, 30, 40, 64, 64, 50][seed]
     ref = BatchBuilder(graph, cfg, caps, available.copy())
-    want = _reference_batch(ref, q, score, env_exposure, obs_count, progress_ok, batch // 2, batch)
+    want = _reference_batch(ref, q, score, env_exposure, obs_count, progress_ok, batch // 2, batch, max_tied)
     ref.close()
     new = BatchBuilder(graph, cfg, caps, available.copy())
-    order = np.argsort(-score, kind="stable")
+    order = scan_order(score, cfg.eq5_max_tied)
     for _ in range(batch // 2):
         i = new.coverage_pick(q, env_exposure, obs_count)
         if i is None:
@@ -179,7 +191,51 @@ def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
             break
         new.add(i, "exploitation")
     new.close()
-    assert (new.selected, new.relaxations) == want
+    return (new.selected, new.relaxations), want
+
+
+@pytest.mark.parametrize("row_block", [None, 5], ids=["default_blocks", "blocks_of_5"])
+@pytest.mark.parametrize("seed", range(6))
+def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
+    """coverage_pick (per-environment keys) and exploitation_pick (scan by descending score, stop when no
+    later score can reach the best value) choose the nodes the unpruned Eq. 5 arg-max over all candidates
+    chooses, with ties, C_task / C3 / progress masks and cap relaxation (tiny caps); also when the lazy chunks
+    and the penalty computation are cut into blocks of 5 rows (the 8,192 of a large pool, scaled down).
+    The default eq5_max_tied exceeds the pool: every tie is compared whole."""
+    from envsched import select
+
+    if row_block is not None:
+        monkeypatch.setattr(select, "_ROW_BLOCK", row_block)
+    got, want = _pruned_and_reference(pool, seed, EnvSchedConfig().eq5_max_tied, 2)
+    assert got == want
+
+
+@pytest.mark.parametrize("max_tied", [1, 4, 9])
+@pytest.mark.parametrize("seed", range(6))
+def test_long_ties_compare_their_first_max_tied_candidates(pool, seed, max_tied):
+    """With ties longer than eq5_max_tied (240 nodes, predictions rounded to one decimal: ~24 a value), each pick
+    is the Eq. 5 arg-max over the candidates with every long tie cut to its max_tied first in spread_key order,
+    whatever the caps, masks and phase; the shorter ties stay whole."""
+    got, want = _pruned_and_reference(pool, seed, max_tied, 1)
+    assert got == want
+
+
+def test_scan_order_spreads_only_the_long_ties():
+    from envsched.select import descending_order, scan_order, spread_key
+
+    x = np.array([0.5] * 7 + [0.9, 0.2, 0.2, 0.9, 0.9] + [0.1] * 12)
+    assert np.array_equal(scan_order(x, None).nodes, descending_order(x)) and scan_order(x, None).long_runs == ()
+    assert np.array_equal(scan_order(x, len(x)).nodes, descending_order(x)) and scan_order(x, len(x)).long_runs == ()
+    o = scan_order(x, 6)
+    assert o.long_runs == ((3, 10), (12, 24)) and o.max_tied == 6
+    assert list(o.nodes[:3]) == [7, 10, 11] and list(o.nodes[10:12]) == [8, 9]  # short ties: by index
+    for a, b in o.long_runs:
+        run = o.nodes[a:b]
+        assert len(set(x[run])) == 1 and list(spread_key(run)) == sorted(spread_key(run))
+        assert sorted(run) == sorted(np.flatnonzero(x == x[run[0]]))
+    assert list(o.nodes[12:24]) != list(range(12, 24))  # spread, not index order
+    keys = spread_key(np.arange(1 << 16))
+    assert len(np.unique(keys)) == 1 << 16  # a bijection: no two nodes share a key
 
 
 @pytest.mark.parametrize("seed", range(4))
