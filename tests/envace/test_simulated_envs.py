@@ -28,7 +28,8 @@ from trace2env.build import build_worldbook
 REPO = Path(__file__).resolve().parents[2]
 #: four environments (bank, shop, calendar, files) of the warm start's task shapes: a pool built in a second
 SMALL = ["+envace.agent.pool_kwargs.synthetic.n_envs=4"]
-KW = {"n_envs": 4, "shapes": ["act", "query", "lookup_act", "lookup_query"], "renamings": False, "reward": "binary"}
+#: the pool those overrides give (cpu_all's own pool kwargs, from its config, so the expected counts follow them)
+KW = {**OmegaConf.to_container(compose(["experiment=cpu_all"]).envace.agent.pool_kwargs.synthetic), "n_envs": 4}
 
 
 @pytest.fixture
