@@ -5,6 +5,7 @@ simulated calls. The end-to-end run of ``cpu_all`` is ``tests/envace/test_train_
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -28,8 +29,13 @@ from trace2env.build import build_worldbook
 REPO = Path(__file__).resolve().parents[2]
 #: four environments (bank, shop, calendar, files) of the warm start's task shapes: a pool built in a second
 SMALL = ["+envace.agent.pool_kwargs.synthetic.n_envs=4"]
-#: the pool those overrides give (cpu_all's own pool kwargs, from its config, so the expected counts follow them)
-KW = {**OmegaConf.to_container(compose(["experiment=cpu_all"]).envace.agent.pool_kwargs.synthetic), "n_envs": 4}
+
+
+@functools.cache
+def pool_kwargs() -> dict:
+    """The pool those overrides give: cpu_all's own pool kwargs, from its config (so the expected counts follow
+    them), with 4 environments. Composed on first use, not at import (a compose takes seconds)."""
+    return {**OmegaConf.to_container(compose(["experiment=cpu_all"]).envace.agent.pool_kwargs.synthetic), "n_envs": 4}
 
 
 @pytest.fixture
@@ -75,7 +81,7 @@ def test_auto_builds_one_book_per_simulated_environment_once(tmp_path, cache):
     assert books.parent.parent == cache / "worldbooks" and books.name == "books"
     single, by_env = load_worldbooks(books)
     assert not single and sorted(by_env) == chosen
-    pool = SyntheticPool(**KW)
+    pool = SyntheticPool(**pool_kwargs())
     for env, wb in by_env.items():
         # built from the recorded traces of that environment's train split, of this pool, without a model
         n_train = sum(pool.task(t).env_id == env for t in pool.task_ids("train"))
@@ -116,7 +122,7 @@ def test_an_entry_matching_no_environment_is_refused(tmp_path, cache):
     assert "\n" not in str(err.value) and not (cache / "worldbooks").exists()
     # explicit training tasks: a pattern still must match an environment of the train split (typos), but only the
     # matched environments with training rows are simulated (and get a book)
-    pool = SyntheticPool(**KW)
+    pool = SyntheticPool(**pool_kwargs())
     tasks = [t for env in ("syn-bank-00", "syn-shop-01")
              for t in [t for t in pool.task_ids("train") if pool.task(t).env_id == env][:2]]
     cfg = cfg_of(tmp_path, "envace.agent.simulated_envs=[syn-bank-*,syn-files-*]",
@@ -128,7 +134,7 @@ def test_an_entry_matching_no_environment_is_refused(tmp_path, cache):
 
 
 def _book(root: Path, pool_name: str, env: str, traces_pool=None) -> None:
-    pool = SyntheticPool(**KW)
+    pool = SyntheticPool(**pool_kwargs())
     traces = record_pool(pool, [t for t in pool.task_ids("train") if pool.task(t).env_id == env][:5])
     for t in traces:
         t["metadata"]["pool"] = traces_pool or pool_name
@@ -195,7 +201,7 @@ def test_the_loop_counts_the_calls_the_simulator_answered(tmp_path, cache):
     from envace.toolcall import render_tool_call
 
     tok = load_tokenizer()
-    pool = SyntheticPool(**KW)
+    pool = SyntheticPool(**pool_kwargs())
     books = tmp_path / "books"
     _book(books, "synthetic", "syn-bank-00")
     task = next(t for t in pool.task_ids("train") if pool.task(t).env_id == "syn-bank-00")
@@ -211,7 +217,7 @@ def test_the_loop_counts_the_calls_the_simulator_answered(tmp_path, cache):
         "actor_rollout_ref": {"rollout": {"response_length": 2048, "prompt_length": 4096, "multi_turn": {},
                                           "agent": {}}},
         "envace": {"agent": {"observation_source": "rehearse", "worldbook": str(books),
-                             "simulated_envs": ["syn-bank-00"], "pool_kwargs": {"synthetic": KW},
+                             "simulated_envs": ["syn-bank-00"], "pool_kwargs": {"synthetic": pool_kwargs()},
                              "limits": {"max_user_turns": 1}}},
     })
     loop = EnvaceAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=Server(), tokenizer=tok,
