@@ -60,8 +60,10 @@ the selection score q with the realised variance, averaged over steps) for ``all
 tasks without history (``within_env`` evidence); ``rho_true``: the same score against the learner's noise-free
 expected group variance over the whole pool every 10 steps (``all``, ``observed`` tasks, and among each
 environment's unobserved tasks: the coverage phase's choice).  A second, cost table adds the variance per *trained*
-group, rollouts generated per step, and the steps (and rollouts) each arm needs to reach the random arm's final
-held-out success on the same seed (held-out success only rises, so that is the first step at or above it).  Runtime
+group, rollouts generated per step, the held-out success at equal rollouts (after the last step within the
+B x K x steps rollouts a fixed-batch arm generates: dynamic sampling pays its extra rollouts out of the same budget),
+and the steps (and rollouts) each arm needs to reach the random arm's final held-out success on the same seed
+(held-out success only rises, so that is the first step at or above it).  Runtime
 of the full figure on the project's 2-core CPU machine: see the README's EnvSched section.
 """
 
@@ -273,6 +275,7 @@ def run(spec: Any, pool: TaskPool, graph, learner: LatentSkillLearner, steps: in
         **{f"var_{ph}": float(np.mean(vals)) if vals else float("nan") for ph, vals in phase_var.items()},
         "median_reward": float(np.median(med_r)) if med_r else float("nan"), "envs": float(np.mean(envs)),
         "heldout": learner.heldout_success(), "train_success": float(learner.success_prob().mean()),
+        "heldout_equal_rollouts": heldout_within(heldout_curve, np.cumsum(gen_per_step), BATCH * K * steps),
         "heldout_curve": heldout_curve, "cum_rollouts": np.cumsum(gen_per_step).tolist(),
         "seconds": time.perf_counter() - t0,
     }
@@ -281,6 +284,14 @@ def run(spec: Any, pool: TaskPool, graph, learner: LatentSkillLearner, steps: in
     for k in TRUE_DIAG:
         out[f"rho_true_{k}"] = float(np.mean(tdiag[k])) if tdiag[k] else float("nan")
     return out
+
+
+def heldout_within(curve: list[float], cum_rollouts: np.ndarray, budget: int) -> float:
+    """Held-out success after the last step whose cumulative rollouts generated stay within ``budget`` (the
+    B x K x steps a fixed-batch arm generates in the run): the comparison at equal cost, where dynamic sampling's
+    extra rollouts are paid out of the same budget.  Arms that generate B x K a step get their final figure."""
+    within = np.flatnonzero(np.asarray(cum_rollouts) <= budget)
+    return float(curve[within[-1]]) if len(within) else float("nan")
 
 
 def steps_to_reach(runs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list[tuple[int, int] | None]:
@@ -430,11 +441,13 @@ def print_table(results: dict, steps: int, seeds: int, wall: float,
 def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, int]) -> None:
     """The baseline comparison: variance per group generated and per group trained, rollouts generated per step,
     environments per batch, final held-out success, and the steps / rollouts to the random arm's final held-out
-    success (mean ± sd over the seeds that reach it, with their count); then EnvSched (full) against each arm,
-    seed-paired."""
+    success, the held-out success at equal rollouts (after the last step within the B x K x steps rollouts a
+    fixed-batch arm generates), and the steps / rollouts to the random arm's final held-out success (mean ± sd over
+    the seeds that reach it, with their count); then each EnvSched arm present (the paper's weights, ``EnvSched
+    (full)``, and the shipped default's measured weights, ``MEASURED``) against each other arm, seed-paired."""
     cols = [("var/gen group", "mean_var", ".4f"), ("var/trained group", "var_trained", ".4f"),
             ("rollouts/step", "rollouts_per_step", ".0f"), ("envs/batch", "envs", ".2f"),
-            ("held-out", "heldout", ".3f")]
+            ("held-out", "heldout", ".3f"), ("held-out eq. roll.", "heldout_equal_rollouts", ".3f")]
     print(f"\nBaseline comparison: {shape[0]} envs x {shape[1]} tasks, B={BATCH}, K={ROLLOUTS}, {steps} steps, "
           f"{seeds} seeds, mean ± sd over seeds")
     for lname, arms_ in results.items():
@@ -458,15 +471,19 @@ def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, in
                     else:
                         reach[j] = f"> {steps} (0/{len(runs)})" if j == 0 else "-"
             print(f"{aname:<34}" + "".join(f" {c:>17}" for c in cells) + f" {reach[0]:>21} {reach[1]:>21}")
-        full = arms_.get("EnvSched (full)")
-        if full:
+        for label, ours in (("full", "EnvSched (full)"), ("measured", MEASURED)):
+            if ours not in arms_:
+                continue
+            full = arms_[ours]
             for aname, runs in arms_.items():
-                if aname == "EnvSched (full)":
+                if aname in ("EnvSched (full)", MEASURED):
                     continue
-                (dv, sv, wv), (dh, sh, wh) = (_paired(full, runs, key) for key in ("mean_var", "heldout"))
+                (dv, sv, wv), (dh, sh, wh), (de, se, we) = (
+                    _paired(full, runs, key) for key in ("mean_var", "heldout", "heldout_equal_rollouts"))
                 base_v = _ms(runs, "mean_var")[0]
-                print(f"  full - {aname:<34}: var/gen group {dv:+.4f} ± {sv:.4f} ({dv / base_v:+.1%}; ahead on "
-                      f"{wv}/{len(full)} seeds), held-out {dh:+.3f} ± {sh:.3f} (ahead on {wh}/{len(full)})")
+                print(f"  {label} - {aname:<34}: var/gen group {dv:+.4f} ± {sv:.4f} ({dv / base_v:+.1%}; ahead on "
+                      f"{wv}/{len(full)} seeds), held-out {dh:+.3f} ± {sh:.3f} (ahead on {wh}/{len(full)}), "
+                      f"at equal rollouts {de:+.3f} ± {se:.3f} (ahead on {we}/{len(full)})")
 
 
 def _paired(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> tuple[float, float, int]:

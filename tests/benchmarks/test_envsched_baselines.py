@@ -176,3 +176,14 @@ def test_quality_benchmark_refuses_text_reading_arms_on_a_text_free_pool(monkeyp
         q.main()
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "EnvSched (full)" in err
+
+
+def test_heldout_at_equal_rollouts_stops_where_the_fixed_batch_budget_runs_out():
+    q = _load("envsched_quality")
+    curve = [0.1, 0.2, 0.3, 0.4]
+    # a fixed-batch arm spends the whole budget: its final figure
+    assert q.heldout_within(curve, np.cumsum([512] * 4), 4 * 512) == 0.4
+    # dynamic sampling at 900 rollouts a step: 1,800 fit in 2,048, 2,700 do not
+    assert q.heldout_within(curve, np.cumsum([900] * 4), 4 * 512) == 0.2
+    # a first step already past the budget has no figure at equal cost
+    assert np.isnan(q.heldout_within(curve, np.cumsum([5000] * 4), 4 * 512))
