@@ -440,9 +440,8 @@ def print_table(results: dict, steps: int, seeds: int, wall: float,
 
 def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, int]) -> None:
     """The baseline comparison: variance per group generated and per group trained, rollouts generated per step,
-    environments per batch, final held-out success, and the steps / rollouts to the random arm's final held-out
-    success, the held-out success at equal rollouts (after the last step within the B x K x steps rollouts a
-    fixed-batch arm generates), and the steps / rollouts to the random arm's final held-out success (mean ± sd over
+    environments per batch, final held-out success, the held-out success at equal rollouts (after the last step
+    within the B x K x steps rollouts a fixed-batch arm generates), and the steps / rollouts to the random arm's final held-out success (mean ± sd over
     the seeds that reach it, with their count); then each EnvSched arm present (the paper's weights, ``EnvSched
     (full)``, and the shipped default's measured weights, ``MEASURED``) against each other arm, seed-paired."""
     cols = [("var/gen group", "mean_var", ".4f"), ("var/trained group", "var_trained", ".4f"),
@@ -474,16 +473,16 @@ def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, in
         for label, ours in (("full", "EnvSched (full)"), ("measured", MEASURED)):
             if ours not in arms_:
                 continue
-            full = arms_[ours]
+            mine, n = arms_[ours], len(arms_[ours])
             for aname, runs in arms_.items():
                 if aname in ("EnvSched (full)", MEASURED):
                     continue
                 (dv, sv, wv), (dh, sh, wh), (de, se, we) = (
-                    _paired(full, runs, key) for key in ("mean_var", "heldout", "heldout_equal_rollouts"))
+                    _paired(mine, runs, key) for key in ("mean_var", "heldout", "heldout_equal_rollouts"))
                 base_v = _ms(runs, "mean_var")[0]
-                print(f"  {label} - {aname:<34}: var/gen group {dv:+.4f} ± {sv:.4f} ({dv / base_v:+.1%}; ahead on "
-                      f"{wv}/{len(full)} seeds), held-out {dh:+.3f} ± {sh:.3f} (ahead on {wh}/{len(full)}), "
-                      f"at equal rollouts {de:+.3f} ± {se:.3f} (ahead on {we}/{len(full)})")
+                print(f"  {label:<8} - {aname:<34}: var/gen group {dv:+.4f} ± {sv:.4f} ({dv / base_v:+.1%}; ahead on "
+                      f"{wv}/{n} seeds), held-out {dh:+.3f} ± {sh:.3f} (ahead on {wh}/{n}), "
+                      f"at equal rollouts {de:+.3f} ± {se:.3f} (ahead on {we}/{n})")
 
 
 def _paired(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> tuple[float, float, int]:
