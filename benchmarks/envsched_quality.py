@@ -268,6 +268,7 @@ def run(spec: Any, pool: TaskPool, graph, learner: LatentSkillLearner, steps: in
         for k in DIAG:
             if f"envsched/spearman_q_{k}" in m:
                 diag[k].append(m[f"envsched/spearman_q_{k}"])
+    cum_rollouts = np.cumsum(gen_per_step)
     out = {
         "mean_var": var_sum / max(gen_groups, 1),
         "var_trained": var_sum / max(trained_groups, 1),
@@ -275,8 +276,8 @@ def run(spec: Any, pool: TaskPool, graph, learner: LatentSkillLearner, steps: in
         **{f"var_{ph}": float(np.mean(vals)) if vals else float("nan") for ph, vals in phase_var.items()},
         "median_reward": float(np.median(med_r)) if med_r else float("nan"), "envs": float(np.mean(envs)),
         "heldout": learner.heldout_success(), "train_success": float(learner.success_prob().mean()),
-        "heldout_equal_rollouts": heldout_within(heldout_curve, np.cumsum(gen_per_step), BATCH * K * steps),
-        "heldout_curve": heldout_curve, "cum_rollouts": np.cumsum(gen_per_step).tolist(),
+        "heldout_equal_rollouts": heldout_within(heldout_curve, cum_rollouts, BATCH * K * steps),
+        "heldout_curve": heldout_curve, "cum_rollouts": cum_rollouts.tolist(),
         "seconds": time.perf_counter() - t0,
     }
     for k in DIAG:
@@ -441,9 +442,10 @@ def print_table(results: dict, steps: int, seeds: int, wall: float,
 def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, int]) -> None:
     """The baseline comparison: variance per group generated and per group trained, rollouts generated per step,
     environments per batch, final held-out success, the held-out success at equal rollouts (after the last step
-    within the B x K x steps rollouts a fixed-batch arm generates), and the steps / rollouts to the random arm's final held-out success (mean ± sd over
-    the seeds that reach it, with their count); then each EnvSched arm present (the paper's weights, ``EnvSched
-    (full)``, and the shipped default's measured weights, ``MEASURED``) against each other arm, seed-paired."""
+    within the B x K x steps rollouts a fixed-batch arm generates), and the steps / rollouts to the random arm's
+    final held-out success (mean ± sd over the seeds that reach it, with their count); then each EnvSched arm
+    present (the paper's weights, ``EnvSched (full)``, and the shipped default's measured weights, ``MEASURED``)
+    against each other arm, seed-paired."""
     cols = [("var/gen group", "mean_var", ".4f"), ("var/trained group", "var_trained", ".4f"),
             ("rollouts/step", "rollouts_per_step", ".0f"), ("envs/batch", "envs", ".2f"),
             ("held-out", "heldout", ".3f"), ("held-out eq. roll.", "heldout_equal_rollouts", ".3f")]
@@ -470,12 +472,13 @@ def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, in
                     else:
                         reach[j] = f"> {steps} (0/{len(runs)})" if j == 0 else "-"
             print(f"{aname:<34}" + "".join(f" {c:>17}" for c in cells) + f" {reach[0]:>21} {reach[1]:>21}")
-        for label, ours in (("full", "EnvSched (full)"), ("measured", MEASURED)):
-            if ours not in arms_:
+        ours = {"full": "EnvSched (full)", "measured": MEASURED}  # label -> arm
+        for label, arm in ours.items():
+            if arm not in arms_:
                 continue
-            mine, n = arms_[ours], len(arms_[ours])
+            mine, n = arms_[arm], len(arms_[arm])
             for aname, runs in arms_.items():
-                if aname in ("EnvSched (full)", MEASURED):
+                if aname in ours.values():
                     continue
                 (dv, sv, wv), (dh, sh, wh), (de, se, we) = (
                     _paired(mine, runs, key) for key in ("mean_var", "heldout", "heldout_equal_rollouts"))
