@@ -25,6 +25,11 @@ written metrics: a stale sync, a never-synced rollout, a missing validation or a
 make the smoke test fail.
 
 Exit status: 0 all passed, 1 a check failed, 2 bad arguments or recipe, 3 no CUDA GPU (stopped after step 2).
+
+The arguments and the checkpoint's config.json are checked before anything else (:func:`parse_args`, standard
+library only): ``scripts/gpu_smoke.sh`` runs that check with the system ``python3`` before ``bootstrap.sh``
+installs the GPU lock, so ``--help`` and a usage mistake (no MODEL, a missing folder, a config.json that is not
+JSON or not a text-only Qwen3/Qwen2 decoder, an ``--out`` that cannot be created) answer at once, one line, exit 2.
 """
 
 from __future__ import annotations
@@ -38,9 +43,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+PROG = "scripts/gpu_smoke.sh"
 RECIPE = "envace_qwen3_8b_h20_2x8"
+#: the model types the smoke test accepts: a text-only Qwen3 or Qwen2 decoder
+MODEL_TYPES = ("qwen3", "qwen2")
+#: the config.json sizes :func:`estimate_params` reads: required, and optional (absent or null: derived)
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
+OPTIONAL_SIZE_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 #: the 1-GPU shrink of the recipe; everything else (lr, KL, entropy, turns, attention, ...) is the paper's
 SHRINK = [
     "trainer.nnodes=1",
@@ -112,24 +123,88 @@ def overrides(model: str, run_dir: Path, steps: int, tp: int = 1) -> list[str]:
 def estimate_params(config: dict[str, Any]) -> float:
     """Parameters of a decoder-only checkpoint from its config.json (embeddings, attention, MLP)."""
     h, n, v = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    inter = config.get("intermediate_size", 4 * h)
-    heads = config.get("num_attention_heads", 1)
+    inter = config.get("intermediate_size") or 4 * h
+    heads = config.get("num_attention_heads") or 1
     head_dim = config.get("head_dim") or h // heads
-    kv = config.get("num_key_value_heads", heads)
+    kv = config.get("num_key_value_heads") or heads
     attn = h * head_dim * (heads * 2 + kv * 2)
     emb = v * h * (1 if config.get("tie_word_embeddings", False) else 2)
     return float(emb + n * (attn + 3 * h * inter))
 
 
-def check_checkpoint(report: Report, model: Path) -> bool:
-    cfg_path = model / "config.json"
+@dataclass(frozen=True)
+class Checkpoint:
+    """The MODEL argument: a local checkpoint folder and its config.json (checked by :func:`checkpoint_arg`)."""
+
+    path: Path
+    config: dict[str, Any]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``PROG: error: MESSAGE (see --help)``, exit 2: the form of
+    ``trace2env.cliargs.ArgumentParser``, restated because the pre-check runs with the system ``python3``, which
+    may lack pydantic and the rest that importing the trace2env package brings in."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
+def checkpoint_arg(text: str) -> Checkpoint:
+    """argparse ``type=`` of MODEL: a folder whose config.json is a JSON object describing a text-only Qwen3 or
+    Qwen2 decoder with positive integer sizes; a multimodal config (its text model nested in ``text_config``) is
+    refused, since the recipe trains a text-only model."""
+    path = Path(text).expanduser().resolve()
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: no such checkpoint folder (a local Hugging Face checkpoint)")
     if not cfg_path.is_file():
-        return report.add("checkpoint", False, f"{model} has no config.json (a local HF checkpoint is required)")
-    config = json.loads(cfg_path.read_text())
-    params = estimate_params(config)
-    ok = config.get("model_type") in ("qwen3", "qwen2")
-    return report.add("checkpoint", ok, f"{config.get('model_type')}, ~{params / 1e9:.2f}B parameters"
-                      + ("" if 0.4e9 <= params <= 2.2e9 else " (outside 0.6B-1.7B: timings will differ)"))
+        raise argparse.ArgumentTypeError(f"{path} has no config.json (a local Hugging Face checkpoint is required)")
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{cfg_path}: line {exc.lineno} column {exc.colno}: not JSON "
+                                         f"({exc.msg})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{cfg_path}: cannot read: {exc}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
+    if config.get("model_type") not in MODEL_TYPES:
+        kind = "a multimodal checkpoint (text_config), " if "text_config" in config else ""
+        raise argparse.ArgumentTypeError(f"{cfg_path}: model_type {config.get('model_type')!r}, {kind}but the smoke "
+                                         "test trains a text-only Qwen3 or Qwen2 (model_type qwen3 or qwen2)")
+    for key in SIZE_KEYS + OPTIONAL_SIZE_KEYS:
+        value = config.get(key)
+        if (key in SIZE_KEYS or value is not None) and (type(value) is not int or value <= 0):
+            raise argparse.ArgumentTypeError(f"{cfg_path}: {key} is {value!r}, expected a positive integer")
+    return Checkpoint(path, config)
+
+
+def out_arg(text: str) -> Path:
+    """argparse ``type=`` of ``--out``: a folder that is or can be created (not a file, not under one, in a folder
+    this process may write)."""
+    out = Path(text).expanduser().resolve()
+    base = next(p for p in (out, *out.parents) if p.exists())
+    if not base.is_dir():
+        raise argparse.ArgumentTypeError(f"{out}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{out}: {base} is not writable (read-only or permission denied)")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, MODEL's config.json and ``--out`` checked (standard library only: the pre-check)."""
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=checkpoint_arg, help="local Qwen3 checkpoint directory (0.6B-1.7B)")
+    parser.add_argument("--out", type=out_arg, default="outputs/gpu_smoke", help="run directory and logs")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # only check the arguments
+    return parser.parse_args(argv)
+
+
+def check_checkpoint(report: Report, model: Checkpoint) -> None:
+    params = estimate_params(model.config)
+    report.add("checkpoint", True, f"{model.config['model_type']}, ~{params / 1e9:.2f}B parameters"
+               + ("" if 0.4e9 <= params <= 2.2e9 else " (outside 0.6B-1.7B: timings will differ)"))
 
 
 def check_recipe(report: Report, model: Path, run_dir: Path) -> bool:
@@ -341,20 +416,18 @@ def run_child(kind: str, model: Path, timeout: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/gpu_smoke.sh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", type=Path, help="local Qwen3 checkpoint directory (0.6B-1.7B)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/gpu_smoke"), help="run directory and logs")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    if args.preflight:
+        return 0
     if args.child:
-        print("GPU_SMOKE_RESULT " + json.dumps(child(args.child, str(args.model))), flush=True)
+        print("GPU_SMOKE_RESULT " + json.dumps(child(args.child, str(args.model.path))), flush=True)
         return 0
 
     report = Report()
-    model, out = args.model.expanduser().resolve(), args.out.expanduser().resolve()
+    model, out = args.model.path, args.out
     run_dir = out / "run"
-    if not check_checkpoint(report, model) or not check_recipe(report, model, run_dir):
+    check_checkpoint(report, args.model)
+    if not check_recipe(report, model, run_dir):
         print(report.table())
         return 2
     import torch

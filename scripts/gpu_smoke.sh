@@ -8,10 +8,19 @@
 # 24k-token update; one summary table (envace/gpu_smoke.py), exit 1 on any failure. Never run here on a GPU: the
 # thresholds are set from CPU runs and the reasoning in envace/gpu_smoke.py, not from a GPU measurement.
 # Without a CUDA GPU it checks the checkpoint and the recipe, then stops with exit status 3.
+# The arguments and MODEL's config.json are checked first, with the system python3 (the pre-check imports only the
+# standard library), so --help and a usage mistake answer at once (one line, exit 2), before bootstrap.sh installs.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SYS_PY="${ENVACE_PYTHON:-python3}"
+command -v "$SYS_PY" >/dev/null ||
+  { echo "scripts/gpu_smoke.sh: error: ENVACE_PYTHON=$SYS_PY is not a Python interpreter on PATH" >&2; exit 2; }
+for arg in "$@"; do
+  case "$arg" in -h|--help) exec "$SYS_PY" -m envace.gpu_smoke --help ;; esac
+done
+"$SYS_PY" -m envace.gpu_smoke --preflight "$@"
 # shellcheck source=scripts/bootstrap.sh
 source "$ROOT/scripts/bootstrap.sh"
-cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec "$PY" -m envace.gpu_smoke "$@"

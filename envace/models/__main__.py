@@ -1,6 +1,8 @@
 """``python -m envace.models build [--out DIR] [--force] [--verify] [--warm-start]``: build the tiny Qwen3 (or its
-SFT warm start) once; print its path. A usage mistake (an ``--out`` that is a file or cannot be written) exits 2 with
-one line (:mod:`trace2env.cliargs`)."""
+SFT warm start) once; print its path. ``python -m envace.models export CHECKPOINT_DIR OUT``: a Hugging Face checkpoint
+from verl's FSDP checkpoint (:mod:`envace.models.export`). A usage mistake (an ``--out`` that is a file or cannot be
+written, a checkpoint or OUT that cannot be exported) exits 2 with one line (:mod:`trace2env.cliargs`); a damaged
+checkpoint shard exits 3 with one line naming it (damaged stored data, docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from envace.models.export import ExportError, export
 from trace2env.cliargs import ArgumentParser, UsageError, run_cli
+
+PROG = "python -m envace.models"
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m envace.models", description=__doc__)
+    parser = ArgumentParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse) the tiny Qwen3 checkpoint and print its directory")
     b.add_argument("--out", default=None, help="target directory (default $ENVACE_CACHE/models/tiny-qwen3)")
@@ -34,13 +39,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--out {args.out}: a file, expected a directory")
 
     if args.cmd == "export":
-        from envace.models.export import ExportError, export
-
-        try:
-            print(export(args.checkpoint, args.out_dir))
-        except ExportError as exc:
-            print(f"python -m envace.models export: {exc}", file=sys.stderr)
-            return 2
+        print(export(args.checkpoint, args.out_dir))
         return 0
 
     from envace.models import tiny
@@ -66,8 +65,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI; usage mistakes exit 2 with one line."""
-    return run_cli("python -m envace.models", _main, argv, user_errors=(PermissionError, NotADirectoryError))
+    """The CLI; a usage mistake exits 2 with one line, a damaged checkpoint shard 3 (``cliargs.run_cli``)."""
+    return run_cli(PROG, _main, argv, user_errors=(PermissionError, NotADirectoryError, ExportError))
 
 
 if __name__ == "__main__":

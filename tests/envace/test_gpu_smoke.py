@@ -3,13 +3,17 @@ stops with a clear message and exit status 3; the full run is a `gpu` test (ENVA
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from envace import gpu_smoke
 
@@ -66,8 +70,79 @@ def test_dry_run_on_cpu_stops_where_cuda_is_needed(tmp_path):
 
 
 def test_bad_checkpoint_is_a_usage_error(tmp_path, capsys):
-    assert gpu_smoke.main([str(tmp_path / "missing")]) == 2
-    assert "has no config.json" in capsys.readouterr().out
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        gpu_smoke.main([str(tmp_path / "no-config")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"scripts/gpu_smoke.sh: error: argument model: {tmp_path / 'no-config'} has "
+                                       "no config.json (a local Hugging Face checkpoint is required) (see --help)\n")
+
+
+#: Qwen3-VL-2B's config.json in outline: the text model's sizes are nested in text_config
+QWEN3_VL = {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+            "text_config": {**QWEN3_0_6B, "model_type": "qwen3_vl_text"}, "vision_config": {"depth": 24}}
+
+
+@pytest.mark.parametrize(("args", "code", "says"), [
+    (["--help"], 0, "usage: scripts/gpu_smoke.sh"),
+    ([], 2, "scripts/gpu_smoke.sh: error: the following arguments are required: model (see --help)"),
+    (["{tmp}/missing"], 2, "scripts/gpu_smoke.sh: error: argument model: {tmp}/missing: no such checkpoint folder"),
+    (["{tmp}/empty"], 2, ("scripts/gpu_smoke.sh: error: argument model: {tmp}/empty/config.json: line 1 column 1: "
+                          "not JSON (Expecting value)")),
+    (["{tmp}/vl"], 2, ("scripts/gpu_smoke.sh: error: argument model: {tmp}/vl/config.json: model_type 'qwen3_vl', "
+                       "a multimodal checkpoint (text_config), but the smoke test trains a text-only Qwen3")),
+    (["{tmp}/Qwen3-0.6B", "--out", "{tmp}/a-file/out"], 2,
+     "scripts/gpu_smoke.sh: error: argument --out: {tmp}/a-file/out: {tmp}/a-file is a file, not a directory"),
+])
+def test_the_script_answers_help_and_usage_mistakes_before_it_installs_anything(tmp_path, args, code, says):
+    """On a node without the virtualenv (ENVACE_VENV names none; a GPU node's lock), the arguments and the model's
+    config.json are checked with the system python3 before bootstrap.sh would take its lock and install."""
+    checkpoint(tmp_path)
+    for name, text in (("empty", ""), ("vl", json.dumps(QWEN3_VL))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    (tmp_path / "a-file").write_text("x")
+    venv = tmp_path / "venv"
+    env = dict(os.environ, ENVACE_VENV=str(venv), ENVACE_PLATFORM="gpu")
+    out = subprocess.run([str(REPO / "scripts" / "gpu_smoke.sh"), *(a.format(tmp=tmp_path) for a in args)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == code, out.stderr
+    if code:
+        assert out.stderr.startswith(says.format(tmp=tmp_path)) and len(out.stderr.splitlines()) == 1, out.stderr
+    else:
+        assert out.stdout.startswith(says) and "--out OUT" in out.stdout and not out.stderr
+    assert not venv.exists() and not Path(f"{venv}.lock").exists()  # bootstrap.sh never ran
+
+
+def test_the_pre_check_needs_only_the_standard_library(tmp_path):
+    """``python3 -S`` (no site-packages: a node's system Python) runs the pre-check of a good checkpoint."""
+    cmd = [sys.executable, "-S", "-E", "-m", "envace.gpu_smoke", "--preflight", str(checkpoint(tmp_path)),
+           "--out", str(tmp_path / "out")]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    assert not (tmp_path / "out").exists()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 5000) | st.floats() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                    max_leaves=8)
+CONFIG_KEYS = ("model_type", *gpu_smoke.SIZE_KEYS, *gpu_smoke.OPTIONAL_SIZE_KEYS, "text_config", "tie_word_embeddings")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(config=JSON | st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON | st.integers(1, 4096)
+                                     | st.sampled_from(["qwen3", "qwen2", "qwen3_vl"])))
+def test_any_config_json_is_accepted_with_a_size_or_refused_in_one_line(tmp_path, config):
+    folder = tmp_path / "ckpt"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    try:
+        model = gpu_smoke.checkpoint_arg(str(folder))
+    except argparse.ArgumentTypeError as exc:
+        assert str(exc).startswith(str(folder)) and "\n" not in str(exc)
+        return
+    assert model.config["model_type"] in ("qwen3", "qwen2")
+    assert gpu_smoke.estimate_params(model.config) > 0
 
 
 @pytest.mark.gpu

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -103,6 +105,7 @@ def test_export_names_what_is_wrong_and_writes_nothing(fsdp_run, tmp_path):
     empty.mkdir()
     proc = _export(str(empty), str(tmp_path / "o"))
     assert proc.returncode == 2 and "is not a verl FSDP checkpoint" in proc.stderr
+    assert proc.stderr.startswith("python -m envace.models: error: ")  # the PROG: error: form of docs/cli.md
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -118,6 +121,98 @@ def test_export_names_what_is_wrong_and_writes_nothing(fsdp_run, tmp_path):
     proc = _export(str(partial), str(tmp_path / "o"))
     assert proc.returncode == 2 and "model_world_size_2_rank_1.pt" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _copy_actor(fsdp_run: Path, dest: Path) -> Path:
+    """A copy of step 3's actor directory (links to the original files) whose files a test may replace."""
+    actor = dest / "actor"
+    actor.mkdir(parents=True)
+    for f in (fsdp_run / "global_step_3" / "actor").iterdir():
+        (actor / f.name).symlink_to(f)
+    return actor
+
+
+@pytest.fixture
+def no_merge(monkeypatch) -> list[str]:
+    """verl's merge replaced by a recorder: an export that reaches it appends 'merged' and writes nothing."""
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    calls: list[str] = []
+    monkeypatch.setattr(FSDPModelMerger, "merge_and_save", lambda self: calls.append("merged"))
+    return calls
+
+
+def test_an_output_that_cannot_be_created_is_refused_before_the_merge(fsdp_run, tmp_path, capsys, no_merge):
+    from envace.models.__main__ import main
+
+    (tmp_path / "a-file").write_text("x")
+    for out, why in ((tmp_path / "a-file" / "sub" / "hf", f"{tmp_path / 'a-file'} is a file, not a directory"),
+                     # /proc/self takes no new entries, for root too: a read-only place on every Linux machine
+                     (Path("/proc/self/hf"), "/proc/self is not writable")):
+        assert main(["export", str(fsdp_run), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m envace.models: error: OUT {out}: ") and why in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert no_merge == []
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    (lambda b: b[: len(b) // 2], "File is not a zip file"),  # a copy cut short
+    (lambda b: b[:1000] + b[2000:], "a damaged model shard"),  # a copy that lost a block in the middle
+    (lambda b: b"", "(0 bytes"),
+])
+def test_a_damaged_shard_is_named_and_exits_3_before_the_merge(fsdp_run, tmp_path, capsys, no_merge, damage, why):
+    from envace.models.__main__ import main
+
+    actor = _copy_actor(fsdp_run, tmp_path / "ckpt")
+    shard = actor / "model_world_size_2_rank_1.pt"
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(damage(data))
+    assert main(["export", str(actor), str(tmp_path / "hf")]) == 3  # damaged stored data (docs/cli.md)
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m envace.models: error: {shard}: ") and why in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert no_merge == [] and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("{\n  \"model_type\": qwen3\n}", "line 2 column 17: not JSON"),
+    ("", "line 1 column 1: not JSON"),
+    ("[1, 2]", "expected a JSON object (a model config), got list"),
+    ('{"model_type": "nonsense"}', "transformers can load: The checkpoint you are trying to load has model type"),
+    ('{"model_type": "qwen3", "hidden_size": "abc"}', "Field 'hidden_size' expected int"),
+])
+def test_a_bad_model_config_is_a_usage_error_naming_the_file(fsdp_run, tmp_path, capsys, no_merge, text, why):
+    from envace.models.__main__ import main
+
+    actor = _copy_actor(fsdp_run, tmp_path / "ckpt")
+    hf = actor / "huggingface"
+    hf.unlink()
+    hf.mkdir()
+    for f in (fsdp_run / "global_step_3" / "actor" / "huggingface").iterdir():
+        (hf / f.name).symlink_to(f)
+    (hf / "config.json").unlink()
+    (hf / "config.json").write_text(text)
+    assert main(["export", str(actor), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m envace.models: error: {hf / 'config.json'}: ") and why in err, err
+    assert len(err.strip().splitlines()) == 1 and no_merge == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_shard_with_any_bytes_missing_is_refused(fsdp_run, tmp_path, data):
+    """Any run of bytes cut from a shard (a truncated or partial copy) is found by the header check."""
+    from envace.models.export import DamagedCheckpointError, _check_shard
+
+    whole = (fsdp_run / "global_step_3" / "actor" / "model_world_size_2_rank_0.pt").read_bytes()
+    start = data.draw(st.integers(0, len(whole) - 1), label="start")
+    stop = data.draw(st.integers(start + 1, len(whole)), label="stop")
+    shard = tmp_path / "model_world_size_2_rank_0.pt"
+    shard.write_bytes(whole[:start] + whole[stop:])
+    with pytest.raises(DamagedCheckpointError, match=str(shard)):
+        _check_shard(shard)
 
 
 @pytest.mark.slow
