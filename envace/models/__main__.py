@@ -2,7 +2,8 @@
 SFT warm start) once; print its path. ``python -m envace.models export CHECKPOINT_DIR OUT``: a Hugging Face checkpoint
 from verl's FSDP checkpoint (:mod:`envace.models.export`). A usage mistake (an ``--out`` that is a file or cannot be
 written, a checkpoint or OUT that cannot be exported) exits 2 with one line (:mod:`trace2env.cliargs`); a damaged
-checkpoint shard exits 3 with one line naming it (damaged stored data, docs/cli.md)."""
+checkpoint shard exits 3 with one line naming it (damaged stored data, docs/cli.md). A warm start whose copy drill did
+not reach its target is installed, and the build exits 1 with the warning as its last line."""
 
 from __future__ import annotations
 
@@ -49,18 +50,23 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 0
     t0 = time.time()
     if args.warm_start:
-        from envace.models.warmstart.build import ensure_warm, is_warm_complete
+        from envace.models.warmstart.build import ensure_warm, is_warm_complete, unformed_warning
 
         path, built = ensure_warm(args.out, force=args.force)
         complete = not args.verify or is_warm_complete(path, verify=True)
+        warning = unformed_warning(path)
     else:
         path, built = tiny._ensure(args.out, force=args.force)
         complete = not args.verify or tiny.is_complete(path, verify=True)
+        warning = None
     if not complete:
         print(f"verification failed: {path}", file=sys.stderr)
         return 1
     print(f"{'built' if built else 'reused'} in {time.time() - t0:.1f}s", file=sys.stderr)
     print(path)
+    if warning:  # the build ran, and its verdict is negative (docs/cli.md: exit 1)
+        print(f"{PROG}: {warning}", file=sys.stderr)
+        return 1
     return 0
 
 

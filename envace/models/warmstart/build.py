@@ -82,13 +82,10 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
                               "threads": cfg.threads}
     drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1,
                              decay=False, stop_below=cfg.drill_target_loss, stop_window=cfg.drill_window,
+                             anneal_below=cfg.drill_anneal_below, anneal_steps=cfg.drill_anneal_steps,
                              batch_tokens=cfg.drill_batch_tokens, **common) if drills else []
     drill_final = window_mean(drill_losses, cfg.drill_window) if drill_losses else None
     drill_formed = drill_final <= cfg.drill_target_loss if drill_final is not None else None
-    if drill_formed is False:
-        print(f"warm start: WARNING the drill loss is still {drill_final:.3f} after "
-              f"{len(drill_losses)} steps (target {cfg.drill_target_loss}): the copying circuit did not form and the "
-              f"model will guess argument values", flush=True)
     losses = train_sft(model, examples, epochs=cfg.epochs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed,
                        batch_tokens=cfg.batch_tokens, **common)
     t_train = time.time() - t0 - t_data
@@ -109,6 +106,7 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
         "recipe": warm_recipe(cfg),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "cpu": cpu_kernels(),
         "train": {
             "examples": len(examples),
             "act_examples": sum(e.kind == "act" for e in examples),
@@ -127,6 +125,50 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
         "files": files,
     }
     return manifest
+
+
+#: the environment variables that choose the CPU kernels a build's arithmetic runs on (torch's ATen, oneDNN, MKL)
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def cpu_kernels() -> dict[str, Any]:
+    """The CPU kernel path this process computes on: torch's capability (``default``, ``AVX2``, ``AVX512``...), the
+    processor and the kernel-choosing variables that are set. A build is deterministic on one path, and its drill
+    steps and success differ between paths (docs/results/cpu_default.md), so the manifest records it."""
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "processor": model,
+            "variables": {k: os.environ[k] for k in KERNEL_VARIABLES if k in os.environ}}
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def unformed_warning(path: str | os.PathLike[str]) -> str | None:
+    """The warning for a warm start whose copy drill did not reach its target (None when it did, or when ``path``
+    has no warm-start manifest): such a model guesses argument values, and the README's held-out figures do not hold
+    for it. The build prints it last, and ``scripts/train.sh`` before training and again as its last line."""
+    try:
+        manifest = json.loads((Path(path) / _tiny.MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    train = manifest.get("train") or {}
+    if train.get("drill_formed") is not False:
+        return None
+    cpu = (manifest.get("cpu") or {}).get("capability", "an unrecorded")
+    target = (manifest.get("recipe") or {}).get("train", {}).get("drill_target_loss")
+    return (f"WARNING: the warm start at {path} did not form its copying circuit (drill loss "
+            f"{train.get('drill_final_loss')} after {train.get('drill_steps')} steps, target {target}, on the "
+            f"{cpu} CPU kernel path): it guesses argument values, and the held-out figures in the README and "
+            "docs/results/cpu_default.md will not hold for it. Please report it with its envace_manifest.json.")
 
 
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:

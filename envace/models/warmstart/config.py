@@ -10,7 +10,7 @@ from typing import Any
 from envace.models import tiny as _tiny
 
 WARM_NAME = "tiny-qwen3-warm"
-WARM_RECIPE_VERSION = 3
+WARM_RECIPE_VERSION = 4
 
 #: the warm-started model's size (the default tiny spec, 64 wide × 2 layers, learns too little)
 WARM_SPEC = _tiny.TinyQwen3Spec(
@@ -48,9 +48,14 @@ class WarmStartConfig:
     rehearse_per_task: int = 1  # rehearsal examples kept per task (random gold calls; 0: none)
     rehearse_every: int = 1  # rehearsal examples only for every k-th train task (more ACT tokens per step)
     drill_steps: int = 4500  # phase 1: at most this many optimizer steps on copy drills alone (the copying circuit)
-    drill_lr: float = 1.2e-2  # phase 1 learning rate (constant after warm-up)
+    drill_lr: float = 1.2e-2  # phase 1 learning rate (constant after warm-up, until the anneal)
     drill_target_loss: float = 0.03  # phase 1 ends once the drill loss averaged over drill_window steps is this low
     drill_window: int = 50  # steps averaged for drill_target_loss
+    # phase 1 ends with a linear anneal of the drill rate to 5 % over drill_anneal_steps, from the first step whose
+    # windowed drill loss is at most drill_anneal_below (the circuit has formed), at the latest drill_anneal_steps
+    # before drill_steps (0: no anneal, a constant rate to the end)
+    drill_anneal_below: float = 0.1
+    drill_anneal_steps: int = 1000
     copy_drills: int = 2000  # copy drills mixed into the phase-2 data (phase 1 draws its own, 30,000)
     max_history_chars: int = 1500
     epochs: int = 1

@@ -62,6 +62,8 @@ def train_sft(
     decay: bool = True,
     stop_below: float = 0.0,
     stop_window: int = 50,
+    anneal_below: float = 0.0,
+    anneal_steps: int = 0,
 ) -> list[float]:
     """Fine-tune ``model`` (a tied-embedding Qwen3ForCausalLM, in place) on ``examples``; per-step losses.
 
@@ -70,10 +72,17 @@ def train_sft(
     The learning rate warms up linearly over ``warmup_steps``, then decays linearly to 5 % at the last step
     (``decay``) or stays constant. With ``stop_below`` > 0 training ends early, at the first step where the
     mean loss of the last ``stop_window`` steps is at most ``stop_below``.
+
+    ``anneal_steps`` > 0 (with a constant rate) ends training with a linear anneal of that many steps to 5 % of
+    ``lr``: it starts at the first step whose windowed loss is at most ``anneal_below``, and at the latest
+    ``anneal_steps`` before ``max_steps``, so it always fits the budget; training ends when it does (or at
+    ``stop_below``).
     """
+    if anneal_steps and decay:
+        raise ValueError("anneal_steps needs a constant rate (decay=False)")
     with torch_threads(threads):
         return _train(model, examples, epochs, max_steps, batch_tokens, lr, warmup_steps, weight_decay, grad_clip,
-                      negatives, seed, log_every, decay, stop_below, stop_window)
+                      negatives, seed, log_every, decay, stop_below, stop_window, anneal_below, anneal_steps)
 
 
 def window_mean(losses: Sequence[float], window: int) -> float:
@@ -84,7 +93,8 @@ def window_mean(losses: Sequence[float], window: int) -> float:
 
 def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: int, batch_tokens: int, lr: float,
            warmup_steps: int, weight_decay: float, grad_clip: float, negatives: int, seed: int,
-           log_every: int, decay: bool = True, stop_below: float = 0.0, stop_window: int = 50) -> list[float]:
+           log_every: int, decay: bool = True, stop_below: float = 0.0, stop_window: int = 50,
+           anneal_below: float = 0.0, anneal_steps: int = 0) -> list[float]:
     import torch
     import torch.nn.functional as F
 
@@ -109,9 +119,17 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
     params = [compact] + [p for n, p in body.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     total = max_steps or epochs * len(_batches(examples, batch_tokens, random.Random(0)))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) * (max(0.05, 1 - s / max(1, total)) if decay else 1.0)
-    )
+    # the step the anneal starts at: at the latest anneal_steps before the end, earlier once anneal_below is reached
+    anneal_start = [max(0, total - anneal_steps) if anneal_steps else math.inf]
+
+    def factor(s: int) -> float:
+        if decay:
+            tail = max(0.05, 1 - s / max(1, total))
+        else:
+            tail = max(0.05, 1 - (s - anneal_start[0]) / anneal_steps) if s >= anneal_start[0] else 1.0
+        return min(1.0, (s + 1) / max(1, warmup_steps)) * tail
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     pad_c = max(int(remap[_tok.QWEN3_SPECIAL_START_ID]), 0)
     losses: list[float] = []
     model.train()
@@ -153,9 +171,14 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
                 if log_every and step % log_every == 0:
                     recent = losses[-log_every:]
                     print(f"step {step}/{total} loss {sum(recent) / len(recent):.4f} ({time.time() - t0:.0f}s)", flush=True)
-                if stop_below > 0 and len(losses) >= stop_window:
+                if len(losses) >= stop_window:
                     window = window_mean(losses, stop_window)
-                    if window <= stop_below:
+                    if anneal_steps and step < anneal_start[0] and window <= anneal_below:
+                        anneal_start[0] = step
+                        total = step + anneal_steps
+                        print(f"step {step}: loss over the last {stop_window} steps {window:.4f} <= {anneal_below}, "
+                              f"annealing the rate over {anneal_steps} steps", flush=True)
+                    if stop_below > 0 and window <= stop_below:
                         print(f"step {step}/{total}: loss over the last {stop_window} steps {window:.4f} "
                               f"<= {stop_below}, stopping", flush=True)
                         stopped = True
