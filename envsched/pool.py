@@ -480,8 +480,13 @@ class TaskPool:
         and reason."""
         path = Path(path)
         reader = _PoolReader(str(path))
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
+        with path.open("rb") as fh:  # decoded line by line, so a non-UTF-8 byte is reported with its line
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise PoolFormatError(f"not UTF-8 text (byte {exc.start} of the line)", source=str(path),
+                                          line=lineno) from None
                 if not line.strip():
                     continue
                 try:

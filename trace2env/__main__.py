@@ -16,7 +16,8 @@ OpenAI-compatible endpoint; LLM calls, tokens and cost per stage are printed to 
 
 ``eval WORLDBOOK TRACES... [--split-manifest M --split test] [--mode rules|evidence|agent]`` measures
 next-observation agreement with held-out recorded traces (:mod:`trace2env.evaluate`) and prints the
-summary as JSON (``--out FILE`` also writes every step). ``--mode agent`` needs ``--base-url/--model``.
+summary as JSON (``--out FILE`` also writes every step; strict JSON: an undefined mean is ``null``, never
+``NaN``). ``--mode agent`` needs ``--base-url/--model``.
 ``eval ... --systems evidence,direct,trace_rag,worldbook_prompt,harness_only`` evaluates several systems
 (:mod:`trace2env.baselines`) on the same traces and prints one table (mean and 95 % interval per metric)
 and the paired differences against the first system (trajectories resampled, ``--n-boot``). The model
@@ -27,7 +28,6 @@ systems use ``--base-url/--model``; ``--judge-base-url/--judge-model`` adds the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +35,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .build import build_worldbook
-from .cliargs import ArgumentParser, UsageError, number, one_line, run_cli
+from .cliargs import ArgumentParser, UsageError, number, one_line, run_cli, strict_json
 from .ingest import TraceFormatError, load_traces
 from .models import SplitManifest
 from .package import WorldbookIntegrityError, check_worldbook, load_worldbook
@@ -83,7 +83,7 @@ def _report_usage(provider, prefix: str = "") -> None:
     if provider is None or not hasattr(provider, "usage_table"):
         return
     for row in provider.usage_table():
-        print(prefix + "usage " + json.dumps(row), file=sys.stderr)
+        print(prefix + "usage " + strict_json(row), file=sys.stderr)
 
 
 def _judge_provider(args: argparse.Namespace):
@@ -130,12 +130,11 @@ def _eval(args: argparse.Namespace, split: SplitManifest | None, provider, judge
         else:
             out = evaluate(wb, traces, mode=args.mode or "evidence", proposer=proposer, judge=judge,
                            environment=args.environment, n_boot=args.n_boot, seed=args.seed)
-            print(json.dumps(out["summary"], indent=1))
+            print(strict_json(out["summary"], indent=1))
     except ValueError as e:
         raise UsageError(f"eval: {e}") from None
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(out, f)
+        Path(args.out).write_text(strict_json(out), encoding="utf-8")
     _report_usage(provider)
     _report_usage(judge_provider, "judge ")
     return 0

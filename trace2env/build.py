@@ -7,7 +7,9 @@ module runs the deterministic path end to end (:mod:`trace2env.induce`) and, whe
 ``induce_rules`` (a scripted provider in tests; an OpenAI-compatible one later). Every candidate rule,
 deterministic or proposed, is promoted only by :func:`~trace2env.induce.replay_review`.
 
-Only ``train`` traces of the split manifest are used (all traces when no manifest is given).
+Only ``train`` traces of the split manifest are used (all traces when no manifest is given). Traces in which no
+action has an observation (chat traces with their ``tool`` messages left out) are refused: a worldbook of them would
+hold no rule and no evidence, and its simulator could only answer with errors.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def build_worldbook(traces: Sequence[Trace], out_dir: str | Path, *, provider: P
         raise ValueError("no training traces")
     episodes = [(align(t), t.metadata.get("initial_state") or {}) for t in traces]
     transitions = [x for ts, _ in episodes for x in ts]
+    if not any(t.observation is not None for t in transitions):
+        raise ValueError(f"the {len(traces)} training trace(s) hold {len(transitions)} action(s) and not one observation "
+                         "(were the tool results left out?): a worldbook needs observations to learn from")
     actions = induce_action_schema(transitions)
     fields = induce_state_schema(transitions)
     rules = induce_template_rules(transitions)

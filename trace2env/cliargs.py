@@ -2,13 +2,17 @@
 
 A user mistake (bad flag, bad value, missing or malformed input) exits 2 with ONE line on stderr,
 ``PROG: error: MESSAGE``, naming the flag, file or line and what is wrong; never a Python traceback
-(``ENVACE_DEBUG=1`` re-raises, to see one). Exit 1 stays the "ran, and the verdict is negative" code.
+(``ENVACE_DEBUG=1`` re-raises, to see one). Exit 1 stays the "ran, and the verdict is negative" code. Exit 3 is
+infrastructure, in the same one-line form: an outage (an endpoint answering 5xx or not at all, a lost node) or
+damaged stored data; not the user's command, so a retry wrapper may rerun it, and the rerun resumes.
 
 * :class:`ArgumentParser`: argparse whose usage errors are that one line (no usage block);
 * :func:`number`: the one range-checked numeric flag type (NaN and infinities refused everywhere);
 * :func:`json_object`: a flag holding a JSON object;
 * :class:`UsageError` and :func:`run_cli`: raise the former anywhere below ``main``; the latter prints it
-  (and the error types a command lists as user errors) as the one line and returns 2.
+  (and the error types a command lists as user errors) as the one line and returns 2;
+* :class:`InfrastructureFailure`: the same for an outage or damaged data, exit 3;
+* :func:`strict_json`: JSON text as the CLIs write it (never ``NaN``: non-finite numbers become ``null``).
 
 It lives in trace2env because both libraries may import trace2env and trace2env may import neither
 (tests/test_dependency_direction.py).
@@ -24,13 +28,20 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-__all__ = ["EXIT_USAGE", "ArgumentParser", "UsageError", "json_object", "number", "one_line", "read_text", "run_cli"]
+__all__ = ["EXIT_INFRA", "EXIT_USAGE", "ArgumentParser", "InfrastructureFailure", "UsageError", "json_object",
+           "number", "one_line", "read_text", "run_cli", "strict_json"]
 
 EXIT_USAGE = 2
+EXIT_INFRA = 3
 
 
 class UsageError(Exception):
     """A mistake of the user's (exit 2, one line)."""
+
+
+class InfrastructureFailure(Exception):
+    """An outage or damaged stored data, not the user's command (exit 3, one line); the message says what failed
+    and that rerunning the same command, once it is fixed, resumes."""
 
 
 def read_text(path: str | os.PathLike[str], error: type[Exception] = UsageError, what: str = "file") -> str:
@@ -94,17 +105,34 @@ def json_object(text: str) -> dict[str, Any]:
     return obj
 
 
+def strict_json(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps(obj, **kwargs)`` with every NaN or infinity written as ``null``: strict JSON, which
+    ``json.dumps`` alone is not (it writes ``NaN``, which no other JSON parser reads)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def run_cli(prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
             user_errors: tuple[type[BaseException], ...] = ()) -> int:
-    """``main(argv)``, with :class:`UsageError` and ``user_errors`` printed as one line and exit 2."""
+    """``main(argv)``, with :class:`UsageError` and ``user_errors`` printed as one line and exit 2,
+    :class:`InfrastructureFailure` as one line and exit 3."""
     try:
         return main(argv)
     except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so the interpreter's final flush stays quiet
         return 0
-    except (UsageError, *user_errors) as exc:
+    except (UsageError, InfrastructureFailure, *user_errors) as exc:
         if os.environ.get("ENVACE_DEBUG"):
             raise
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{prog}: error: {one_line(text)}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_INFRA if isinstance(exc, InfrastructureFailure) else EXIT_USAGE

@@ -5,7 +5,10 @@ Appendix C.2 start construction by aligning each action with its result. This mo
 
 * **Formats** (:func:`parse_trace`): an event list ``{"events": [...]}``; chat ``{"messages": [...]}`` with
   OpenAI-style ``tool_calls`` and ``tool`` messages (``tool_call_id``); action/observation pairs
-  ``{"steps": [{"action": ..., "observation": ...}]}``. All become the same event list.
+  ``{"steps": [{"action": ..., "observation": ...}]}``. All become the same event list. The record's shape is
+  checked first against one JSON Schema (:data:`TRACE_SCHEMA`), so a misshapen record (``messages`` an object,
+  a message a string, ``tool_calls`` one object, ``function`` null, ``metadata`` a string) is refused with the
+  path of the first offending value (``messages[2].tool_calls``) instead of failing somewhere inside.
 * **Content-hash ids**: ``trace_id = "src_" + sha256(canonical events)``; identical traces deduplicate.
 * **Split manifests** (:func:`make_split_manifest`): deterministic, by hash, never splitting a trajectory
   group across splits.
@@ -24,13 +27,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError, best_match
+
 from .cliargs import read_text
 from .models import ActionCall, Event, SplitAssignment, SplitManifest, Trace, Transition
 
 __all__ = [
+    "TRACE_SCHEMA",
     "TraceFormatError",
     "align",
     "canonical_json",
+    "check_shape",
     "content_hash",
     "dedupe",
     "load_traces",
@@ -42,6 +50,75 @@ __all__ = [
 
 class TraceFormatError(ValueError):
     """A trace that matches none of the accepted formats, or is malformed inside one."""
+
+
+_ID = {"type": ["string", "null"]}
+# an action: a name (``type`` in some event lists) and arguments, an object or its JSON text; ``properties``
+# constrain objects only, so a step's action may also be the JSON text of one
+_ACTION = {"name": {"type": "string"}, "type": {"type": "string"}, "arguments": {"type": ["object", "string", "null"]}}
+_EVENT = {
+    "type": "object",
+    "required": ["kind"],
+    "properties": {"kind": {"enum": ["action", "observation", "message"]},
+                   "actor": {"enum": ["agent", "environment", "user", "system", None]},
+                   "call_id": _ID, "tool_call_id": _ID},
+    "if": {"properties": {"kind": {"const": "action"}}},
+    "then": {"required": ["content"], "properties": {"content": {"type": "object", "properties": _ACTION}}},
+}
+_TOOL_CALL = {  # OpenAI's {"id", "type": "function", "function": {"name", "arguments"}}, or the call itself
+    "type": "object",
+    "properties": {**_ACTION, "id": _ID, "call_id": _ID, "function": {"type": "object", "properties": _ACTION}},
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {"role": {"enum": ["assistant", "tool", "function", "user", "system"]},
+                   "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
+                   "tool_call_id": _ID, "call_id": _ID},
+}
+_STEPS = {"type": "array", "items": {"type": "object", "required": ["action"],
+                                     "properties": {"action": {"type": ["object", "string"], "properties": _ACTION}}}}
+#: The shape of one trace record, in any of the three formats (values the parser reads; other keys are kept
+#: or ignored). Content and observations are free: they are recorded verbatim.
+TRACE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "events": {"type": "array", "items": _EVENT},
+        "messages": {"type": "array", "items": _MESSAGE},
+        "steps": _STEPS,
+        "pairs": _STEPS,
+        "metadata": {"type": ["object", "null"]},
+        "episode_id": {"type": ["string", "integer", "null"]},
+    },
+}
+_VALIDATOR = Draft202012Validator(TRACE_SCHEMA)
+_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+              float: "a number", type(None): "null"}
+
+
+def check_shape(obj: Any) -> None:
+    """Raise :class:`TraceFormatError` naming the path and the problem of ``obj``'s first misshapen value
+    (:data:`TRACE_SCHEMA`)."""
+    error = best_match(_VALIDATOR.iter_errors(obj))
+    if error is not None:
+        raise TraceFormatError(_describe(error))
+
+
+def _describe(error: ValidationError) -> str:
+    """``messages[2].tool_calls: expected an array or null, got an object``: the path, then what is wrong."""
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in error.absolute_path).lstrip(".")
+    got = error.instance
+    if error.validator == "type":
+        want = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+        names = ("null" if w == "null" else ("an " if w[0] in "aeio" else "a ") + w for w in want)
+        what = f"expected {' or '.join(names)}, got {_JSON_TYPE.get(type(got), type(got).__name__)}"
+    elif error.validator == "enum":
+        what = f"expected one of {', '.join(map(json.dumps, error.validator_value))}, got {json.dumps(got)[:60]}"
+    elif error.validator == "required":
+        what = f"missing {next(k for k in error.validator_value if k not in got)!r}"
+    else:
+        what = error.message[:120]
+    return f"{where or 'the trace'}: {what}"
 
 
 def canonical_json(value: Any) -> str:
@@ -80,16 +157,12 @@ def _action_content(name: Any, arguments: Any, raw: Any = None) -> dict[str, Any
 
 def _events_from_event_list(items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    for i, ev in enumerate(items):
-        kind = ev.get("kind")
+    for ev in items:
+        kind = ev["kind"]
         actor = ev.get("actor") or ("agent" if kind == "action" else "environment" if kind == "observation" else "user")
         content = ev.get("content")
         if kind == "action":
-            if not isinstance(content, Mapping):
-                raise TraceFormatError(f"event {i}: action content must be an object")
             content = _action_content(content.get("name") or content.get("type"), content.get("arguments"), content.get("raw"))
-        elif kind not in ("observation", "message"):
-            raise TraceFormatError(f"event {i}: unknown kind {kind!r}")
         out.append({"actor": actor, "kind": kind, "content": content,
                     "call_id": ev.get("call_id") or ev.get("tool_call_id")})
     return out
@@ -97,8 +170,8 @@ def _events_from_event_list(items: Sequence[Mapping[str, Any]]) -> list[dict[str
 
 def _events_from_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        role = m.get("role")
+    for m in messages:
+        role = m["role"]
         if role == "assistant":
             if m.get("content"):
                 out.append({"actor": "agent", "kind": "message", "content": m["content"], "call_id": None})
@@ -109,24 +182,22 @@ def _events_from_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[st
         elif role in ("tool", "function"):
             out.append({"actor": "environment", "kind": "observation", "content": m.get("content"),
                         "call_id": m.get("tool_call_id") or m.get("call_id")})
-        elif role in ("user", "system"):
+        else:  # user, system
             out.append({"actor": role, "kind": "message", "content": m.get("content"), "call_id": None})
-        else:
-            raise TraceFormatError(f"message {i}: unknown role {role!r}")
     return out
 
 
-def _events_from_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _events_from_steps(steps: Sequence[Mapping[str, Any]], key: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, s in enumerate(steps):
-        if "action" not in s:
-            raise TraceFormatError(f"step {i}: missing 'action'")
         a = s["action"]
         if isinstance(a, str):
             try:
                 a = json.loads(a)
             except json.JSONDecodeError as e:
-                raise TraceFormatError(f"step {i}: action string is not JSON") from e
+                raise TraceFormatError(f"{key}[{i}].action: a string that is not JSON") from e
+            if not isinstance(a, Mapping):
+                raise TraceFormatError(f"{key}[{i}].action: the JSON text of {_JSON_TYPE[type(a)]}, not an object")
         out.append({"actor": "agent", "kind": "action", "call_id": None,
                     "content": _action_content(a.get("name") or a.get("type"), a.get("arguments"))})
         if "observation" in s:
@@ -138,15 +209,16 @@ def parse_trace(obj: Mapping[str, Any]) -> Trace:
     """One raw trace (any accepted format) → :class:`Trace` with a content-hash id.
 
     ``episode_id`` defaults to the hash; ``metadata`` (e.g. ``initial_state``, ``trajectory_group``) is kept.
+    Raises :class:`TraceFormatError` for a record of no accepted format or shape (:func:`check_shape`).
     """
-    if not isinstance(obj, Mapping):
-        raise TraceFormatError(f"a trace must be a JSON object, got {type(obj).__name__}")
+    check_shape(obj)
     if "events" in obj:
         raw_events = _events_from_event_list(obj["events"])
     elif "messages" in obj:
         raw_events = _events_from_messages(obj["messages"])
     elif "steps" in obj or "pairs" in obj:
-        raw_events = _events_from_steps(obj.get("steps", obj.get("pairs")))
+        key = "steps" if "steps" in obj else "pairs"
+        raw_events = _events_from_steps(obj[key], key)
     else:
         raise TraceFormatError("unknown trace format: expected 'events', 'messages' or 'steps'")
     digest = content_hash(raw_events)

@@ -461,6 +461,9 @@ def load_worldbooks(path: str | Path) -> tuple[bool, dict[str, Worldbook]]:
 
 def _semantic_problems(wb: Worldbook, prefix: str = "") -> list[str]:
     problems = []
+    if not any(t.observation is not None for t in wb.transitions):  # build refuses such traces; older books
+        problems.append(f"{prefix}evidence/transitions.jsonl: no observation to learn from ({len(wb.transitions)} "
+                        "action(s), none with an observation): rebuild from traces that keep the tool results")
     names = {a.name for a in wb.actions}
     for r in wb.rules:
         if r.action_type not in names:

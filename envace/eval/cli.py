@@ -18,7 +18,9 @@ Runs are resumable: every finished task is appended to ``OUT/results.jsonl`` at 
 the same ``--out`` skips those tasks. Nothing is written before pre-flight passes (flags, pool, task selection,
 a previous run's settings, the endpoint serving the model): a refused command leaves ``--out`` as it was.
 Usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`: numbers range-checked at parse
-time, flags without effect in the chosen mode refused). Outputs: ``results.jsonl`` (per-task records with transcripts),
+time, flags without effect in the chosen mode refused). An endpoint that does not answer (5xx, connection refused,
+time-out) at pre-flight, or fails tasks so that the run stops (10 in a row) or ends without every result, exits 3
+with one line: infrastructure, not the command; the same command reruns the missing tasks. Outputs: ``results.jsonl`` (per-task records with transcripts),
 ``summary.json``, ``report.json`` (summary + records without transcripts), ``table.md``.
 """
 
@@ -46,7 +48,15 @@ from envace.eval.args import (
     validate_args,
 )
 from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
-from trace2env.cliargs import ArgumentParser, UsageError, number, one_line, run_cli
+from trace2env.cliargs import (
+    EXIT_INFRA,
+    ArgumentParser,
+    InfrastructureFailure,
+    UsageError,
+    number,
+    one_line,
+    run_cli,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -119,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from envace.agents.client import ChatClient, EndpointConfig
     from envace.envs.base import get_pool
-    from envace.eval.driver import evaluate, select_tasks
+    from envace.eval.driver import evaluate, failing, select_tasks
     from envace.eval.runner import RunContext, build_runner
     from envace.eval.store import ResultStore
     from envace.eval.tts import cost_summary, format_cost_table
@@ -243,6 +253,9 @@ def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         f"{outcome.errors} infrastructure error(s); results in {out_dir}",
         file=sys.stderr,
     )
+    if outcome.errors:  # the tasks without a result failed on the endpoint or the environment, not on the model
+        raise InfrastructureFailure(failing(f"{outcome.errors} of {len(todo)} task(s) failed", outcome.last_error,
+                                            store))
     return 0 if summary["complete"] else 1
 
 
@@ -278,7 +291,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
         result = run_sweep(args.benchmark, Path(args.out), args.modes, args.budgets, eval_args,
                            parser=build_parser(), run_eval=main, baseline=args.baseline)
-        return 1 if result["incomplete_runs"] else 0
+        return EXIT_INFRA if result["infrastructure_runs"] else 1 if result["incomplete_runs"] else 0
     from envace.eval.driver import EvalAborted
     from envace.eval.server import ServerLaunchError, terminate_on_sigterm
     from envace.eval.store import RunConfigMismatch
@@ -296,7 +309,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"envace.eval: configuration error: {one_line(exc)}", file=sys.stderr)
         return 2
-    except (EvalAborted, ServerLaunchError, RunConfigMismatch, InfrastructureError, ValueError, KeyError) as exc:
+    except InfrastructureError as exc:  # an endpoint down at pre-flight: exit 3 (run_cli)
+        raise InfrastructureFailure(f"the endpoint is failing: {exc} (rerun the same command once it answers; "
+                                    "finished tasks are kept)") from exc
+    except (EvalAborted, ServerLaunchError, RunConfigMismatch, ValueError, KeyError) as exc:
         if os.environ.get("ENVACE_DEBUG"):
             raise
         print(f"envace.eval: error: {one_line(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)}",

@@ -15,8 +15,9 @@ from envace.eval.report import Benchmark, normalize_category, summarize
 from envace.eval.runner import TaskRecord, TaskRunner, format_exception
 from envace.eval.store import ResultStore
 from envace.rewards.llm import ConfigurationError
+from trace2env.cliargs import InfrastructureFailure
 
-__all__ = ["EvalAborted", "EvalOutcome", "evaluate", "select_tasks"]
+__all__ = ["EvalAborted", "EvalOutcome", "evaluate", "failing", "select_tasks"]
 
 # Errors that no retry can fix (envace's configuration errors): stop the whole run at once, with the
 # reason, instead of logging them per task. What the model causes is in the task's record (scored once);
@@ -25,7 +26,7 @@ FATAL_ERRORS: tuple[type[BaseException], ...] = (UserSimulatorRequired, Configur
 
 
 class EvalAborted(RuntimeError):
-    """The run was stopped (fatal error or too many consecutive infrastructure failures)."""
+    """The run was stopped by an error no retry can fix (a configuration error)."""
 
 
 @dataclass
@@ -35,6 +36,14 @@ class EvalOutcome:
     ran: int  # tasks run now
     skipped: int  # tasks already in results.jsonl
     errors: int  # infrastructure failures now (retried next run)
+    last_error: str | None = None  # the last of them
+
+
+def failing(failed: str, last_error: str | None, store: ResultStore) -> str:
+    """The one line of a run stopped or left incomplete by infrastructure failures: what failed, the last error
+    (it names the endpoint and its HTTP status, or the environment's exception), and that a rerun resumes."""
+    return (f"the endpoint or the environment is failing: {failed} (last: {last_error}); finished tasks are saved "
+            f"in {store.results_path}: rerun the same command to resume once it answers")
 
 
 def select_tasks(
@@ -92,6 +101,7 @@ def evaluate(
     skipped = len(selected) - len(todo)
     ran = errors = 0
     consecutive = 0
+    last_error: str | None = None
     lock = threading.Lock()
     bar = _progress(total=len(selected), initial=skipped, enabled=progress, desc=benchmark.name)
 
@@ -126,15 +136,12 @@ def evaluate(
                             raise EvalAborted(f"configuration error ({tid}): {exc}") from exc
                         errors += 1
                         consecutive += 1
-                        store.append_error(tid, format_exception(exc))
-                        print(
-                            f"[envace.eval] {tid}: {format_exception(exc)} (logged; retried on rerun)", file=sys.stderr
-                        )
+                        last_error = format_exception(exc)
+                        store.append_error(tid, last_error)
+                        print(f"[envace.eval] {tid}: {last_error} (logged; retried on rerun)", file=sys.stderr)
                         if consecutive >= max_consecutive_errors:
-                            raise EvalAborted(
-                                f"{consecutive} consecutive tasks failed (last: {format_exception(exc)}); "
-                                f"stopping. Finished tasks are saved in {store.results_path}; rerun to resume."
-                            ) from exc
+                            raise InfrastructureFailure(
+                                failing(f"{consecutive} tasks in a row failed", last_error, store)) from exc
                     bar.update(1)
     except BaseException as exc:
         for fut in pending:
@@ -154,7 +161,8 @@ def evaluate(
     all_done = store.completed()
     records = [all_done[t] for t in selected if t in all_done]
     summary = summarize(benchmark, records, selected)
-    return EvalOutcome(summary=summary, records=records, ran=ran, skipped=skipped, errors=errors)
+    return EvalOutcome(summary=summary, records=records, ran=ran, skipped=skipped, errors=errors,
+                       last_error=last_error)
 
 
 class _NoBar:

@@ -26,6 +26,7 @@ from typing import Any
 
 from envace.envs.base import scrub_surrogates
 from envace.eval.runner import TaskRecord
+from trace2env.cliargs import strict_json
 
 __all__ = ["ResultStore", "RunConfigMismatch"]
 
@@ -68,7 +69,7 @@ class ResultStore:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(identity, indent=2, sort_keys=True))
+        tmp.write_text(strict_json(identity, indent=2, sort_keys=True))
         tmp.replace(path)
 
     # -- records ---------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class ResultStore:
 
     def _append_line(self, path: Path, obj: dict[str, Any]) -> None:
         # lone surrogates (never valid UTF-8) would make the encode below raise and lose the record
-        line = json.dumps(scrub_surrogates(obj), ensure_ascii=False, default=str) + "\n"
+        line = strict_json(scrub_surrogates(obj), ensure_ascii=False, default=str) + "\n"
         with self._lock, path.open("a+b") as fh:
             fh.seek(0, os.SEEK_END)
             if fh.tell() > 0:
@@ -142,7 +143,7 @@ class ResultStore:
     def write_json(self, name: str, obj: Any) -> Path:
         path = self.dir / name
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+        tmp.write_text(strict_json(obj, indent=2, ensure_ascii=False, default=str))
         tmp.replace(path)
         return path
 

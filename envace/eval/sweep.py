@@ -7,7 +7,8 @@ the BFCL multi-turn categories, the group averages and Overall (:func:`envace.ev
 ``python -m envace.eval sweep {bfcl,tau2} --out DIR [--modes parallel sequential] [--budgets 1 2 3 4 5]
 [--baseline] -- EVAL_ARGS...`` runs the evaluation once per (mode, N) into ``DIR/<mode>-n<N>`` (each run is
 resumable on its own, so rerunning the sweep finishes what is missing), then writes ``DIR/sweep.json``,
-``DIR/sweep.md`` and ``DIR/sweep.png`` (average score against N per mode; matplotlib).
+``DIR/sweep.md`` and ``DIR/sweep.png`` (average score against N per mode; matplotlib). The sweep exits 3 when a
+run exited 3 (an endpoint outage: rerunning the sweep resumes), else 1 when a run did not finish.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from envace.eval.args import read_summary, validate_args
 from envace.eval.report import format_table
-from trace2env.cliargs import UsageError
+from trace2env.cliargs import EXIT_INFRA, UsageError, strict_json
 
 __all__ = ["plot_sweep", "run_sweep", "tts_row_label", "tts_table"]
 
@@ -76,14 +77,17 @@ def run_sweep(bench: str, out: Path, modes: Sequence[str], budgets: Sequence[int
     plan: list[tuple[str, int, Path]] = [(m, n, out / f"{m}-n{n}") for m in modes for n in budgets]
     if baseline:
         plan.insert(0, ("none", 0, out / "non-tts"))
-    failed = []
+    failed, outages = [], []
     for mode, n, run_dir in plan:
         argv = [bench, *eval_args, "--out", str(run_dir)]
         if mode != "none":
             argv += ["--tts", mode, "--rehearsals", str(n)]
         print(f"[envace.eval sweep] {mode} N={n} -> {run_dir}", flush=True)
-        if run_eval(argv) != 0:
+        code = run_eval(argv)
+        if code != 0:
             failed.append(str(run_dir))
+        if code == EXIT_INFRA:  # an outage, not the sweep's arguments: the sweep exits 3 too, and a rerun resumes
+            outages.append(str(run_dir))
     points: list[dict[str, Any]] = []
     for mode, n, run_dir in plan:
         path = run_dir / "summary.json"
@@ -94,8 +98,8 @@ def run_sweep(bench: str, out: Path, modes: Sequence[str], budgets: Sequence[int
         points.append({"mode": mode, "rehearsals": n, "average": summ["average"], "complete": summ["complete"],
                        "categories": {c: v["score"] for c, v in summ["categories"].items()},
                        "cost": data.get("tts_cost", {}).get("total"), "run": str(run_dir)})
-    result = {"benchmark": bench, "points": points, "incomplete_runs": failed}
-    (out / "sweep.json").write_text(json.dumps(result, indent=2))
+    result = {"benchmark": bench, "points": points, "incomplete_runs": failed, "infrastructure_runs": outages}
+    (out / "sweep.json").write_text(strict_json(result, indent=2))
     (out / "sweep.md").write_text(tts_table([p["run"] for p in points], markdown=True) + "\n")
     plot_sweep(points, out / "sweep.png", title=f"{bench}: average score vs rehearsal budget")
     print(tts_table([p["run"] for p in points]))

@@ -60,7 +60,7 @@ from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
 from envace.eval.report import Benchmark, format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, TaskRecord
 from trace2env import WorldbookIntegrityError
-from trace2env.cliargs import json_object, number
+from trace2env.cliargs import InfrastructureFailure, json_object, number, strict_json
 from trace2env.consistency import w2r_consistency
 from trace2env.engine import normalise
 from trace2env.models import Condition, Operand
@@ -313,7 +313,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from envace.agents.client import check_model_served
     from envace.envs.base import get_pool
     from envace.eval.args import agent_endpoint, default_label, limits_from_args, run_identity, slug, validate_args
-    from envace.eval.driver import evaluate
+    from envace.eval.driver import evaluate, failing
     from envace.eval.store import ResultStore
 
     validate_args(args, parser)
@@ -357,6 +357,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     records: dict[str, dict[str, TaskRecord]] = {}
     incomplete = False
+    outages: list[str] = []  # one line per arm whose tasks failed on the endpoint or the environment
     with contextlib.ExitStack() as stack:
         if todo and args.checkpoint:
             out_dir.mkdir(parents=True, exist_ok=True)  # the server's log
@@ -382,6 +383,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if outcome.errors:
                 print(f"[envace.eval] {arm}: {outcome.errors} infrastructure error(s) (retried on rerun)",
                       file=sys.stderr)
+                outages.append(failing(f"{outcome.errors} {arm} run(s) failed", outcome.last_error, stores[arm]))
 
     rows = w2r_outcomes(selected, records["real"], records["simulator"])
     table = w2r_consistency(rows, success_at=args.success_at, n_boot=args.n_boot, seed=args.seed or 0)
@@ -390,7 +392,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               "worldbook": str(args.worldbook), "environments": envs, "identity": identities["simulator"],
               "table": table, "outcomes": rows}
     tmp = out_dir / "w2r.json.tmp"
-    tmp.write_text(json.dumps(_finite(report), indent=2, ensure_ascii=False, default=str), encoding="utf-8")
+    tmp.write_text(strict_json(report, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
     tmp.replace(out_dir / "w2r.json")
     (out_dir / "w2r.md").write_text(format_w2r_table(label, table, markdown=True) + "\n", encoding="utf-8")
     print(text)
@@ -398,15 +400,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"WM verdicts by basis: {bases}; wm_only {table['wm_only']}, w2r_only {table['w2r_only']}"
           + (f"; without both outcomes: {len(table['dropped'])}" if table["dropped"] else ""))
     print(f"[envace.eval] results in {out_dir} (real/, simulator/, w2r.json, w2r.md)", file=sys.stderr)
+    if outages:
+        raise InfrastructureFailure("; ".join(outages))
     return 1 if incomplete else 0
 
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with NaN floats as None (strict JSON)."""
-    if isinstance(obj, float):
-        return None if math.isnan(obj) else obj
-    if isinstance(obj, Mapping):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj

@@ -177,3 +177,21 @@ def test_unreadable_cache_entry_is_rebuilt_and_custom_extractors_skip_the_cache(
 
     assert graph_mod.load_or_build_graph(pool, cfg, extractor=Custom()).cache == "skip"
     assert graph_mod.load_or_build_graph(pool, cfg, extractor=DeterministicExtractor()).cache == "hit"
+
+
+def test_a_latin1_pool_names_the_file_and_the_line(tmp_path, records):
+    """Issue 43 finding 8: a pool saved as Latin-1 (a non-ASCII instruction) is refused with the project's input
+    error naming the file and the line of the first byte that is not UTF-8, not a bare UnicodeDecodeError."""
+    utf8 = tmp_path / "pool.jsonl"
+    recs = [dict(r) for r in records]
+    recs[2]["instruction"] = "réserve un café pour 2 personnes"
+    write_pool_jsonl(TaskPool.from_records(recs).tasks, utf8, env_level=False)
+    text = utf8.read_text(encoding="utf-8")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(text.encode("latin-1"))
+    with pytest.raises(PoolFormatError) as exc:
+        TaskPool.from_jsonl(latin1)
+    line = next(n for n, row in enumerate(text.splitlines(), 1) if "café" in row)
+    assert (exc.value.source, exc.value.line) == (str(latin1), line)
+    assert str(exc.value).startswith(f"{latin1}:{line}: not UTF-8 text")
+    assert TaskPool.from_jsonl(utf8).tasks[2].instruction == recs[2]["instruction"]  # the same pool in UTF-8 loads

@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
+from trace2env.__main__ import main
 from trace2env.ingest import TraceFormatError, align, dedupe, load_traces, make_split_manifest, parse_trace
 
 
@@ -91,3 +94,65 @@ def test_load_dedupes_and_split_is_deterministic_and_group_preserving(tmp_path):
     n_train = len(m1.ids("train"))
     assert 5 < n_train < 36 and n_train + len(m1.ids("test")) == 41
     assert dedupe([traces[0], traces[0]]) == [traces[0]]
+
+
+def _chat(seed: int = 2) -> dict:
+    return record(seed, fmt="messages")
+
+
+def _with_message(raw: dict, i: int, **changes) -> dict:
+    msgs = list(raw["messages"])
+    msgs[i] = {**msgs[i], **changes}
+    return {**raw, "messages": msgs}
+
+
+# issue 43 finding 7: misshapen chat records, each refused with the path of the offending value and what is wrong
+MISSHAPEN = [
+    (lambda r: {**r, "messages": {"0": r["messages"][0]}}, "messages: expected an array, got an object"),
+    (lambda r: {**r, "messages": [r["messages"][0], "hello", *r["messages"][1:]]},
+     "messages[1]: expected an object, got a string"),
+    (lambda r: _with_message(r, 1, tool_calls=r["messages"][1]["tool_calls"][0]),
+     "messages[1].tool_calls: expected an array or null, got an object"),
+    (lambda r: _with_message(r, 1, tool_calls=[{**r["messages"][1]["tool_calls"][0], "function": None}]),
+     "messages[1].tool_calls[0].function: expected an object, got null"),
+    (lambda r: {**r, "metadata": "g1"}, "metadata: expected an object or null, got a string"),
+    (lambda r: _with_message(r, 2, role="developer"), 'messages[2].role: expected one of "assistant", "tool"'),
+    (lambda r: _with_message(r, 1, tool_calls=[{"id": 7, "function": {"name": "get"}}]),
+     "messages[1].tool_calls[0].id: expected a string or null, got a number"),
+    (lambda r: {"events": [{"kind": "action", "content": "put"}]}, "events[0].content: expected an object"),
+    (lambda r: {"steps": [{"action": "[1]"}]}, "steps[0].action: the JSON text of an array, not an object"),
+]
+
+
+@pytest.mark.parametrize(("mangle", "reason"), MISSHAPEN)
+def test_a_misshapen_record_is_refused_with_the_path_of_the_problem(tmp_path, capsys, mangle, reason):
+    with pytest.raises(TraceFormatError) as exc:
+        parse_trace(mangle(_chat()))
+    assert str(exc.value).startswith(reason)
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(_chat(1)) + "\n\n" + json.dumps(mangle(_chat())) + "\n")
+    with pytest.raises(TraceFormatError) as exc:
+        load_traces([p])
+    assert str(exc.value).startswith(f"{p}:3: {reason}")  # the file's line, blank lines counted
+    assert main(["build", str(p), "--out", str(tmp_path / "book")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m trace2env: error: {p}:3: {reason}") and len(err.splitlines()) == 1
+    assert not (tmp_path / "book").exists()
+
+
+_KEYS = ["events", "messages", "steps", "pairs", "metadata", "episode_id", "role", "content", "tool_calls", "id",
+         "type", "function", "name", "arguments", "tool_call_id", "call_id", "kind", "actor", "action", "observation"]
+_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4)
+            | st.sampled_from(["assistant", "tool", "user", "action", "observation", "message", "agent", "f", "{}"]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=5), max_leaves=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(_KEYS[:6]), _JSON, min_size=1) | _JSON)
+def test_any_record_parses_or_is_refused_as_a_trace_format_error(raw):
+    """Whatever the shape, the parser answers with a trace or a TraceFormatError (one line), never another error."""
+    try:
+        parse_trace(raw)
+    except TraceFormatError as e:
+        assert str(e) and "\n" not in str(e)

@@ -19,10 +19,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
-from trace2env import WorldbookIntegrityError, build_worldbook, load_worldbook, load_worldbooks, parse_trace
+from trace2env import WorldbookIntegrityError, align, build_worldbook, load_worldbook, load_worldbooks, parse_trace
 from trace2env.__main__ import main
 from trace2env.models import WorldbookManifest
-from trace2env.package import _sha256, manifest_digest
+from trace2env.package import _sha256, compile_worldbook, manifest_digest
 
 
 def _trace(seed: int, pool: str | None = "synthetic", env: str = "kv") -> dict:
@@ -239,3 +239,47 @@ def test_finding6_build_and_eval_mistakes_are_one_line(books, tmp_path, capsys):
                      "--split-manifest", "no.json: cannot read")
     _one_line_exit_2(["eval", str(books / "kv-b"), str(good), "--split-manifest", str(bad)], capsys,
                      "--split-manifest", "bad.jsonl: not a split manifest")
+
+
+def _stripped(seed: int) -> dict:
+    """A chat trace with its tool messages left out: actions, and not one observation."""
+    raw = record(seed, fmt="messages")
+    return {**raw, "messages": [m for m in raw["messages"] if m["role"] != "tool"],
+            "metadata": {**raw["metadata"], "env_id": "kv", "pool": "synthetic"}}
+
+
+def test_issue43_traces_without_observations_are_refused_and_check_reports_such_a_book(tmp_path, capsys):
+    f = tmp_path / "stripped.jsonl"
+    f.write_text("".join(json.dumps(_stripped(s)) + "\n" for s in range(3)))
+    _one_line_exit_2(["build", str(f), "--out", str(tmp_path / "book")], capsys,
+                     "build: the 3 training trace(s) hold 75 action(s) and not one observation")
+    assert not (tmp_path / "book").exists()
+    # a book built from such traces before the refusal (compiled directly here) is a problem for `check`
+    traces = [parse_trace(_stripped(s)) for s in range(3)]
+    transitions = [t for tr in traces for t in align(tr)]
+    book = compile_worldbook(tmp_path / "old", environment_id="kv", traces=traces, transitions=transitions,
+                             actions=[], state_fields=[], rules=[])
+    assert main(["check", str(book)]) == 1
+    assert capsys.readouterr().err == ("evidence/transitions.jsonl: no observation to learn from (75 action(s), none "
+                                       "with an observation): rebuild from traces that keep the tool results\n")
+
+
+def _strict(text: str):
+    """``json.loads`` that refuses NaN and the infinities, as every JSON parser but Python's does."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_issue43_eval_writes_strict_json_even_with_nothing_to_score(tmp_path, capsys):
+    """Held-out traces without observations leave every mean undefined: null in the printed summary and in --out,
+    where ``json.dumps`` alone wrote NaN."""
+    book = build_worldbook([parse_trace(_trace(s)) for s in range(3)], tmp_path / "a", environment_id="kv")
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps(_stripped(5)) + "\n")
+    out = tmp_path / "f.json"
+    assert main(["eval", str(book), str(held), "--n-boot", "10", "--out", str(out)]) == 0
+    summary = _strict(capsys.readouterr().out)
+    assert summary["steps"] == 0 and summary["exact"] is None and summary["exact_ci95"] == [None, None]
+    assert _strict(out.read_text())["summary"] == summary
+    assert "warning" not in capsys.readouterr().err

@@ -190,3 +190,56 @@ def test_the_loop_limit_flags_reach_the_run(fake_openai, replies, tmp_path):
     (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert server.n_requests == len(turns[0]) + 1
     assert rec["stop_reason"] == "max_user_turns" and rec["turns"] == 1 and rec["passed"] is False
+
+
+# issue 43 finding 5: an endpoint outage is infrastructure (exit 3, one line), not a usage mistake (2) or a
+# negative verdict (1). The fake answers every chat request with HTTP 500 and asks for a 1 ms retry delay, so the
+# client's retries cost nothing.
+def _outage(fake_openai, replies):
+    server = fake_openai(lambda body, n: replies.error(500, "boom", headers={"retry-after-ms": "1"}))
+    server.models = ["m"]
+    return server
+
+
+def _last_line(err: str) -> str:
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_an_outage_that_leaves_tasks_without_a_result_exits_3_and_the_rerun_resumes(
+        fake_openai, replies, tmp_path, capsys):
+    server = _outage(fake_openai, replies)
+    out = tmp_path / "run"
+    argv = ["bfcl", "--base-url", server.base_url, "--model", "m", "--categories", "base", "--limit", "3",
+            "--no-progress", "--out", str(out)]
+    assert main(argv) == 3
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("python -m envace.eval: error: the endpoint or the environment is failing: 3 of 3 task(s) "
+                           "failed (last: ") and f"{server.base_url}: HTTP 500" in line and "boom" in line
+    assert line.endswith(f"saved in {out / 'results.jsonl'}: rerun the same command to resume once it answers")
+    assert not json.loads((out / "summary.json").read_text())["summary"]["complete"]
+    server.responder = lambda body, n: replies.chat("Done.")  # the endpoint is back: the rerun finishes the run
+    assert main(argv) in (0, 1)  # "Done." solves nothing: a negative verdict, not an outage
+    assert "3 task(s) selected, 0 already done" in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["summary"]["complete"]
+
+
+def test_ten_failures_in_a_row_stop_the_run_with_exit_3(fake_openai, replies, tmp_path, capsys):
+    server = _outage(fake_openai, replies)
+    out = tmp_path / "run"
+    assert main(["bfcl", "--base-url", server.base_url, "--model", "m", "--limit", "12", "--no-progress",
+                 "--out", str(out)]) == 3
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("python -m envace.eval: error: the endpoint or the environment is failing: 10 tasks in a "
+                           "row failed (last: ") and f"{server.base_url}: HTTP 500" in line and "rerun the same command" in line
+    assert len((out / "errors.jsonl").read_text().splitlines()) == 10
+
+
+def test_an_endpoint_down_at_preflight_exits_3_and_writes_nothing(dead_url, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["bfcl", "--base-url", dead_url, "--model", "m", "--categories", "base", "--limit", "1",
+                 "--no-progress", "--out", str(out)]) == 3
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith(f"python -m envace.eval: error: the endpoint is failing: {dead_url}: GET /models failed")
+    assert line.endswith("(rerun the same command once it answers; finished tasks are kept)")
+    assert not out.exists()

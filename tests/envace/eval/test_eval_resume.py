@@ -22,6 +22,7 @@ from envace.eval.report import BENCHMARKS, format_table, summarize
 from envace.eval.runner import TaskRecord
 from envace.eval.store import ResultStore, RunConfigMismatch
 from envace.rewards.llm import ConfigurationError, InfrastructureError
+from trace2env.cliargs import InfrastructureFailure
 
 BENCH = BENCHMARKS["bfcl"]
 CATS = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
@@ -222,10 +223,11 @@ def test_infrastructure_errors_are_logged_and_retried(tmp_path: Path) -> None:
     assert retry.ran == ["t02", "t07"] and second.summary["complete"]
 
 
-def test_consecutive_failures_abort(tmp_path: Path) -> None:
+def test_consecutive_failures_abort_as_infrastructure(tmp_path: Path) -> None:
+    """Issue 43 finding 5: the abort is an outage (exit 3 in the CLI), not a configuration error (EvalAborted)."""
     pool = CatalogPool()
     sel = select_tasks(pool, BENCH)
-    with pytest.raises(EvalAborted, match="consecutive tasks failed"):
+    with pytest.raises(InfrastructureFailure, match="3 tasks in a row failed .*connection refused.*rerun"):
         evaluate(
             pool, BENCH, sel, FakeRunner(fail=set(sel)), ResultStore(tmp_path), progress=False, max_consecutive_errors=3
         )

@@ -155,3 +155,19 @@ def test_store_round_trips(tmp_path_factory: pytest.TempPathFactory, recs: list[
         warnings.simplefilter("ignore", UserWarning)
         assert store.repair() == 1
     assert ResultStore(root / "a").completed() == want and store.repair() == 0
+
+
+def test_every_file_is_strict_json_a_non_finite_number_is_null(tmp_path: Path) -> None:
+    """Issue 43: a verifier detail or a summary value that is NaN or infinite is written as null (strict JSON, as
+    other tools read it), in results.jsonl, run.json and every write_json file."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    store = ResultStore(tmp_path)
+    store.append(record("t0", 0.0, details={"score": float("nan"), "bounds": [0.0, float("inf")]}))
+    store.check_run_config({"model": "m", "temperature": 0.6})
+    store.write_json("summary.json", {"average": float("nan")})
+    (line,) = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert json.loads(line, parse_constant=refuse)["details"] == {"score": None, "bounds": [0.0, None]}
+    assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse) == {"average": None}
+    assert store.completed()["t0"].details == {"score": None, "bounds": [0.0, None]}
