@@ -237,6 +237,51 @@ def test_training_stops_once_the_windowed_loss_reaches_the_target(pool, tok, sam
     assert len(W.train_sft(_tiny_model(), examples, stop_below=1e-9, stop_window=3, **kw)) == 12
 
 
+def test_anneal_starts_at_the_loss_threshold_and_ends_the_run(pool, tok, sample_tasks):
+    """Phase 1's anneal: a constant rate until the windowed loss reaches ``anneal_below``, then ``anneal_steps``
+    steps decaying linearly; training ends with the anneal. Without the threshold it still fits the budget."""
+    examples = [W.act_examples(pool, tid, tok)[0] for tid in sample_tasks[:2]]
+    kw = {"max_steps": 12, "batch_tokens": 1024, "lr": 1e-2, "warmup_steps": 2, "negatives": 64, "seed": 1,
+          "decay": False}
+    constant = W.train_sft(_tiny_model(), examples, **kw)
+    # a threshold the constant run's 3-step window reaches by step 8, before the latest start (12 - 3 = 9)
+    means = {i: sum(constant[i - 3:i]) / 3 for i in range(3, 9)}
+    below = min(means.values())
+    first = min(i for i, m in means.items() if m <= below)
+    annealed = W.train_sft(_tiny_model(), examples, anneal_below=below, anneal_steps=3, stop_window=3, **kw)
+    # three more updates after the threshold step, at rates 1, 2/3 and 1/3 of lr, and no more: the losses agree
+    # with the constant run's up to the one after the first of them
+    assert annealed[: first + 2] == constant[: first + 2] and len(annealed) == first + 3 < 12
+    assert annealed[first + 2] != constant[first + 2]
+    # an unreachable threshold: the anneal takes the budget's last 3 steps, the rest is the constant run's
+    late = W.train_sft(_tiny_model(), examples, anneal_below=-1.0, anneal_steps=3, stop_window=3, **kw)
+    assert len(late) == 12 and late[:11] == constant[:11] and late[11] != constant[11]
+    with pytest.raises(ValueError, match="constant rate"):
+        W.train_sft(_tiny_model(), examples, anneal_steps=4, max_steps=2)
+
+
+def test_the_manifest_names_the_kernel_path_and_an_unformed_drill_warns(tmp_path, monkeypatch):
+    import torch
+
+    from envace.models.warmstart.build import cpu_kernels, unformed_warning
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    kernels = cpu_kernels()
+    assert kernels["capability"] == torch.backends.cpu.get_cpu_capability() and kernels["processor"]
+    assert kernels["variables"]["ONEDNN_MAX_CPU_ISA"] == "AVX2" and "MKL_CBWR" not in kernels["variables"]
+    assert unformed_warning(tmp_path) is None  # no manifest: not a warm start
+    manifest = {"recipe": W.warm_recipe(), "cpu": kernels,
+                "train": {"drill_formed": True, "drill_final_loss": 0.03, "drill_steps": 3000}}
+    (tmp_path / "envace_manifest.json").write_text(json.dumps(manifest))
+    assert unformed_warning(tmp_path) is None
+    manifest["train"].update(drill_formed=False, drill_final_loss=0.064, drill_steps=4500)
+    (tmp_path / "envace_manifest.json").write_text(json.dumps(manifest))
+    warning = unformed_warning(tmp_path)
+    assert warning is not None and "\n" not in warning
+    assert "0.064 after 4500 steps" in warning and kernels["capability"] in warning and "README" in warning
+
+
 def test_constant_rate_differs_from_decay_only_after_warmup(pool, tok, sample_tasks):
     examples = [W.act_examples(pool, tid, tok)[0] for tid in sample_tasks[:2]]
     kw = {"max_steps": 6, "batch_tokens": 1024, "lr": 1e-2, "warmup_steps": 2, "negatives": 64, "seed": 1}
