@@ -1,12 +1,16 @@
-"""Typed schema of envace's own config keys (the ``envace:`` group of the Hydra config).
+"""Typed schema of envace's own config keys (the ``envace:`` group of the Hydra config), and of the verl keys
+envace reads or verl uses unchecked.
 
-verl validates its own keys; these dataclasses validate ours. :func:`validate_envace_config`
-merges the composed config onto the schema, so a typo (``envace.data.pool=...``) or a wrong type
-fails before anything heavy starts, with the offending key's full name.
+These dataclasses validate ours. :func:`validate_envace_config` merges the composed config onto the schema, so a
+typo (``envace.data.pool=...``) or a wrong type fails before anything heavy starts, with the offending key's full
+name. verl checks some of its keys only inside its workers, or not at all (a step count of ``abc`` or a batch size
+of 0 would end in a traceback once the data and the model are built); :func:`validate_verl_keys` checks those keys'
+types and ranges (:class:`VerlKeys`) the same way, before anything is built.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +29,11 @@ __all__ = [
     "DataConfig",
     "EnvAceConfig",
     "RewardConfig",
+    "VerlKeys",
     "agent_config_from",
     "envace_config_from",
     "validate_envace_config",
+    "validate_verl_keys",
 ]
 
 
@@ -56,6 +62,11 @@ class DataConfig:
     # where built parquet files go (null: $ENVACE_CACHE/data/<content hash>); a folder holding a build of another
     # recipe (its recipe.json) is an error, never silently reused
     out_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError("envace.data.pools is empty: name at least one pool (`python -m envace.envs list`)")
+        _at_least("envace.data.max_tasks_per_pool", self.max_tasks_per_pool, 1)
 
 
 @dataclass
@@ -142,9 +153,15 @@ SOURCES = ("real", "rehearse", "simulator")
 AUTO = "auto"
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def _choice(name: str, value: str, allowed: tuple[str, ...], prefix: str = "envace.") -> None:
     if value not in allowed:
-        raise ValueError(f"envace.{name} must be one of {list(allowed)}, got {value!r}")
+        raise ValueError(f"{prefix}{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(name: str, value: float | None, low: float) -> None:
+    """``value`` (None: unset, allowed) is a finite number >= ``low``; else a ValueError naming the key."""
+    if value is not None and not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{name} must be >= {low:g}, got {value}")
 
 
 @dataclass
@@ -220,6 +237,135 @@ class EnvAceConfig:
             raise ValueError(f"envace.replay_poll_s must be > 0, got {self.replay_poll_s}")
 
 
+# -- verl's keys: those envace reads, and those verl uses unchecked until its workers run ------------------------
+@dataclass
+class VerlV1Keys:
+    # the V1 trainer, a name of verl's trainer registry (resolved by envace.train.check_registries)
+    trainer_mode: str = "envace_sync"
+
+
+@dataclass
+class VerlTrainerKeys:
+    # steps to train (null: verl's epochs decide)
+    total_training_steps: int | None = None
+    # auto (the epochs total_training_steps needs: envace.train.fit_total_epochs) or a number of epochs (verl's
+    # default here; configs/envace_trainer.yaml sets auto)
+    total_epochs: Any = 30
+    # nodes and device slots per node
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    # the device verl trains on
+    device: str = "cuda"
+    # checkpoint and validation period in steps (verl: <= 0 never)
+    save_freq: int = -1
+    test_freq: int = -1
+    # auto (the newest complete checkpoint), disable, or resume_path (trainer.resume_from_path)
+    resume_mode: str = "auto"
+    # verl's V1 trainer (trainer.v1.trainer_mode) or its V0 one
+    use_v1: bool = True
+    # validate before the first step
+    val_before_train: bool = True
+    v1: VerlV1Keys = field(default_factory=VerlV1Keys)
+
+    def __post_init__(self) -> None:
+        _at_least("trainer.total_training_steps", self.total_training_steps, 1)
+        epochs = self.total_epochs
+        if epochs not in (None, "auto") and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+            raise ValueError(f"trainer.total_epochs must be auto or an integer >= 1, got {epochs!r}")
+        if epochs in (None, "auto") and self.total_training_steps is None:
+            raise ValueError("trainer.total_epochs=auto needs trainer.total_training_steps (or set an epoch count)")
+        _at_least("trainer.nnodes", self.nnodes, 1)
+        _at_least("trainer.n_gpus_per_node", self.n_gpus_per_node, 1)
+        _choice("device", self.device, ("cuda", "npu", "cpu"), prefix="trainer.")
+        _choice("resume_mode", self.resume_mode, ("auto", "disable", "resume_path"), prefix="trainer.")
+
+
+@dataclass
+class VerlDataKeys:
+    # prompts per training step
+    train_batch_size: int = 8
+    # token budgets of a prompt and of one rollout's whole response
+    max_prompt_length: int = 1024
+    max_response_length: int = 1024
+    # caps on the rows read (-1: all)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    # drop prompts longer than max_prompt_length; shuffle the training rows
+    filter_overlong_prompts: bool = True
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("train_batch_size", "max_prompt_length", "max_response_length"):
+            _at_least(f"data.{key}", getattr(self, key), 1)
+
+
+@dataclass
+class VerlOptimKeys:
+    # the actor's learning rate
+    lr: float = 1.0e-6
+
+    def __post_init__(self) -> None:
+        _at_least("actor_rollout_ref.actor.optim.lr", self.lr, 0)
+
+
+@dataclass
+class VerlActorKeys:
+    # prompts per PPO mini-batch (verl checks it against data.train_batch_size), and passes over each batch
+    ppo_mini_batch_size: int = 4
+    ppo_epochs: int = 1
+    optim: VerlOptimKeys = field(default_factory=VerlOptimKeys)
+
+    def __post_init__(self) -> None:
+        _at_least("actor_rollout_ref.actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
+        _at_least("actor_rollout_ref.actor.ppo_epochs", self.ppo_epochs, 1)
+
+
+@dataclass
+class VerlRolloutKeys:
+    # the rollout engine and its mode, a pair of verl's rollout registry (resolved by envace.train.check_registries)
+    name: str = "hfcpu"
+    mode: str = "async"
+    # rollouts per prompt (the GRPO group) and their sampling temperature
+    n: int = 4
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        _at_least("actor_rollout_ref.rollout.n", self.n, 1)
+        _at_least("actor_rollout_ref.rollout.temperature", self.temperature, 0)
+
+
+@dataclass
+class VerlActorRolloutRefKeys:
+    actor: VerlActorKeys = field(default_factory=VerlActorKeys)
+    rollout: VerlRolloutKeys = field(default_factory=VerlRolloutKeys)
+
+
+@dataclass
+class VerlKeys:
+    """The verl keys :func:`validate_verl_keys` types and ranges (a subset of verl's ``ppo_trainer``; verl's own
+    ``validate_config`` and dataclasses check the rest, and the cross-key batch sizes)."""
+
+    trainer: VerlTrainerKeys = field(default_factory=VerlTrainerKeys)
+    data: VerlDataKeys = field(default_factory=VerlDataKeys)
+    actor_rollout_ref: VerlActorRolloutRefKeys = field(default_factory=VerlActorRolloutRefKeys)
+
+
+def _typed(schema: type, raw: Any, prefix: str, what: str) -> Any:
+    """``raw`` merged onto the dataclass ``schema`` and built (its ``__post_init__`` checks run); a bad key, type or
+    value is a :class:`ConfigError` naming the key (``prefix`` + its path in ``schema``)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        msg = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
+        last = key.rsplit(".", 1)[-1]
+        if last in RENAMED_KEYS:  # an endpoint key of the configs the shared one replaced
+            msg = f"endpoint key {last!r} was renamed {RENAMED_KEYS[last]!r}"
+        raise ConfigError(f"invalid {what} key '{prefix}{key}': {msg}") from exc
+    except (ValueError, TypeError) as exc:  # a dataclass's own checks (e.g. LoopLimits, an endpoint's values)
+        raise ConfigError(f"invalid {what}: {str(exc).splitlines()[0]}") from exc
+
+
 def validate_envace_config(cfg: DictConfig) -> EnvAceConfig:
     """Check ``cfg.envace`` against :class:`EnvAceConfig`; return the typed object.
 
@@ -228,19 +374,32 @@ def validate_envace_config(cfg: DictConfig) -> EnvAceConfig:
     raw = cfg.get("envace") if isinstance(cfg, DictConfig) else None
     if raw is None:
         raise ConfigError("config has no 'envace' group; compose configs/envace_trainer.yaml")
-    schema = OmegaConf.structured(EnvAceConfig)
-    try:
-        merged = OmegaConf.merge(schema, raw)
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or ""
-        msg = str(exc.msg if hasattr(exc, "msg") else exc).splitlines()[0]
-        last = key.rsplit(".", 1)[-1]
-        if last in RENAMED_KEYS:  # an endpoint key of the configs the shared one replaced
-            msg = f"endpoint key {last!r} was renamed {RENAMED_KEYS[last]!r}"
-        raise ConfigError(f"invalid envace config key 'envace.{key}': {msg}") from exc
-    except (ValueError, TypeError) as exc:  # a dataclass's own checks (e.g. LoopLimits, an endpoint's values)
-        raise ConfigError(f"invalid envace config: {str(exc).splitlines()[0]}") from exc
+    return _typed(EnvAceConfig, raw, "envace.", "envace config")
+
+
+_ABSENT = object()
+
+
+def _values_at(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> dict[str, Any]:
+    """``cfg``'s values at the keys of ``schema``, nested like it (keys ``cfg`` lacks are left out)."""
+    out: dict[str, Any] = {}
+    for key in schema:
+        path = f"{prefix}{key}"
+        if isinstance(schema[key], DictConfig):
+            out[key] = _values_at(cfg, schema[key], f"{path}.")
+            continue
+        value = OmegaConf.select(cfg, path, default=_ABSENT)
+        if value is not _ABSENT:
+            out[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return out
+
+
+def validate_verl_keys(cfg: DictConfig) -> VerlKeys:
+    """Check the verl keys of :class:`VerlKeys` in ``cfg`` (types, ranges, choices); return them typed.
+
+    Raises :class:`ConfigError` naming the bad key.
+    """
+    return _typed(VerlKeys, _values_at(cfg, OmegaConf.structured(VerlKeys)), "", "config")
 
 
 _CACHE: dict[int, tuple[Any, EnvAceConfig]] = {}

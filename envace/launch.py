@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trace2env.cliargs import ArgumentParser, number
+
 __all__ = [
     "PASSTHROUGH_PREFIXES",
     "bound_exec",
@@ -528,31 +530,35 @@ def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | No
 
 # -- CLI ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envace.launch")
+    # numbers are range-checked as they are parsed (NaN, infinities and negative times refused), and a bad flag is
+    # one line, exit 2: scripts/train.sh's own checks of its variables come first, these catch a direct call
+    seconds, count = number(float, min=0), number(int, min=1)
+    parser = ArgumentParser(prog="python -m envace.launch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("wait-nodes", help="wait until the Ray cluster has N alive nodes")
-    w.add_argument("--nodes", type=int, required=True)
-    w.add_argument("--timeout", type=float, default=600.0)
+    w.add_argument("--nodes", type=count, required=True)
+    w.add_argument("--timeout", type=seconds, default=600.0)
     w.add_argument("--address", default=None, help="HOST:PORT (default: RAY_ADDRESS)")
-    w.add_argument("--node-pid", type=int, default=None, help="give up when this process (the head's ray start) ends")
+    w.add_argument("--node-pid", type=count, default=None,
+                   help="give up when this process (the head's ray start) ends")
     h = sub.add_parser("wait-head", help="wait until the Ray head accepts connections")
     h.add_argument("--address", required=True)
-    h.add_argument("--timeout", type=float, default=600.0)
+    h.add_argument("--timeout", type=seconds, default=600.0)
     sub.add_parser("gpus", help="print the CUDA devices of this node (1 logical slot without a driver)")
     sub.add_parser("cuda-check", help="stop (exit 2, with the fix) when the driver cannot run the installed torch")
     wa = sub.add_parser("watch", help="stop the run (exit 3) on a lost Ray node or a step past its deadline")
-    wa.add_argument("--pid", type=int, required=True, help="the training driver")
+    wa.add_argument("--pid", type=count, required=True, help="the training driver")
     wa.add_argument("--address", required=True)
     wa.add_argument("--log", required=True, help="the driver's console output (its step:N lines)")
-    wa.add_argument("--step-deadline", type=float, default=0.0, help="seconds per step (0: none)")
-    wa.add_argument("--poll", type=float, default=5.0)
-    wa.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL of the driver")
+    wa.add_argument("--step-deadline", type=seconds, default=0.0, help="seconds per step (0: none)")
+    wa.add_argument("--poll", type=number(float, min=0, min_open=True), default=5.0)
+    wa.add_argument("--grace", type=seconds, default=60.0, help="seconds between SIGTERM and SIGKILL of the driver")
     wa.add_argument("--run-dir", default=None, help="the checkpoint directory (default: composed from OVERRIDES)")
     wa.add_argument("overrides", nargs=argparse.REMAINDER, help="-- train.sh's arguments")
     ip = sub.add_parser("node-ip", help="print this node's address on the interface that routes to --head")
     ip.add_argument("--head", required=True)
     r = sub.add_parser("bound-exec", help="exec COMMAND, terminated when --parent ends")
-    r.add_argument("--parent", type=int, required=True)
+    r.add_argument("--parent", type=count, required=True)
     r.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd == "wait-nodes":

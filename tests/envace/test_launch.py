@@ -1,8 +1,10 @@
 """Launch helpers (envace/launch.py) and the multi-node pre-flight of scripts/train.sh that needs no cluster:
-GPU counting, joining a head that is still starting, process lifetime, authentication, offline mode."""
+GPU counting, joining a head that is still starting, process lifetime, authentication, offline mode, and the
+environment variables train.sh reads, checked before it installs anything."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from envace.launch import count_gpus, passthrough_env, wait_head
 
@@ -206,3 +210,106 @@ def test_the_head_stops_waiting_for_nodes_when_its_own_ray_start_has_exited(caps
     assert wait_nodes(2, timeout=300, poll=0.2, address=f"127.0.0.1:{_free_port()}", node_pid=dead.pid) == 1
     assert time.monotonic() - started < 30
     assert f"Ray (ray start, pid {dead.pid}) exited before the cluster" in capsys.readouterr().err
+
+
+# -- the environment variables scripts/train.sh reads, checked before scripts/bootstrap.sh installs anything ---------
+#: a multi-node head's environment; ENVACE_PLATFORM=bogus makes scripts/bootstrap.sh stop at its first line (exit 2,
+#: its own message) and ENVACE_VENV names a folder it would create: a check that ran after bootstrap started, or a
+#: variable let through, shows as that message instead of train.sh's own line
+HEAD = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "RAY_AUTH_MODE": "disabled",
+        "ENVACE_PLATFORM": "bogus"}
+BOOTSTRAP_REACHED = "envace: ENVACE_PLATFORM must be cpu, gpu or auto (got 'bogus')"
+
+
+def _train_sh_env(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "ENVACE_")) and k not in (
+        "NNODES", "NODE_RANK", "MASTER_ADDR", "GPUS_PER_NODE")}
+    full.update(ENVACE_VENV=str(tmp_path / "venv"), **env)
+    return subprocess.run([str(REPO / "scripts" / "train.sh"), "trainer.total_training_steps=1"], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(("env", "variable"), [
+    # issue 43: `2h` stopped only the watcher, `nan` disabled the deadline, a negative one stopped the run at once
+    ({"ENVACE_STEP_DEADLINE": "2h"}, "ENVACE_STEP_DEADLINE='2h'"),
+    ({"ENVACE_STEP_DEADLINE": "nan"}, "ENVACE_STEP_DEADLINE='nan'"),
+    ({"ENVACE_STEP_DEADLINE": "-60"}, "ENVACE_STEP_DEADLINE='-60'"),
+    ({"ENVACE_STEP_DEADLINE": "inf"}, "ENVACE_STEP_DEADLINE='inf'"),
+    ({"NNODES": "two"}, "NNODES='two'"),
+    ({"NNODES": "0"}, "NNODES='0'"),
+    ({"NODE_RANK": "2"}, "NODE_RANK='2' must be a whole number from 0 to 1"),
+    ({"NODE_RANK": "-1"}, "NODE_RANK='-1'"),
+    ({"RAY_PORT": "70000"}, "RAY_PORT='70000'"),
+    ({"RAY_PORT": "63 79"}, "RAY_PORT='63 79'"),
+    ({"RAY_JOIN_TIMEOUT": "10m"}, "RAY_JOIN_TIMEOUT='10m'"),
+    ({"RAY_WAIT_NODES_TIMEOUT": "1.5"}, "RAY_WAIT_NODES_TIMEOUT='1.5'"),
+    ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE='0'"),
+    ({"GPUS_PER_NODE": "auto"}, "GPUS_PER_NODE='auto'"),
+    ({"RAY_NUM_CPUS": "1e3"}, "RAY_NUM_CPUS='1e3'"),
+    ({"RAY_AUTH_MODE": "disable"}, "RAY_AUTH_MODE='disable'"),
+    ({"RAY_AUTH_MODE": "", "MASTER_ADDR": ""}, "MASTER_ADDR"),
+    ({"RAY_AUTH_MODE": ""}, "needs token authentication"),
+])
+def test_a_bad_variable_is_one_line_before_bootstrap(tmp_path, env, variable):
+    proc = _train_sh_env(tmp_path, **{**HEAD, **env})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("scripts/train.sh: error: ")
+    assert variable in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "venv").exists()
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"ENVACE_STEP_DEADLINE": "0", "NODE_RANK": "1", "RAY_PORT": "6380", "RAY_JOIN_TIMEOUT": "0", "GPUS_PER_NODE": "8",
+     "RAY_NUM_CPUS": "0"},
+    {"ENVACE_STEP_DEADLINE": "0.5", "NODE_RANK": "01", "RAY_WAIT_NODES_TIMEOUT": "30", "RAY_AUTH_MODE": "token",
+     "RAY_AUTH_TOKEN": "t" * 32},
+    {"NNODES": "1", "NODE_RANK": "7", "ENVACE_STEP_DEADLINE": "2h"},  # one node reads neither
+])
+def test_good_variables_reach_bootstrap(tmp_path, env):
+    proc = _train_sh_env(tmp_path, **{**HEAD, **env})
+    assert proc.returncode == 2 and proc.stderr.strip() == BOOTSTRAP_REACHED, proc.stderr
+
+
+def test_help_on_a_multinode_head_starts_nothing(tmp_path):
+    """Old behaviour: ``--help`` reached the trainer only after the head had started Ray and its workers joined."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update({k: v for k, v in HEAD.items() if k not in ("ENVACE_PLATFORM", "RAY_AUTH_MODE")},
+               RAY_PORT=str(_free_port()), RAY_AUTH_TOKEN_PATH=str(tmp_path / "token"))
+    proc = subprocess.run([str(REPO / "scripts" / "train.sh"), "--help"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "usage: scripts/train.sh" in proc.stdout, proc.stderr
+    assert "Ray head" not in proc.stdout and not (tmp_path / "token").exists()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(st.text(alphabet="0123456789.-+eEinfatxhms ", max_size=8), st.floats().map(str),
+                 st.integers(-10, 10**12).map(str)))
+def test_the_step_deadline_train_sh_accepts_is_a_finite_number_of_seconds(tmp_path, text):
+    """Whatever the text, train.sh refuses it with its one line, or the watcher gets a finite number >= 0 (empty:
+    the default, 7200)."""
+    proc = _train_sh_env(tmp_path, **HEAD, ENVACE_STEP_DEADLINE=text)
+    if proc.stderr.strip() == BOOTSTRAP_REACHED:
+        value = float(text or "7200")
+        assert math.isfinite(value) and value >= 0
+    else:
+        assert proc.stderr.startswith("scripts/train.sh: error: ENVACE_STEP_DEADLINE=") and proc.returncode == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--step-deadline", "nan"],
+    ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--step-deadline", "-1"],
+    ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--step-deadline", "2h"],
+    ["wait-nodes", "--nodes", "0"],
+    ["wait-head", "--address", "h:1", "--timeout", "inf"],
+])
+def test_launch_refuses_a_bad_number_in_one_line(argv, capsys):
+    """A direct call of the helpers train.sh runs: numbers are range-checked as they are parsed (the old watcher read
+    ``--step-deadline nan`` as no deadline and ``-1`` as an expired one)."""
+    from envace.launch import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"python -m envace.launch {argv[0]}: error: argument --") and argv[-2] in err

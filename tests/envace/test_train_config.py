@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf, open_dict
 
-from envace.config import ConfigError, validate_envace_config
+from envace.config import ConfigError, validate_envace_config, validate_verl_keys
 from envace.train import check_platform, check_ray_resources, main, resolve_model_path
 from envace.verl.config import CONFIG_DIR, compose
 
@@ -29,6 +31,7 @@ def test_every_experiment_composes_and_passes_verl_validation(experiment):
 
     cfg = compose([f"experiment={experiment}"])
     validate_envace_config(cfg)
+    validate_verl_keys(cfg)
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     # inherits verl's ppo_trainer: a deep verl default survives composition
     assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2
@@ -192,3 +195,77 @@ def test_a_training_task_id_no_pool_holds_is_one_line_before_anything_runs(tmp_p
     assert "envace.data: train_task_ids: 1 id(s) in no 'train' split" in proc.stderr and "'nope'" in proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "data" / "train.parquet").exists()
     assert not (cache / "models").exists()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    # issue 43, finding 2: a ValueError traceback (exit 1) after the data build; a ZeroDivisionError
+    ("trainer.total_training_steps=abc",
+     "key 'trainer.total_training_steps': Value 'abc' of type 'str' could not be converted to Integer"),
+    ("data.train_batch_size=0", "data.train_batch_size must be >= 1, got 0"),
+    ("data.train_batch_size=-8", "data.train_batch_size must be >= 1, got -8"),
+    ("trainer.total_epochs=2.5", "trainer.total_epochs must be auto or an integer >= 1, got 2.5"),
+    ("trainer.total_training_steps=null", "trainer.total_epochs=auto needs trainer.total_training_steps"),
+    ("trainer.nnodes=0", "trainer.nnodes must be >= 1"),  # verl: ZeroDivisionError
+    ("trainer.n_gpus_per_node=two", "key 'trainer.n_gpus_per_node'"),  # verl: TypeError
+    ("trainer.device=tpu", "trainer.device must be one of ['cuda', 'npu', 'cpu']"),
+    ("trainer.resume_mode=sometimes", "trainer.resume_mode must be one of"),
+    ("trainer.save_freq=often", "key 'trainer.save_freq'"),
+    ("trainer.use_v1=maybe", "key 'trainer.use_v1'"),
+    ("data.max_prompt_length=0", "data.max_prompt_length must be >= 1"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n must be >= 1"),
+    ("actor_rollout_ref.rollout.temperature=nan", "actor_rollout_ref.rollout.temperature must be >= 0, got nan"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=0", "actor_rollout_ref.actor.ppo_mini_batch_size must be >= 1"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "key 'actor_rollout_ref.actor.optim.lr'"),
+])
+def test_verl_keys_are_typed_and_ranged_naming_the_key(override, message):
+    """verl checks these only inside its workers (or never): the schema refuses them first, in one line."""
+    with pytest.raises(ConfigError) as err:
+        validate_verl_keys(compose([override]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("envace.data.max_tasks_per_pool=0", "envace.data.max_tasks_per_pool must be >= 1, got 0"),
+    ("envace.data.pools=[]", "envace.data.pools is empty"),
+])
+def test_envace_data_values_are_ranged(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_envace_config(compose([override]))
+
+
+def _whole(value):
+    """``value`` as the whole number OmegaConf reads from it (an int, or text ``int()`` parses), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=True), st.text(max_size=6), st.none()),
+       batch=st.one_of(st.integers(-10**6, 10**6), st.booleans(), st.text(max_size=6),
+                       st.integers(-3, 10**6).map(str)))
+def test_verl_keys_accept_exactly_positive_whole_numbers(composed, steps, batch):
+    """Whatever a launch script or a recipe puts there: a step count and a batch size are accepted exactly when they
+    are whole numbers >= 1 (a step count may be null with an explicit epoch count); else one ConfigError line."""
+    cfg = composed.copy()
+    with open_dict(cfg):
+        cfg.trainer.total_training_steps, cfg.data.train_batch_size, cfg.trainer.total_epochs = steps, batch, 3
+    n_steps, n_batch = _whole(steps), _whole(batch)
+    if (steps is None or (n_steps or 0) >= 1) and (n_batch or 0) >= 1:
+        typed = validate_verl_keys(cfg)
+        assert (typed.trainer.total_training_steps, typed.data.train_batch_size) == (n_steps, n_batch)
+    else:
+        with pytest.raises(ConfigError) as err:
+            validate_verl_keys(cfg)
+        assert "\n" not in str(err.value)
+        assert "trainer.total_training_steps" in str(err.value) or "data.train_batch_size" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def composed():
+    return compose([])

@@ -1,13 +1,15 @@
-"""envace/train.py before and at the start of Ray: verl's typed config is validated before any Ray work, a
-single-node run starts its own cluster (never the one Ray's "current cluster" file names), and the
-network-interface variables reach every Ray worker; and scripts/train.sh's check, on every node before any Ray
-start, that the NVIDIA driver can run the installed torch's CUDA build (a stand-in nvidia-smi and torch/version.py
-simulate a CUDA 12 driver under the CUDA 13 lock)."""
+"""envace/train.py before and at the start of Ray: every check (envace's and verl's typed keys, verl's own
+validation, the registries' names) runs before the data build, the model build and Ray, and ``--preflight-only``
+runs them alone, as the multi-node head does before it starts Ray; a single-node run starts its own cluster (never
+the one Ray's "current cluster" file names), and the network-interface variables reach every Ray worker; and
+scripts/train.sh's check, on every node before any Ray start, that the NVIDIA driver can run the installed torch's
+CUDA build (a stand-in nvidia-smi and torch/version.py simulate a CUDA 12 driver under the CUDA 13 lock)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,22 +21,138 @@ from envace.launch import cuda_mismatch
 from envace.train import init_ray, main
 from envace.verl.config import compose
 
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["actor_rollout_ref.model.path=builtin:tiny-qwen3", "envace.data.max_tasks_per_pool=8", "data.max_prompt_length=8192"]
 
 
-def test_a_value_verl_rejects_only_inside_its_workers_fails_before_ray(monkeypatch, tmp_path, capsys):
+class Heavy(Exception):
+    """A slow step (data build, model build, Ray) was reached."""
+
+
+@pytest.fixture
+def heavy(monkeypatch, tmp_path):
+    """The slow steps of a launch replaced by spies that record their call and stop there, and an empty
+    ``ENVACE_CACHE``; yields the list of steps reached (in order)."""
+    from envace import train
+
+    reached: list[str] = []
+
+    def spy(name):
+        def stop(*_args, **_kwargs):
+            reached.append(name)
+            raise Heavy(name)
+        return stop
+
+    resolve = train.resolve_model_path
+
+    def model(path, build=True):
+        return spy("model build")() if build else resolve(path, build=False)
+
+    monkeypatch.setattr(train, "build_data", spy("data build"))
+    monkeypatch.setattr(train, "resolve_model_path", model)
+    monkeypatch.setattr(train, "init_ray", spy("ray"))
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield reached
+
+
+#: the probe's mistakes (issue 43, findings 1 and 2) and their like: the override, and the key its one line names.
+#: Old behaviour: the first two were refused by verl only after the data build and the warm start's build (minutes);
+#: the next two ended in a ValueError / ZeroDivisionError traceback after the data build; the registry names passed
+#: every check and failed inside Ray.
+MISTAKES = [
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor.ppo_mini_batch_size (16)"),
+    ("data.train_batch_size=-8", "data.train_batch_size"),
+    ("trainer.total_training_steps=abc", "'trainer.total_training_steps'"),
+    ("data.train_batch_size=0", "data.train_batch_size"),
+    ("actor_rollout_ref.rollout.name=nonsense", "actor_rollout_ref.rollout.name='nonsense'"),
+    ("trainer.v1.trainer_mode=nonsense", "trainer.v1.trainer_mode='nonsense'"),
+    ("algorithm.adv_estimator=nonsense", "algorithm.adv_estimator='nonsense'"),
+    ("actor_rollout_ref.rollout.mode=sync", "Rollout mode 'sync' has been removed"),
+    ("trainer.total_epochs=0", "trainer.total_epochs"),
+    ("trainer.total_training_steps=null", "trainer.total_training_steps"),
+    ("actor_rollout_ref.rollout.temperature=nan", "actor_rollout_ref.rollout.temperature"),
+    ("trainer.total_training_stepz=5", "trainer.total_training_stepz"),
+    ("trainer.nnodes=2", "trainer.nnodes=2 needs a Ray cluster"),  # old: refused at Ray start, after the builds
+]
+
+
+@pytest.mark.parametrize(("override", "key"), MISTAKES)
+def test_every_mistake_is_one_line_before_anything_heavy(heavy, tmp_path, capsys, override, key):
+    run = tmp_path / "run"
+    assert main([override, f"trainer.default_local_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("envace: config error: ") and key in err[0], err
+    assert heavy == [] and not (tmp_path / "cache").exists() and not run.exists()
+
+
+def test_the_one_line_is_all_a_fresh_process_prints(tmp_path):
+    """In a process of its own (warnings printed, not collected by pytest): verl's notes and warnings of the early
+    check ("Disabled critic ...") do not come before the refusal, and nothing is built into the empty cache."""
+    proc = subprocess.run([sys.executable, "-m", "envace.train", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                           f"trainer.default_local_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, ENVACE_CACHE=str(tmp_path / "cache")), timeout=300, check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [("envace: config error: verl rejects the config: ValueError: train_batch_size "
+                                         "(8) must be >= actor.ppo_mini_batch_size (16)")]
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_valid_config_reaches_the_data_build_first_and_preflight_only_reaches_nothing(heavy, tmp_path, capsys):
+    """The spies are live: the default config passes every check and its first slow step is the data build
+    (before the warm start's build and Ray). ``--preflight-only`` runs the same checks and stops, exit 0."""
+    run = f"trainer.default_local_dir={tmp_path / 'run'}"
+    with pytest.raises(Heavy):
+        main([run])
+    assert heavy == ["data build"]
+    heavy.clear()
+    assert main(["--preflight-only", run]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "envace: pre-flight passed"
+    assert heavy == [] and not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+    assert main(["--preflight-only", run, "data.train_batch_size=0"]) == 2
+
+
+def test_enabling_debug_shows_the_traceback(heavy, monkeypatch):
+    from envace.config import ConfigError
+
+    monkeypatch.setenv("ENVACE_DEBUG", "1")
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        main(["data.train_batch_size=0"])
+
+
+def test_a_value_verl_rejects_only_inside_its_workers_fails_before_ray(heavy, tmp_path, capsys):
     """``rollout.mode=sync`` passes verl's ``validate_config`` but fails ``RolloutConfig.__post_init__``, which
-    verl runs inside its rollout workers. Old behaviour: the error came after the Ray cluster was up."""
-
-    def no_ray(cfg):
-        raise AssertionError("Ray was started with a config verl rejects")
-
-    monkeypatch.setattr("envace.train.init_ray", no_ray)
-    rc = main([*TINY, f"envace.data.out_dir={tmp_path}", f"trainer.default_local_dir={tmp_path / 'run'}",
+    verl runs inside its rollout workers. Old behaviour: the error came after the Ray cluster was up (and, later,
+    after the data and model builds)."""
+    rc = main([*TINY, f"envace.data.out_dir={tmp_path / 'data'}", f"trainer.default_local_dir={tmp_path / 'run'}",
                "actor_rollout_ref.rollout.mode=sync"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "verl rejects the config" in err and "Rollout mode 'sync' has been removed" in err
+    assert heavy == [] and not (tmp_path / "data").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_multinode_head_runs_the_preflight_before_it_starts_ray(tmp_path):
+    """Issue 43, finding 3: the head started Ray and waited up to RAY_JOIN_TIMEOUT (600 s) for workers before the
+    typo was read. Now it exits 2 at once, naming the key, with no Ray started and no token written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    token = tmp_path / "shared" / "ray_token"
+    env.update(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", RAY_PORT=str(_free_port()),
+               RAY_AUTH_TOKEN_PATH=str(token), ENVACE_CACHE=str(tmp_path / "cache"))
+    # well within RAY_JOIN_TIMEOUT (600 s), which the head used to wait out first
+    proc = subprocess.run([str(REPO / "scripts" / "train.sh"), "trainer.total_training_stepz=5"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [("envace: config error: Could not override "
+                                                 "'trainer.total_training_stepz'. To append to your config use "
+                                                 "+trainer.total_training_stepz=5")]
+    assert "Ray head" not in proc.stdout and not token.parent.exists() and not (tmp_path / "cache").exists()
 
 
 def test_network_interface_variables_reach_every_ray_worker(monkeypatch, tmp_path):
@@ -89,7 +207,6 @@ def test_single_node_training_starts_its_own_cluster_despite_a_stale_current_clu
 
 
 # -- the NVIDIA driver against the installed torch's CUDA build (scripts/train.sh, every node, before Ray) ------------
-REPO = Path(__file__).resolve().parents[2]
 H100 = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)"
 
 
