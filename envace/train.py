@@ -605,6 +605,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, _ = prepare(cfg)
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:  # Hydra's errors name the bad override
         return config_error(exc)
+    from envace.models.warmstart.build import unformed_warning
+
+    # a warm start whose copy drill did not form trains, but the user is told before the run and in its last line
+    warning = unformed_warning(str(cfg.actor_rollout_ref.model.path))
+    if warning:
+        print(f"envace: {warning}", file=sys.stderr, flush=True)
     try:
         launch(cfg)
     except ConfigError as exc:
@@ -616,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     report_learning(Path(run_dir))
+    if warning:
+        print(f"envace: {warning}", file=sys.stderr, flush=True)
     return 0
 
 

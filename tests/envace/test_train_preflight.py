@@ -329,3 +329,34 @@ def test_trained_rehearsals_sample_at_the_temperature_verl_scores_them_at(monkey
     else:
         with pytest.raises(SystemExit, match="past the check"):
             main([*base, *overrides])
+
+
+def test_an_unformed_warm_start_is_named_before_the_run_and_in_its_last_line(monkeypatch, tmp_path, capsys):
+    """A warm start whose copy drill missed its target (its manifest says so) trains, but the user reads why the
+    README's figures will not hold before the run starts and again as the run's last line (issue 43)."""
+    import json as _json
+
+    from omegaconf import open_dict
+
+    from envace import train
+    from envace.models.warmstart import warm_recipe
+
+    model = tmp_path / "warm"
+    model.mkdir()
+    (model / "envace_manifest.json").write_text(_json.dumps({
+        "recipe": warm_recipe(), "cpu": {"capability": "AVX2"},
+        "train": {"drill_formed": False, "drill_final_loss": 0.064, "drill_steps": 4500}}))
+
+    def prepare(cfg):
+        with open_dict(cfg):
+            cfg.actor_rollout_ref.model.path = str(model)
+        return cfg, None
+
+    events: list[str] = []
+    monkeypatch.setattr(train, "prepare", prepare)
+    monkeypatch.setattr(train, "launch", lambda cfg: events.append(capsys.readouterr().err))
+    monkeypatch.setattr(train, "report_learning", lambda run_dir: print("envace: held-out success ..."))
+    assert main([f"trainer.default_local_dir={tmp_path / 'run'}"]) == 0
+    before, after = events[0].strip().splitlines(), capsys.readouterr().err.strip().splitlines()
+    assert len(before) == 1 and "did not form its copying circuit" in before[0] and "AVX2" in before[0]
+    assert after == before  # the last line of the run, after the held-out line (stdout)
