@@ -82,7 +82,7 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
                               "threads": cfg.threads}
     drill_losses = train_sft(model, drills, max_steps=cfg.drill_steps, lr=cfg.drill_lr, seed=cfg.seed + 1,
                              decay=False, stop_below=cfg.drill_target_loss, stop_window=cfg.drill_window,
-                             anneal_below=cfg.drill_anneal_below, anneal_steps=cfg.drill_anneal_steps,
+                             anneal_steps=cfg.drill_anneal_steps,
                              batch_tokens=cfg.drill_batch_tokens, **common) if drills else []
     drill_final = window_mean(drill_losses, cfg.drill_window) if drill_losses else None
     drill_formed = drill_final <= cfg.drill_target_loss if drill_final is not None else None

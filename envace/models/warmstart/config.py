@@ -47,14 +47,12 @@ class WarmStartConfig:
     max_train_tasks: int = 0  # 0: every train task
     rehearse_per_task: int = 1  # rehearsal examples kept per task (random gold calls; 0: none)
     rehearse_every: int = 1  # rehearsal examples only for every k-th train task (more ACT tokens per step)
-    drill_steps: int = 4500  # phase 1: at most this many optimizer steps on copy drills alone (the copying circuit)
+    drill_steps: int = 5000  # phase 1: at most this many optimizer steps on copy drills alone (the copying circuit)
     drill_lr: float = 1.2e-2  # phase 1 learning rate (constant after warm-up, until the anneal)
     drill_target_loss: float = 0.03  # phase 1 ends once the drill loss averaged over drill_window steps is this low
     drill_window: int = 50  # steps averaged for drill_target_loss
-    # phase 1 ends with a linear anneal of the drill rate to 5 % over drill_anneal_steps, from the first step whose
-    # windowed drill loss is at most drill_anneal_below (the circuit has formed), at the latest drill_anneal_steps
-    # before drill_steps (0: no anneal, a constant rate to the end)
-    drill_anneal_below: float = 0.1
+    # the last drill_anneal_steps of drill_steps anneal the drill rate linearly to 5 %: a run whose drill loss has not
+    # reached drill_target_loss by then (it plateaus at 0.06-0.07 on some CPUs' kernels) settles below it (0: none)
     drill_anneal_steps: int = 1000
     copy_drills: int = 2000  # copy drills mixed into the phase-2 data (phase 1 draws its own, 30,000)
     max_history_chars: int = 1500

@@ -62,7 +62,6 @@ def train_sft(
     decay: bool = True,
     stop_below: float = 0.0,
     stop_window: int = 50,
-    anneal_below: float = 0.0,
     anneal_steps: int = 0,
 ) -> list[float]:
     """Fine-tune ``model`` (a tied-embedding Qwen3ForCausalLM, in place) on ``examples``; per-step losses.
@@ -73,16 +72,15 @@ def train_sft(
     (``decay``) or stays constant. With ``stop_below`` > 0 training ends early, at the first step where the
     mean loss of the last ``stop_window`` steps is at most ``stop_below``.
 
-    ``anneal_steps`` > 0 (with a constant rate) ends training with a linear anneal of that many steps to 5 % of
-    ``lr``: it starts at the first step whose windowed loss is at most ``anneal_below``, and at the latest
-    ``anneal_steps`` before ``max_steps``, so it always fits the budget; training ends when it does (or at
-    ``stop_below``).
+    ``anneal_steps`` > 0 (with a constant rate) makes the budget's last ``anneal_steps`` steps a linear anneal to
+    5 % of ``lr``: a run that ``stop_below`` has not ended by then settles at a falling rate instead of going on at
+    a rate too high for its noise.
     """
     if anneal_steps and decay:
         raise ValueError("anneal_steps needs a constant rate (decay=False)")
     with torch_threads(threads):
         return _train(model, examples, epochs, max_steps, batch_tokens, lr, warmup_steps, weight_decay, grad_clip,
-                      negatives, seed, log_every, decay, stop_below, stop_window, anneal_below, anneal_steps)
+                      negatives, seed, log_every, decay, stop_below, stop_window, anneal_steps)
 
 
 def window_mean(losses: Sequence[float], window: int) -> float:
@@ -94,7 +92,7 @@ def window_mean(losses: Sequence[float], window: int) -> float:
 def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: int, batch_tokens: int, lr: float,
            warmup_steps: int, weight_decay: float, grad_clip: float, negatives: int, seed: int,
            log_every: int, decay: bool = True, stop_below: float = 0.0, stop_window: int = 50,
-           anneal_below: float = 0.0, anneal_steps: int = 0) -> list[float]:
+           anneal_steps: int = 0) -> list[float]:
     import torch
     import torch.nn.functional as F
 
@@ -119,14 +117,13 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
     params = [compact] + [p for n, p in body.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     total = max_steps or epochs * len(_batches(examples, batch_tokens, random.Random(0)))
-    # the step the anneal starts at: at the latest anneal_steps before the end, earlier once anneal_below is reached
-    anneal_start = [max(0, total - anneal_steps) if anneal_steps else math.inf]
+    anneal_start = max(0, total - anneal_steps) if anneal_steps else math.inf
 
     def factor(s: int) -> float:
         if decay:
             tail = max(0.05, 1 - s / max(1, total))
         else:
-            tail = max(0.05, 1 - (s - anneal_start[0]) / anneal_steps) if s >= anneal_start[0] else 1.0
+            tail = max(0.05, 1 - (s - anneal_start) / anneal_steps) if s >= anneal_start else 1.0
         return min(1.0, (s + 1) / max(1, warmup_steps)) * tail
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
@@ -171,14 +168,9 @@ def _train(model: Any, examples: Sequence[SFTExample], epochs: int, max_steps: i
                 if log_every and step % log_every == 0:
                     recent = losses[-log_every:]
                     print(f"step {step}/{total} loss {sum(recent) / len(recent):.4f} ({time.time() - t0:.0f}s)", flush=True)
-                if len(losses) >= stop_window:
+                if stop_below > 0 and len(losses) >= stop_window:
                     window = window_mean(losses, stop_window)
-                    if anneal_steps and step < anneal_start[0] and window <= anneal_below:
-                        anneal_start[0] = step
-                        total = step + anneal_steps
-                        print(f"step {step}: loss over the last {stop_window} steps {window:.4f} <= {anneal_below}, "
-                              f"annealing the rate over {anneal_steps} steps", flush=True)
-                    if stop_below > 0 and window <= stop_below:
+                    if window <= stop_below:
                         print(f"step {step}/{total}: loss over the last {stop_window} steps {window:.4f} "
                               f"<= {stop_below}, stopping", flush=True)
                         stopped = True

@@ -237,25 +237,21 @@ def test_training_stops_once_the_windowed_loss_reaches_the_target(pool, tok, sam
     assert len(W.train_sft(_tiny_model(), examples, stop_below=1e-9, stop_window=3, **kw)) == 12
 
 
-def test_anneal_starts_at_the_loss_threshold_and_ends_the_run(pool, tok, sample_tasks):
-    """Phase 1's anneal: a constant rate until the windowed loss reaches ``anneal_below``, then ``anneal_steps``
-    steps decaying linearly; training ends with the anneal. Without the threshold it still fits the budget."""
+def test_the_budget_ends_with_an_anneal_that_a_reached_target_never_sees(pool, tok, sample_tasks):
+    """Phase 1's fallback: at a constant rate, the budget's last ``anneal_steps`` updates fall linearly (1, 2/3, 1/3
+    of ``lr`` for 3); a run that ``stop_below`` ends earlier is the constant run's, step for step."""
     examples = [W.act_examples(pool, tid, tok)[0] for tid in sample_tasks[:2]]
     kw = {"max_steps": 12, "batch_tokens": 1024, "lr": 1e-2, "warmup_steps": 2, "negatives": 64, "seed": 1,
-          "decay": False}
+          "decay": False, "stop_window": 3}
     constant = W.train_sft(_tiny_model(), examples, **kw)
-    # a threshold the constant run's 3-step window reaches by step 8, before the latest start (12 - 3 = 9)
+    annealed = W.train_sft(_tiny_model(), examples, anneal_steps=3, **kw)
+    # the anneal's first update (step 10) is at the full rate: the losses agree up to the one after it
+    assert len(annealed) == 12 and annealed[:11] == constant[:11] and annealed[11] != constant[11]
+    # a target the constant run's 3-step window reaches by step 8, before the anneal: the same run, stopped there
     means = {i: sum(constant[i - 3:i]) / 3 for i in range(3, 9)}
-    below = min(means.values())
-    first = min(i for i, m in means.items() if m <= below)
-    annealed = W.train_sft(_tiny_model(), examples, anneal_below=below, anneal_steps=3, stop_window=3, **kw)
-    # three more updates after the threshold step, at rates 1, 2/3 and 1/3 of lr, and no more: the losses agree
-    # with the constant run's up to the one after the first of them
-    assert annealed[: first + 2] == constant[: first + 2] and len(annealed) == first + 3 < 12
-    assert annealed[first + 2] != constant[first + 2]
-    # an unreachable threshold: the anneal takes the budget's last 3 steps, the rest is the constant run's
-    late = W.train_sft(_tiny_model(), examples, anneal_below=-1.0, anneal_steps=3, stop_window=3, **kw)
-    assert len(late) == 12 and late[:11] == constant[:11] and late[11] != constant[11]
+    target = min(means.values())
+    first = min(i for i, m in means.items() if m <= target)
+    assert W.train_sft(_tiny_model(), examples, anneal_steps=3, stop_below=target, **kw) == constant[:first]
     with pytest.raises(ValueError, match="constant rate"):
         W.train_sft(_tiny_model(), examples, anneal_steps=4, max_steps=2)
 
