@@ -240,7 +240,7 @@ class EnvAceConfig:
 # -- verl's keys: those envace reads, and those verl uses unchecked until its workers run ------------------------
 @dataclass
 class VerlV1Keys:
-    # the V1 trainer, a name of verl's trainer registry (resolved by envace.train.check_registries)
+    # the V1 trainer, a name of verl's trainer registry (resolved by envace.verl.config.check_registries)
     trainer_mode: str = "envace_sync"
 
 
@@ -322,7 +322,7 @@ class VerlActorKeys:
 
 @dataclass
 class VerlRolloutKeys:
-    # the rollout engine and its mode, a pair of verl's rollout registry (resolved by envace.train.check_registries)
+    # the rollout engine and its mode, a pair of verl's rollout registry (resolved by envace.verl.config.check_registries)
     name: str = "hfcpu"
     mode: str = "async"
     # rollouts per prompt (the GRPO group) and their sampling temperature

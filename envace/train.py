@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from envace.cache import cache_dir
 from envace.config import ConfigError, EnvAceConfig, validate_envace_config, validate_verl_keys
 from envace.roles import Role
-from envace.verl.config import VERL_TYPED_SECTIONS, compose, validate_verl_config
+from envace.verl.config import check_registries, compose, validate_verl_config
 from trace2env.cliargs import one_line
 
 BUILTIN_PREFIX = "builtin:"
@@ -85,63 +85,6 @@ def check_cluster(cfg: DictConfig) -> None:
             f"trainer.nnodes={cfg.trainer.nnodes} needs a Ray cluster: launch with "
             "NNODES/NODE_RANK/MASTER_ADDR through scripts/train.sh, or set RAY_ADDRESS"
         )
-
-
-def _registered(key: str, value: str, known: list[str], registry: str) -> None:
-    if value not in known:
-        raise ConfigError(f"{key}={value!r} is not in verl's {registry} registry (registered here: {', '.join(known)})")
-
-
-def check_registries(cfg: DictConfig) -> None:
-    """The names verl looks up only inside Ray, resolved now against its registries: the rollout
-    (``actor_rollout_ref.rollout.name`` and ``.mode``), the advantage estimator (``algorithm.adv_estimator``) and,
-    for the V1 trainer, ``trainer.v1.trainer_mode``; envace's own entries (``hfcpu`` on CPU, ``grpo_rolewise``,
-    ``envace_sync``, ``envsched_sync``) are registered first, as in verl's TaskRunner."""
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
-    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
-
-    from envace.verl.extensions import register_trainer_extensions
-
-    register_trainer_extensions()
-    rollout = cfg.actor_rollout_ref.rollout
-    _registered("actor_rollout_ref.rollout.name", rollout.name, sorted({n for n, _ in _ROLLOUT_REGISTRY}), "rollout")
-    _registered("actor_rollout_ref.rollout.mode", rollout.mode,
-                sorted(m for n, m in _ROLLOUT_REGISTRY if n == rollout.name), f"rollout ({rollout.name})")
-    _registered("algorithm.adv_estimator", str(cfg.algorithm.adv_estimator), sorted(ADV_ESTIMATOR_REGISTRY),
-                "advantage estimator")
-    if cfg.trainer.use_v1:
-        _registered("trainer.v1.trainer_mode", cfg.trainer.v1.trainer_mode, sorted(TRAINER_REGISTRY), "trainer")
-
-
-def check_verl_config(cfg: DictConfig) -> None:
-    """verl's own checks that need no model on disk, before anything is built: its ``validate_config`` (the batch
-    sizes, e.g. ``actor.ppo_mini_batch_size`` against ``data.train_batch_size``; the actor's dataclass) and the typed
-    dataclasses of :data:`~envace.verl.config.VERL_TYPED_SECTIONS` but the model's, which loads the model's files.
-    :func:`build` runs them all (:func:`~envace.verl.config.validate_verl_config`) once the model exists; verl's
-    notes and warnings (its "all checks passed", "Disabled critic") are left to that second run, so that a refusal
-    here is the one line."""
-    import contextlib
-    import io
-    import warnings
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import omega_conf_to_dataclass, validate_config
-
-    sections = [s for s in VERL_TYPED_SECTIONS if s != "actor_rollout_ref.model"]
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            use_critic = need_critic(cfg)
-            validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=use_critic)
-            for key in sections + (["critic"] if use_critic else []):
-                omega_conf_to_dataclass(OmegaConf.select(cfg, key))
-    except (AssertionError, ValueError, TypeError, OmegaConfBaseException, HydraException) as exc:
-        # a dataclass's own check reaches us wrapped in Hydra's instantiation error: its cause says what is wrong
-        cause = exc.__cause__ if isinstance(exc, (OmegaConfBaseException, HydraException)) and exc.__cause__ else exc
-        raise ConfigError(f"verl rejects the config: {type(cause).__name__}: {cause}") from exc
 
 
 def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
@@ -465,7 +408,7 @@ def preflight(cfg: DictConfig) -> tuple[EnvAceConfig, list[str]]:
     if ecfg.preflight:
         check_platform(cfg)
     check_cluster(cfg)
-    check_verl_config(cfg)
+    validate_verl_config(cfg, model=False)
     check_registries(cfg)
     simulated = resolve_worldbooks(cfg, ecfg, build=False)
     resolve_model_path(str(cfg.actor_rollout_ref.model.path), build=False)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from envace.config import ConfigError
 
-__all__ = ["CONFIG_DIR", "CONFIG_NAME", "VERL_TYPED_SECTIONS", "compose", "validate_verl_config"]
+__all__ = ["CONFIG_DIR", "CONFIG_NAME", "VERL_TYPED_SECTIONS", "check_registries", "compose", "validate_verl_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIG_NAME = "envace_trainer"
@@ -32,25 +32,63 @@ def compose(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def validate_verl_config(cfg: DictConfig) -> None:
-    """verl's own validation, before any Ray work: ``validate_config`` (batch sizes, the actor's dataclass)
-    and the typed dataclasses verl builds later inside its workers (rollout, model, algorithm; critic when
-    used), whose ``__post_init__`` checks would otherwise fail only after the cluster is up."""
+def validate_verl_config(cfg: DictConfig, model: bool = True) -> None:
+    """verl's own validation, before any Ray work: ``validate_config`` (batch sizes, e.g. ``actor.ppo_mini_batch_size``
+    against ``data.train_batch_size``; the actor's dataclass) and the typed dataclasses verl builds later inside its
+    workers (rollout, model, algorithm; critic when used), whose ``__post_init__`` checks would otherwise fail only
+    after the cluster is up. ``model=False`` leaves out the model's section, which loads the model's files (pre-flight
+    runs before the model is built), and verl's notes and warnings ("Disabled critic"), so that a refusal there is
+    one line; the launch runs it again with the model once it is built."""
+    import contextlib
+    import io
+    import warnings
+
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    sections = list(VERL_TYPED_SECTIONS)
+    sections = [s for s in VERL_TYPED_SECTIONS if model or s != "actor_rollout_ref.model"]
+    quiet = contextlib.nullcontext() if model else contextlib.redirect_stdout(io.StringIO())
     try:
-        use_critic = need_critic(cfg)
-        if use_critic:
-            sections.append("critic")
-        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=use_critic)
-        for key in sections:
-            node = OmegaConf.select(cfg, key)
-            if node is not None:
-                omega_conf_to_dataclass(node)
+        with quiet, warnings.catch_warnings():
+            if not model:
+                warnings.simplefilter("ignore")
+            use_critic = need_critic(cfg)
+            validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=use_critic)
+            for key in sections + (["critic"] if use_critic else []):
+                node = OmegaConf.select(cfg, key)
+                if node is not None:
+                    omega_conf_to_dataclass(node)
     except (AssertionError, ValueError, TypeError, OmegaConfBaseException, HydraException) as exc:
+        # a dataclass's own check reaches us wrapped in Hydra's instantiation error: its cause says what is wrong
         cause = exc.__cause__ if isinstance(exc, (OmegaConfBaseException, HydraException)) and exc.__cause__ else exc
         raise ConfigError(f"verl rejects the config: {type(cause).__name__}: {cause}") from exc
+
+
+def _registered(key: str, value: str, known: list[str], registry: str) -> None:
+    if value not in known:
+        raise ConfigError(f"{key}={value!r} is not in verl's {registry} registry (registered here: {', '.join(known)})")
+
+
+def check_registries(cfg: DictConfig) -> None:
+    """The names verl looks up only inside Ray, resolved now against its registries: the rollout
+    (``actor_rollout_ref.rollout.name`` and ``.mode``), the advantage estimator (``algorithm.adv_estimator``) and,
+    for the V1 trainer, ``trainer.v1.trainer_mode``; envace's own entries (``hfcpu`` on CPU, ``grpo_rolewise``,
+    ``envace_sync``, ``envsched_sync``) are registered first, as in verl's TaskRunner. (The registries' locations
+    are pinned in ``tests/envace/verl/test_verl_pins.py``.)"""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+
+    from envace.verl.extensions import register_trainer_extensions
+
+    register_trainer_extensions()
+    rollout = cfg.actor_rollout_ref.rollout
+    _registered("actor_rollout_ref.rollout.name", rollout.name, sorted({n for n, _ in _ROLLOUT_REGISTRY}), "rollout")
+    _registered("actor_rollout_ref.rollout.mode", rollout.mode,
+                sorted(m for n, m in _ROLLOUT_REGISTRY if n == rollout.name), f"rollout ({rollout.name})")
+    _registered("algorithm.adv_estimator", str(cfg.algorithm.adv_estimator), sorted(ADV_ESTIMATOR_REGISTRY),
+                "advantage estimator")
+    if cfg.trainer.use_v1:
+        _registered("trainer.v1.trainer_mode", cfg.trainer.v1.trainer_mode, sorted(TRAINER_REGISTRY), "trainer")

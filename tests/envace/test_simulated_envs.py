@@ -179,7 +179,7 @@ def test_prepare_hands_the_built_books_to_the_agent_loops(tmp_path, cache, monke
     from envace import train
 
     monkeypatch.setattr(train, "resolve_model_path", lambda path, build=True: str(tmp_path / "model"))
-    monkeypatch.setattr(train, "validate_verl_config", lambda cfg: None)
+    monkeypatch.setattr(train, "validate_verl_config", lambda cfg, model=True: None)
     cfg = cfg_of(tmp_path, "envace.agent.simulated_envs=[syn-files-03]", "data.filter_overlong_prompts=false")
     cfg, ecfg = prepare(cfg)
     books = Path(str(cfg.envace.agent.worldbook))

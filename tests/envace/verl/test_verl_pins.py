@@ -236,3 +236,20 @@ def test_pinned_verl_source_line(target, line):
     obj = getattr(obj, "__ray_actor_class__", obj)
     source = inspect.getsource(obj)
     assert line in source, f"verl {VERSIONS['verl']}: {target} no longer contains {line!r} (envace/verl/trainer.py)"
+
+
+#: the registries pre-flight reads to resolve a configured name before Ray starts
+#: (``envace/verl/config.py`` check_registries): module, attribute, and whether a key is a (name, mode) pair
+REGISTRIES = [
+    ("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", True),
+    ("verl.trainer.ppo.core_algos", "ADV_ESTIMATOR_REGISTRY", False),
+    ("verl.trainer.ppo.v1.trainer_base", "TRAINER_REGISTRY", False),
+]
+
+
+@pytest.mark.parametrize(("module", "name", "pairs"), REGISTRIES)
+def test_the_registries_preflight_reads_are_where_it_reads_them(module, name, pairs):
+    registry = getattr(importlib.import_module(module), name, None)
+    assert isinstance(registry, dict) and registry, f"verl {VERSIONS['verl']}: {module}.{name} is gone or empty"
+    keys = [k for key in registry for k in (key if pairs else (key,))]
+    assert all(isinstance(k, str) for k in keys) and (not pairs or all(len(k) == 2 for k in registry)), list(registry)
