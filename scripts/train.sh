@@ -63,7 +63,7 @@ check_multinode_env() {
   [[ -z "${RAY_WAIT_NODES_TIMEOUT:-}" ]] || check_int RAY_WAIT_NODES_TIMEOUT 0 999999999 "seconds"
   RAY_JOIN_TIMEOUT="${RAY_JOIN_TIMEOUT:-${RAY_WAIT_NODES_TIMEOUT:-600}}"
   check_int RAY_JOIN_TIMEOUT 0 999999999 "seconds"
-  [[ -z "${GPUS_PER_NODE:-}" ]] || check_int GPUS_PER_NODE 1
+  [[ -z "${GPUS_PER_NODE:-}" ]] || check_int GPUS_PER_NODE 0  # 0: a CPU-only worker node; the head's pre-flight checks trainer.n_gpus_per_node
   [[ -z "${RAY_NUM_CPUS:-}" ]] || check_int RAY_NUM_CPUS 0
   ENVACE_STEP_DEADLINE="${ENVACE_STEP_DEADLINE:-7200}"
   check_seconds ENVACE_STEP_DEADLINE "0: no deadline"

@@ -243,7 +243,7 @@ def _train_sh_env(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str
     ({"RAY_PORT": "63 79"}, "RAY_PORT='63 79'"),
     ({"RAY_JOIN_TIMEOUT": "10m"}, "RAY_JOIN_TIMEOUT='10m'"),
     ({"RAY_WAIT_NODES_TIMEOUT": "1.5"}, "RAY_WAIT_NODES_TIMEOUT='1.5'"),
-    ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE='0'"),
+    ({"GPUS_PER_NODE": "-1"}, "GPUS_PER_NODE='-1'"),
     ({"GPUS_PER_NODE": "auto"}, "GPUS_PER_NODE='auto'"),
     ({"RAY_NUM_CPUS": "1e3"}, "RAY_NUM_CPUS='1e3'"),
     ({"RAY_AUTH_MODE": "disable"}, "RAY_AUTH_MODE='disable'"),
@@ -265,6 +265,7 @@ def test_a_bad_variable_is_one_line_before_bootstrap(tmp_path, env, variable):
     {"ENVACE_STEP_DEADLINE": "0.5", "NODE_RANK": "01", "RAY_WAIT_NODES_TIMEOUT": "30", "RAY_AUTH_MODE": "token",
      "RAY_AUTH_TOKEN": "t" * 32},
     {"NNODES": "1", "NODE_RANK": "7", "ENVACE_STEP_DEADLINE": "2h"},  # one node reads neither
+    {"NODE_RANK": "1", "GPUS_PER_NODE": "0"},  # a CPU-only worker node (the head's pre-flight checks its own count)
 ])
 def test_good_variables_reach_bootstrap(tmp_path, env):
     proc = _train_sh_env(tmp_path, **{**HEAD, **env})
