@@ -155,7 +155,8 @@ def _read_lines(path: str) -> list[str]:
 def unformed_warning(path: str | os.PathLike[str]) -> str | None:
     """The warning for a warm start whose copy drill did not reach its target (None when it did, or when ``path``
     has no warm-start manifest): such a model guesses argument values, and the README's held-out figures do not hold
-    for it. The build prints it last, and ``scripts/train.sh`` before training and again as its last line."""
+    for it. ``python -m envace.models build --warm-start`` prints it as its last line (exit 1), and ``envace.train``
+    before training and again as its last line."""
     try:
         manifest = json.loads((Path(path) / _tiny.MANIFEST_NAME).read_text())
     except (OSError, ValueError):
