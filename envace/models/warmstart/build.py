@@ -145,6 +145,33 @@ def cpu_kernels() -> dict[str, Any]:
             "variables": {k: os.environ[k] for k in KERNEL_VARIABLES if k in os.environ}}
 
 
+class UnsupportedCPU(ValueError):
+    """This CPU's kernel path cannot build the warm start to its targets (a configuration error: exit 2)."""
+
+
+def kernel_path_problem(target: Path) -> str | None:
+    """Why the warm start must not be built into ``target`` on this CPU (one line naming the way out), or None.
+
+    On x86-64 without AVX2 (torch's ``DEFAULT`` capability: CPUs before 2013, and virtual machines that hide the
+    host's AVX2), the build's drill forms only under the anneal and the rest does not: 1,113 s on 2 cores, phase-2
+    loss 0.281 against 0.16, held-out success 0.0 on 48 tasks (docs/results/cpu_default.md, "CPU kernel paths"). A
+    default run on such a model has nothing to learn from, so the build is refused before it starts; a warm start
+    built elsewhere still trains here. Other architectures are not judged (no measurement)."""
+    import platform
+
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() not in ("x86_64", "amd64") or capability != "DEFAULT":
+        return None
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    how = f"ATEN_CPU_CAPABILITY={forced} forces" if forced else "this CPU has no AVX2, so torch uses"
+    return (f"{how} the scalar kernel path, where the warm start ({WARM_NAME}) does not reach its targets "
+            "(measured: 19 minutes, held-out success 0.0; docs/results/cpu_default.md): build it on an x86-64 CPU "
+            "with AVX2 (any since 2013; in a virtual machine, expose the host CPU, e.g. QEMU's -cpu host) and copy "
+            f"it to {target}, or train another model (actor_rollout_ref.model.path=DIR)")
+
+
 def _read_lines(path: str) -> list[str]:
     try:
         return Path(path).read_text().splitlines()
@@ -199,6 +226,9 @@ def ensure_warm(out_dir: str | os.PathLike[str] | None, *, force: bool = False, 
     final = (Path(out_dir).expanduser() if out_dir is not None else default_warm_dir()).absolute()
     if not force and is_warm_complete(final, cfg):
         return final, False
+    problem = kernel_path_problem(final)
+    if problem:
+        raise UnsupportedCPU(problem)
     with _tiny._build_lock(final):
         if not force and is_warm_complete(final, cfg):
             return final, False

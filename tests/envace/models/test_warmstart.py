@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -276,6 +278,65 @@ def test_the_manifest_names_the_kernel_path_and_an_unformed_drill_warns(tmp_path
     warning = unformed_warning(tmp_path)
     assert warning is not None and "\n" not in warning
     assert "0.064 after 4500 steps" in warning and kernels["capability"] in warning and "README" in warning
+
+
+def test_the_scalar_kernel_path_is_refused_before_anything_is_built(tmp_path):
+    """On x86-64 without AVX2 (forced here with ATEN_CPU_CAPABILITY=default) the build would take 19 minutes and
+    end with held-out success 0.0: ``build --warm-start`` and a training launch on the default model both stop with
+    one line, exit 2, naming the way out, and write nothing. A complete warm start built elsewhere is not refused."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the refusal is for x86-64 CPUs without AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", ENVACE_CACHE=str(tmp_path / "cache"))
+    repo = Path(__file__).resolve().parents[3]
+    runs = {
+        "python -m envace.models: error: ATEN_CPU_CAPABILITY=default forces the scalar kernel path": [
+            "-m", "envace.models", "build", "--warm-start", "--out", str(tmp_path / "warm")],
+        "envace: config error: actor_rollout_ref.model.path=builtin:tiny-qwen3-warm: ATEN_CPU_CAPABILITY=default": [
+            "-m", "envace.train", "--preflight-only", f"trainer.default_local_dir={tmp_path / 'run'}"],
+    }
+    for start, args in runs.items():
+        proc = subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), proc.stdout + proc.stderr
+        assert "AVX2" in lines[0] and "actor_rollout_ref.model.path=DIR" in lines[0]
+    assert not [p for p in tmp_path.iterdir()]  # nothing built, no cache, no run directory
+
+
+def test_kernel_path_problem_names_only_x86_without_avx2(monkeypatch, tmp_path):
+    import platform
+
+    import torch
+
+    from envace.models.warmstart.build import kernel_path_problem
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    for machine, capability, refused in [("x86_64", "DEFAULT", True), ("x86_64", "AVX2", False),
+                                         ("x86_64", "AVX512", False), ("aarch64", "DEFAULT", False)]:
+        monkeypatch.setattr(platform, "machine", lambda m=machine: m)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        problem = kernel_path_problem(tmp_path / "warm")
+        assert bool(problem) == refused, (machine, capability, problem)
+        if problem:
+            assert problem.startswith("this CPU has no AVX2") and str(tmp_path / "warm") in problem
+    # the launch's pre-flight refuses only a build: a complete warm start (built on another machine) trains here
+    from envace.config import ConfigError
+    from envace.models.warmstart import build
+    from envace.train import resolve_model_path
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    for complete in (True, False):
+        monkeypatch.setattr(build, "is_warm_complete", lambda path, complete=complete: complete)
+        if complete:
+            assert resolve_model_path("builtin:tiny-qwen3-warm", build=False) is None
+        else:
+            with pytest.raises(ConfigError, match="no AVX2"):
+                resolve_model_path("builtin:tiny-qwen3-warm", build=False)
 
 
 def test_constant_rate_differs_from_decay_only_after_warmup(pool, tok, sample_tasks):
