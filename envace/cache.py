@@ -1,4 +1,6 @@
-"""Where envace keeps what it builds once and reuses (tiny model, parquet data, BFCL scratch files)."""
+"""Where envace keeps what it builds once and reuses: the ``builtin:`` models, a one-node run's generated parquet
+data and worldbooks, BFCL's scratch files. A multi-node run generates its data under its run directory instead
+(:func:`envace.train.generated_dir`): the cache defaults to the home directory, which the nodes may not share."""
 
 from __future__ import annotations
 

@@ -59,8 +59,9 @@ class DataConfig:
     # task categories kept in both splits (a task's TaskSpec.category: a synthetic task's shape, a BFCL category;
     # null: all), before max_tasks_per_pool; explicit train_task_ids are kept as given
     categories: list[str] | None = None
-    # where built parquet files go (null: $ENVACE_CACHE/data/<content hash>); a folder holding a build of another
-    # recipe (its recipe.json) is an error, never silently reused
+    # where built parquet files go (null: $ENVACE_CACHE/data/<content hash>, or with trainer.nnodes > 1 the run
+    # directory's data/<content hash>: envace.train.generated_dir); a folder holding a build of another recipe (its
+    # recipe.json) is an error, never silently reused
     out_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -96,8 +97,9 @@ class AgentConfig:
     simulator: EndpointConfig | None = None
     # Trace2Env worldbook (observation_source=simulator, or the simulated_envs below): one package, or a directory
     # of packages matched by environment id (scripts/build_worldbook.sh); auto: one book per simulated environment,
-    # built model-free from gold traces of its train-split tasks and cached under $ENVACE_CACHE/worldbooks
-    # (envace.envs.worldbooks); null: the external LLM alone writes tool responses
+    # built model-free from gold traces of its train-split tasks and cached under $ENVACE_CACHE/worldbooks, or with
+    # trainer.nnodes > 1 the run directory's worldbooks/ (envace.envs.worldbooks); null: the external LLM alone
+    # writes tool responses
     worldbook: str | None = None
     # environments (env ids of the training pools, or fnmatch patterns such as syn-bank-*) whose training
     # rollouts Trace2Env's simulator answers over `worldbook` (the envace_simulator loop; reward from the real

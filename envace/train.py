@@ -123,7 +123,8 @@ def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig, build: bool = True) 
     """Check ``envace.agent.worldbook`` and ``simulated_envs`` against the training data; returns the simulated
     environments (sorted; empty without ``simulated_envs``). ``worldbook: auto`` builds (or reuses) the books from
     the environments' recorded traces and puts their folder into both configs (:mod:`envace.envs.worldbooks`); with
-    ``build=False`` (pre-flight) it checks the choice of environments only, and builds nothing."""
+    ``build=False`` (pre-flight) it checks the choice of environments only, and builds nothing. The books go under
+    :func:`generated_dir`."""
     from envace.config import AUTO
     from envace.envs.worldbooks import (
         WorldbookSelectionError,
@@ -156,7 +157,7 @@ def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig, build: bool = True) 
             return chosen if agent.simulated_envs else []
         pools = {env: envs[env][0] for env in chosen}
         if agent.worldbook == AUTO:
-            books = str(build_worldbooks(chosen, pools, kwargs, cache_dir(), data.train_split))
+            books = str(build_worldbooks(chosen, pools, kwargs, generated_dir(cfg), data.train_split))
             agent.worldbook = books
             with open_dict(cfg):
                 cfg.envace.agent.worldbook = books
@@ -166,6 +167,20 @@ def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig, build: bool = True) 
     except WorldbookSelectionError as exc:
         raise ConfigError(str(exc)) from None
     return chosen if agent.simulated_envs else []
+
+
+def generated_dir(cfg: DictConfig) -> Path:
+    """Where a launch puts the files it generates for its Ray workers to read: the ``data.*_files: auto`` parquet
+    (``data/<recipe digest>``, unless ``envace.data.out_dir`` is set) and the ``worldbook: auto`` books
+    (``worldbooks/<digest>``).
+
+    On one node, ``$ENVACE_CACHE``, where later runs of the same recipe reuse them. With ``trainer.nnodes`` > 1, the
+    run directory (``trainer.default_local_dir``): workers on every node read these files, and the run directory is
+    the one path a multi-node run keeps on shared storage anyway (its checkpoints), whereas the cache defaults to
+    the head's home directory, which the nodes of a cluster often do not share."""
+    if int(cfg.trainer.nnodes) > 1:
+        return Path(str(cfg.trainer.default_local_dir))
+    return cache_dir()
 
 
 def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int) -> None:
@@ -215,7 +230,8 @@ def resolve_model_path(path: str, build: bool = True) -> str | None:
 
 
 def build_data(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str] | None = None) -> tuple[str, str]:
-    """Build (or reuse) the parquet files of ``envace.data``; returns (train, val) paths. The training rows of the
+    """Build (or reuse) the parquet files of ``envace.data`` in ``envace.data.out_dir``, or else in
+    ``data/<recipe digest>`` under :func:`generated_dir`; returns (train, val) paths. The training rows of the
     ``simulated`` environments run the simulator's loop (:func:`resolve_worldbooks`)."""
     from envace.envs.datasets import DatasetBuildError, build_parquet
 
@@ -235,7 +251,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str] | None 
         "version": 2,
     }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(d.out_dir).expanduser() if d.out_dir else cache_dir() / "data" / digest
+    out = Path(d.out_dir).expanduser() if d.out_dir else generated_dir(cfg) / "data" / digest
     train, val = out / "train.parquet", out / "val.parquet"
     # the recipe a build was made from, written after it completed: an explicit out_dir is not keyed by the
     # recipe, so reusing it needs this record to match (a build of another recipe is never silently reused)
@@ -481,6 +497,32 @@ def _as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+def worker_paths(cfg: DictConfig) -> dict[str, str]:
+    """The paths the Ray workers of a built config read on whichever node they run: the model, the data files and
+    the worldbooks, for :func:`~envace.launch.check_shared_storage`. Each is named by what moves it, for that
+    check's error: its config key, and, where the path lies under a folder chosen elsewhere, that folder's key or
+    variable too (``envace.data.out_dir``, ``trainer.default_local_dir``: :func:`generated_dir`; ``ENVACE_CACHE``:
+    a ``builtin:`` model, or the generated files of a one-node config on a several-node cluster)."""
+    paths = {"actor_rollout_ref.model.path": str(cfg.actor_rollout_ref.model.path)}
+    for key in ("train_files", "val_files"):
+        for i, f in enumerate(_as_list(cfg.data[key])):
+            paths[f"data.{key}[{i}]"] = f
+    if cfg.envace.agent.worldbook is not None:
+        paths["envace.agent.worldbook"] = str(cfg.envace.agent.worldbook)
+    cache = "ENVACE_CACHE" if os.environ.get("ENVACE_CACHE") else "ENVACE_CACHE, unset: ~/.cache/envace"
+    roots = [(cfg.envace.data.out_dir, "envace.data.out_dir"),
+             (cfg.trainer.default_local_dir, "trainer.default_local_dir"), (cache_dir(), cache)]
+
+    def named(key: str, path: str) -> str:
+        where = Path(os.path.abspath(path))
+        for root, name in roots:
+            if root and where.is_relative_to(os.path.abspath(Path(str(root)).expanduser())):
+                return f"{key} (under {name})"
+        return key
+
+    return {named(key, path): path for key, path in paths.items()}
+
+
 def init_ray(cfg: DictConfig) -> None:
     """Join ``RAY_ADDRESS`` (checking its resources) or start a local Ray, with verl's runtime env."""
     import ray
@@ -497,12 +539,8 @@ def init_ray(cfg: DictConfig) -> None:
         ray.init(address=address, runtime_env=runtime_env)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         check_ray_resources(cfg, ray.cluster_resources(), len(nodes))
-        if len(nodes) > 1:  # every node reads the model and the data and writes checkpoints: the same paths
-            paths = {"model": str(cfg.actor_rollout_ref.model.path)}
-            for key in ("train_files", "val_files"):
-                for i, f in enumerate(_as_list(cfg.data[key])):
-                    paths[f"data.{key}[{i}]"] = f
-            check_shared_storage(cfg.trainer.default_local_dir, paths)
+        if len(nodes) > 1:  # every node writes checkpoints and reads the model, the data and the books
+            check_shared_storage(cfg.trainer.default_local_dir, worker_paths(cfg))
     else:
         kwargs = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
         kwargs["runtime_env"] = runtime_env

@@ -12,7 +12,8 @@ training split of the pools, refusing an entry that matches none (a typo) and an
 explicit ``envace.data.train_task_ids`` only the matched environments that have training rows are simulated. :func:`build_worldbooks`
 (``worldbook: auto``) records the gold replays of each simulated environment's train-split tasks
 (:func:`envace.envs.traces.record_pool`) and builds one book per environment model-free (deterministic: the same
-traces and code give the same books), cached under ``$ENVACE_CACHE/worldbooks/<digest>`` where the digest covers
+traces and code give the same books), cached under ``worldbooks/<digest>`` of the folder the caller names
+(:func:`envace.train.generated_dir`: ``$ENVACE_CACHE``, or a multi-node run's directory) where the digest covers
 the traces and trace2env's source, and published by one rename, so concurrent or interrupted builds never leave a
 half-built folder under the final name. One book per environment of one pool: trace2env refuses traces of several
 pools in one book (issue 33), so traces are grouped by (pool, environment). :func:`check_coverage` checks a given

@@ -7,7 +7,10 @@ model-free from the synthetic pool's gold traces by ``scripts/build_worldbook.sh
 end-to-end training test of the simulator as an observation source (issue 9). The cluster is
 token-authenticated (the head writes the token to RAY_AUTH_TOKEN_PATH, the worker reads it), an unrelated
 Ray cluster on the same machine survives the run (train.sh stops only what it started), and a worker node
-that cannot see the run directory stops the run before training, named in the error. A worker joins on its route
+that cannot see the run directory stops the run before training, named in the error. The head and the worker have
+a home directory each, and the worker's mount namespace hides the head's (a cluster whose nodes do not share $HOME):
+a user who sets only a shared run directory and model trains, the data the head generates going into the run
+directory, and one who leaves a path in the head's home is told which key or variable moves it. A worker joins on its route
 to the head and ends with 0 when the head closes the cluster; the head's watcher stops a run on a lost node or a
 step past its deadline; and a worker node killed mid-step stops a real run (exit 3, the node and the last
 checkpoint named), whose relaunch resumes from that checkpoint.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -113,6 +117,29 @@ def _env(port: int, token_path: Path) -> dict[str, str]:
     return env
 
 
+def _separate_homes(env: dict[str, str], root: Path) -> tuple[dict[str, str], dict[str, str], Path]:
+    """The head's and the worker's environments with a home directory each under ``root`` and no ``ENVACE_CACHE``
+    (a cluster whose nodes do not share $HOME, and a user who did not set it); returns both and the head's home."""
+    homes = {rank: root / f"home{rank}" for rank in (0, 1)}
+    for home in homes.values():
+        home.mkdir(parents=True)
+    head, worker = ({**{k: v for k, v in env.items() if k != "ENVACE_CACHE"}, "NODE_RANK": str(rank),
+                     "HOME": str(homes[rank])} for rank in (0, 1))
+    return head, worker, homes[0]
+
+
+def _mount_namespaces() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False).returncode == 0
+
+
+def _without(hidden: list[Path], command: list[str]) -> list[str]:
+    """``command`` in a mount namespace of its own in which each folder of ``hidden`` is an empty tmpfs: a node
+    that does not share those folders with the head."""
+    mounts = " && ".join(f"mount -t tmpfs none {shlex.quote(str(p))}" for p in hidden)
+    return ["unshare", "-m", "--propagation", "private", "bash", "-c", f"{mounts} && exec {shlex.join(command)}"]
+
+
 def _ray_processes_gone(port: int, timeout: float = 60) -> list[int]:
     """Wait up to ``timeout`` s for the Ray processes of the cluster on ``port`` to exit; those still running."""
     deadline = time.monotonic() + timeout
@@ -183,18 +210,27 @@ def worldbooks(tmp_path_factory) -> Path:
 
 @pytest.mark.warm_start
 def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
+    """Besides the step itself: the nodes have a home directory each, the head's hidden from the worker where mount
+    namespaces allow, and the user sets no ENVACE_CACHE, only a shared run directory and model. The head builds the
+    training data (``data.*_files: auto``) into the run directory, never into its home."""
+    from envace.models.warmstart import ensure_warm_model
+
     bystander_proc, bystander_port = bystander
     port = _free_port()
     token = tmp_path / "shared" / "ray_token"
+    run = tmp_path / "run"
     env = _env(port, token)
+    head_env, worker_env, head_home = _separate_homes(env, tmp_path)
     head_cmd = [
         str(REPO / "scripts" / "train.sh"),
         # the warm-started tiny Qwen3 (it emits tool calls) on the synthetic pool, its calls answered by the
         # Trace2Env simulator; the reward still comes from the real environment's replay (the shadow)
         "experiment=cpu_default",
+        # the session's build, on storage both nodes see (the ENVACE_CACHE of this process, not the head's)
+        f"actor_rollout_ref.model.path={ensure_warm_model()}",
         "envace.agent.observation_source=simulator", f"envace.agent.worldbook={worldbooks}",
         f"+envace.agent.pool_kwargs.synthetic.n_envs={SIM_ENVS}",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"trainer.default_local_dir={run}",
         "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
         # hfcpu, the CPU default (the servers' names below are its): each vLLM CPU engine binds its worker to a core
@@ -207,14 +243,16 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
         # recompute the old log-probs so verl reports the rollout-vs-trainer difference across the two nodes
         "algorithm.rollout_correction.bypass_mode=false",
     ]
-    head = subprocess.Popen(head_cmd, cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE,
+    head = subprocess.Popen(head_cmd, cwd=REPO, env=head_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = Lines(head)
     worker = None
+    worker_cmd = [str(REPO / "scripts" / "train.sh")]
     try:
         # the worker starts while the head is still coming up: it waits for the head and its token
-        worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=dict(env, NODE_RANK="1"),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(_without([head_home], worker_cmd) if _mount_namespaces() else worker_cmd,
+                                  cwd=REPO, env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
         assert out.wait_for(r"Ray cluster has 2/2 nodes", 600), out.text[-4000:]
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
         # the cluster is authenticated: a client with another token is turned away
@@ -242,35 +280,37 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
     assert {rank for _, rank in servers} == {"0", "1"}, servers
     assert len({node for node, _ in servers}) == 2, servers
     assert "envace: training finished" in text
+    # the data the head generated for both nodes is in the run directory, none in the head's home
+    assert list(run.glob("data/*/train.parquet")) and list(run.glob("data/*/val.parquet")), text[-4000:]
+    assert not (head_home / ".cache" / "envace" / "data").exists()
     # it stopped what it started, and only that
     assert _ray_processes_gone(port) == []
     assert bystander_proc.poll() is None and _port_open(bystander_port), "train.sh stopped another Ray cluster"
 
 
-def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_training(tmp_path):
-    """The worker node runs in its own mount namespace where the run directory is an empty tmpfs: it cannot
-    read the marker the head writes there, and the head stops before training, naming that node."""
-    if shutil.which("unshare") is None or subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False
-    ).returncode != 0:
+def test_a_node_that_cannot_see_the_run_directory_or_the_heads_home_stops_the_run_before_training(tmp_path):
+    """The worker node runs in its own mount namespace where the run directory and the head's home directory are
+    empty tmpfs mounts. It cannot read the marker the head writes into the run directory, nor the data the head
+    builds there, nor the ``builtin:`` model the head builds into its ``ENVACE_CACHE`` (unset: in its home). The
+    head stops before training with one line (exit 2) naming that node and, for each path, what moves it."""
+    if not _mount_namespaces():
         pytest.skip("needs mount namespaces (unshare -m)")
     port = _free_port()
     run = tmp_path / "run"
     run.mkdir()
-    env = _env(port, tmp_path / "ray_token")
+    head_env, worker_env, head_home = _separate_homes(_env(port, tmp_path / "ray_token"), tmp_path)
     head = subprocess.Popen(
         [str(REPO / "scripts" / "train.sh"), "experiment=cpu_bfcl", f"trainer.default_local_dir={run}",
          "trainer.total_training_steps=1",
          "trainer.logger=[console]"],
-        cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=head_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
     out = Lines(head)
     worker = None
     try:
-        hidden = f"mount -t tmpfs none {run} && exec {REPO / 'scripts' / 'train.sh'}"
-        worker = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", hidden], cwd=REPO,
-                                  env=dict(env, NODE_RANK="1"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        worker = subprocess.Popen(_without([run, head_home], [str(REPO / "scripts" / "train.sh")]), cwd=REPO,
+                                  env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         head.wait(timeout=1200)
     finally:
@@ -279,7 +319,13 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run_before_training(
     text = out.text
     assert head.returncode == 2, text[-6000:]
     failure = next(line for line in text.splitlines() if "every node must see the run directory" in line)
-    assert "worker node " in failure and "cannot read" in failure and "head node" not in failure, failure
+    assert failure.startswith("envace: config error: "), failure
+    assert "worker node " in failure and "head node" not in failure, failure
+    assert f"trainer.default_local_dir: cannot read {run}/" in failure, failure
+    assert f"data.train_files[0] (under trainer.default_local_dir) {run}/data/" in failure, failure
+    model = head_home / ".cache" / "envace" / "models" / "tiny-qwen3"
+    assert f"actor_rollout_ref.model.path (under ENVACE_CACHE, unset: ~/.cache/envace) {model} does not exist" \
+        in failure, failure
     assert "step:1 - " not in text
     assert _ray_processes_gone(port) == []
 

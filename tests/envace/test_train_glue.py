@@ -1,6 +1,8 @@
 """Fast tests of the trainer's glue: ``envace.train.fit_prompts`` (rows whose prompt fits once their own tools
 are rendered, with the real Qwen3 tokenizer on real BFCL rows), ``envace.train.build_data`` (the parquet files
-of ``envace.data``, cached by recipe) and ``envace.launch.wait_nodes`` (a multi-node launch waiting for its
+of ``envace.data``, cached by recipe; a multi-node run's, with its worldbooks, in its run directory),
+``envace.train.worker_paths`` (what every node must see, each path named by what moves it) and
+``envace.launch.wait_nodes`` (a multi-node launch waiting for its
 Ray cluster; Ray itself is replaced by a scripted stand-in and the clock by a fake one)."""
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from envace.config import AgentConfig, ConfigError, DataConfig, EnvAceConfig
+from envace.config import AgentConfig, ConfigError, DataConfig, EnvAceConfig, validate_envace_config
 from envace.envs.datasets import build_parquet
-from envace.train import build_data, fit_prompts
+from envace.train import build_data, fit_prompts, resolve_worldbooks, worker_paths
+from envace.verl.config import compose
 
 NO_THINK = {"enable_thinking": False}
 
@@ -129,7 +132,8 @@ def ecfg(**changes: Any) -> EnvAceConfig:
     return EnvAceConfig(data=DataConfig(**data), agent=AgentConfig(**agent))
 
 
-CFG = OmegaConf.create({})
+#: a one-node config: its generated data goes to the cache
+CFG = OmegaConf.create({"trainer": {"nnodes": 1, "default_local_dir": "/nonexistent/run"}})
 
 
 @pytest.fixture
@@ -203,6 +207,47 @@ def test_an_out_dir_is_reused_only_for_its_own_recipe(tmp_path, cache, monkeypat
     (tmp_path / "mine" / "recipe.json").unlink()  # a build whose recipe is unknown is not trusted either
     with pytest.raises(ConfigError, match="no recipe.json"):
         build_data(CFG, ecfg(out_dir=mine))
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_a_multinode_run_generates_its_data_and_worldbooks_in_its_run_directory(tmp_path, cache, nnodes):
+    """Workers on every node read the generated parquet and books: with several nodes they go under the run
+    directory, which a multi-node run keeps on shared storage anyway; one node keeps the reusable cache."""
+    run = tmp_path / "run"
+    cfg = compose(["experiment=cpu_all", "+envace.agent.pool_kwargs.synthetic.n_envs=4", "envace.preflight=false",
+                   "envace.agent.simulated_envs=[syn-bank-00]", f"trainer.nnodes={nnodes}",
+                   f"trainer.default_local_dir={run}"])
+    ecfg = validate_envace_config(cfg)
+    train, val = build_data(cfg, ecfg, resolve_worldbooks(cfg, ecfg))
+    root, other = (run, cache) if nnodes > 1 else (cache, run)
+    books = Path(cfg.envace.agent.worldbook)
+    assert books.name == "books" and books.parent.parent == root / "worldbooks"
+    assert Path(train).parent.parent == root / "data" and Path(val).parent == Path(train).parent
+    assert not (other / "data").exists() and not (other / "worldbooks").exists()
+
+
+def test_every_path_a_worker_reads_is_named_by_what_moves_it(tmp_path, monkeypatch):
+    """The shared-storage check's error names, for each path a node cannot see, its key and the folder it lies
+    under: the generated data under the run directory or envace.data.out_dir, a builtin model under ENVACE_CACHE
+    (set, or unset: the home directory's)."""
+    run, mine = tmp_path / "run", tmp_path / "mine"
+    cfg = compose([f"trainer.default_local_dir={run}", f"envace.data.out_dir={mine}",
+                   f"envace.agent.worldbook={tmp_path / 'books'}"])
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    cfg.actor_rollout_ref.model.path = str(tmp_path / "cache" / "models" / "tiny-qwen3")
+    cfg.data.train_files = [str(run / "data" / "d1" / "train.parquet"), "/data/extra.parquet"]
+    cfg.data.val_files = str(mine / "val.parquet")
+    assert worker_paths(cfg) == {
+        "actor_rollout_ref.model.path (under ENVACE_CACHE)": cfg.actor_rollout_ref.model.path,
+        "data.train_files[0] (under trainer.default_local_dir)": cfg.data.train_files[0],
+        "data.train_files[1]": "/data/extra.parquet",
+        "data.val_files[0] (under envace.data.out_dir)": cfg.data.val_files,
+        "envace.agent.worldbook": str(tmp_path / "books"),
+    }
+    monkeypatch.delenv("ENVACE_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg.actor_rollout_ref.model.path = str(tmp_path / "home" / ".cache" / "envace" / "models" / "tiny-qwen3-warm")
+    assert "actor_rollout_ref.model.path (under ENVACE_CACHE, unset: ~/.cache/envace)" in worker_paths(cfg)
 
 
 # -- launch.wait_nodes ---------------------------------------------------------------------------------------
