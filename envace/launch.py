@@ -14,16 +14,19 @@
     Waits until the head's GCS port accepts connections (a worker started before its head retries).
 ``cuda-check``
     Exits 2 with the fix when this node's NVIDIA driver is too old for the CUDA build of the installed torch.
+``build-check``
+    Exits 2 with the packages to install when this GPU node lacks what Triton compiles with at run time: a C compiler
+    and the interpreter's headers (:func:`build_check`).
 ``node-ip --head HOST``
     Prints this node's address on the interface that routes to the head (the worker's ``ray start`` uses it).
 ``wait-nodes --address HOST:PORT --nodes N [--timeout S]``
     Waits until the cluster has N alive nodes (connection attempts retried while the head starts).
-``watch --pid PID --address HOST:PORT --log FILE [--step-deadline S] -- OVERRIDES...``
-    On the head of a multi-node run: stops the training driver with one line naming the lost node (or the step
-    past its deadline) and the checkpoint a relaunch resumes from, exit 3 (:func:`watch`).
+``watch --pid PID --address HOST:PORT --log FILE [--startup-deadline S] [--step-deadline S] -- OVERRIDES...``
+    On the head of a multi-node run: stops the training driver with one line naming the lost node (or the deadline
+    that passed: start-up's or a step's) and the checkpoint a relaunch resumes from, exit 3 (:func:`watch`).
 
 Library functions: :func:`passthrough_env` (network-interface variables every Ray worker gets) and
-:func:`check_shared_storage` (every node sees the run directory and the model before training starts).
+:func:`check_shared_storage` (every node sees the run directory, the model and the data before training starts).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +51,18 @@ from trace2env.cliargs import ArgumentParser, number
 
 __all__ = [
     "PASSTHROUGH_PREFIXES",
+    "Progress",
     "bound_exec",
+    "build_check",
+    "build_tools_problem",
     "check_shared_storage",
     "count_gpus",
+    "find_c_compiler",
     "passthrough_env",
+    "python_include_dir",
     "wait_head",
     "wait_nodes",
+    "watch",
 ]
 
 #: network-interface and transport settings of NCCL / gloo: set on the head (or every node), handed to every
@@ -182,9 +193,13 @@ def cuda_mismatch(driver: str | None, torch_version: str | None, torch_cuda: str
         return None
     branch_cuda = next((cuda for branch, cuda in _BRANCH_CUDA if have[0] >= branch), "older than 11.0")
     compat = f"cuda-compat-{torch_cuda.replace('.', '-')}"
+    # a CUDA 13 torch on a driver that runs CUDA 12: the CUDA 12.8 lock is the way out that needs no root
+    cuda12 = ("install the CUDA 12.8 build instead (ENVACE_CUDA=12 scripts/train.sh ... reinstalls the virtualenv "
+              "from requirements/gpu-cu12.lock, which scripts/bootstrap.sh picks by default on this driver), or "
+              if major > 12 and have >= _vtuple(MIN_DRIVER[12]) else "")
     return (f"this node's NVIDIA driver {driver} supports CUDA up to {branch_cuda}, but the installed torch "
-            f"{torch_version} (requirements/gpu.lock) is built for CUDA {torch_cuda} and needs driver >= "
-            f"{need}: upgrade the driver to the R{need.split('.')[0]} branch or newer, or, on data-centre "
+            f"{torch_version} (requirements/gpu-cu{major}.lock) is built for CUDA {torch_cuda} and needs driver >= "
+            f"{need}: {cuda12}upgrade the driver to the R{need.split('.')[0]} branch or newer, or, on data-centre "
             f"GPUs (H100, H200, H20, A100, L40S...) with an R535 or newer driver, install NVIDIA's "
             f"forward-compatibility package ({compat}, from NVIDIA's CUDA repository) on every node and export "
             f"LD_LIBRARY_PATH=/usr/local/cuda-{torch_cuda}/compat:$LD_LIBRARY_PATH before scripts/train.sh "
@@ -227,6 +242,124 @@ def node_ip(head: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((head, 9))
         return s.getsockname()[0]
+
+
+# -- build tools: what Triton compiles with at run time --------------------------------------------------------------
+# Triton (vLLM's kernels; the torch.compile of verl's use_torch_compile) builds a small C launcher the first time it
+# runs a kernel, with the C compiler and the interpreter's Python.h. A node without them fails only then, on a Ray
+# worker, minutes into the run; build_check says so before anything starts.
+#: what Triton's launcher includes, built into a shared object with Triton's own flags (triton/runtime/build.py)
+_PROBE_C = "#include <Python.h>\n#include <dlfcn.h>\n#include <stdbool.h>\nbool envace_probe(void) { return true; }\n"
+_INSTALL_CC = "apt-get install build-essential (Debian/Ubuntu) or dnf install gcc glibc-devel (RHEL/Fedora)"
+
+
+def find_c_compiler(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """The C compiler Triton runs, found the way Triton finds it (``triton/runtime/build.py``; the same lookup in the
+    GPU lock's Triton 3.6 and the CPU lock's 3.9): ``$CC`` when set, taken as given (even empty, even with flags in
+    it: Triton runs it as one program name); else ``gcc``, else ``clang``, on ``PATH``.
+
+    Returns ``(the name Triton runs, its path)``: ``(CC, None)`` when ``$CC`` names no executable, ``(None, None)``
+    when ``$CC`` is unset and neither compiler is on ``PATH``."""
+    env = os.environ if environ is None else environ
+    path = env.get("PATH", os.defpath)
+    if "CC" in env:
+        cc = env["CC"]
+        return cc, (shutil.which(cc, path=path) if cc else None)
+    for name in ("gcc", "clang"):
+        if (found := shutil.which(name, path=path)) is not None:
+            return name, found
+    return None, None
+
+
+def python_include_dir() -> str:
+    """Where Triton looks for ``Python.h``: this interpreter's ``include`` path, with Debian's ``posix_local`` scheme
+    read as ``posix_prefix`` as Triton does (in a virtualenv: the base interpreter's headers)."""
+    scheme = sysconfig.get_default_scheme()
+    if scheme == "posix_local":
+        scheme = "posix_prefix"
+    return sysconfig.get_paths(scheme=scheme)["include"]
+
+
+def python_headers_fix(base_prefix: str, version: tuple[int, int]) -> str:
+    """How to get the headers of the interpreter installed at ``base_prefix``: a distribution's Python (``/usr``)
+    ships them in a separate package; pyenv, conda, uv and python.org builds install them with the interpreter."""
+    v = f"{version[0]}.{version[1]}"
+    if os.path.realpath(base_prefix) == "/usr":
+        return f"install them: apt-get install python{v}-dev (Debian/Ubuntu) or dnf install python{v}-devel (RHEL/Fedora)"
+    return (f"interpreters from pyenv, conda, uv or python.org install them with the interpreter, so this one at "
+            f"{base_prefix} is incomplete: reinstall it (e.g. uv python install {v}, pyenv install {v}), or remove .venv "
+            f"and rerun with ENVACE_PYTHON set to a Python {v} that has them")
+
+
+def _first_error(output: str, tmp: str) -> str:
+    """The compiler's first error line (its temporary paths dropped), for a one-line message."""
+    lines = [ln.replace(tmp + os.sep, "").strip() for ln in output.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error" in ln.lower() or "cannot find" in ln), lines[0] if lines else "")
+
+
+def build_tools_problem(environ: Mapping[str, str] | None = None, include_dir: str | None = None) -> str | None:
+    """Why Triton could not build its launcher on this node (one line naming what to install), or None.
+
+    Checks, in order: a C compiler (:func:`find_c_compiler`), ``Python.h`` in ``include_dir`` (default
+    :func:`python_include_dir`), then builds a shared object that includes what Triton's launcher includes, with
+    Triton's flags: a compiler installed without the C library's headers or start files (Debian's ``gcc`` without
+    its recommended ``libc6-dev``) fails only there. ``environ`` (default: this process's) gives ``CC`` and ``PATH``
+    and is the compiler's environment."""
+    env = dict(os.environ if environ is None else environ)
+    include = include_dir if include_dir is not None else python_include_dir()
+    why = "Triton (vLLM's kernels, verl's use_torch_compile) compiles its launcher at run time"
+    name, cc = find_c_compiler(env)
+    if cc is None:
+        if name is None:
+            return f"no C compiler on PATH (gcc or clang, or $CC): {why}; install one: {_INSTALL_CC}"
+        return (f"CC={name!r} is not an executable on PATH: {why} with $CC as given; set CC to an installed C compiler, "
+                f"or unset it to use gcc or clang ({_INSTALL_CC})")
+    if not (Path(include) / "Python.h").is_file():
+        return (f"no Python headers ({include}/Python.h) for Python {sys.version_info[0]}.{sys.version_info[1]} "
+                f"({sys.executable}): {why} against them; "
+                + python_headers_fix(sys.base_prefix, (sys.version_info[0], sys.version_info[1])))
+    with tempfile.TemporaryDirectory(prefix="envace-cc-") as tmp:
+        src, out = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
+        src.write_text(_PROBE_C)
+        cmd = [cc, str(src), "-O3", "-shared", "-fPIC", "-o", str(out), f"-I{include}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"the C compiler {cc} did not run ({exc}): {why}; install a working one: {_INSTALL_CC}"
+        if done.returncode == 0 and out.is_file():
+            return None
+        error = _first_error(done.stderr + done.stdout, tmp) or f"exit status {done.returncode}"
+        return (f"the C compiler {cc} cannot build a Python extension ({error}): {why} with it; install the C "
+                f"library's headers and linker beside it: {_INSTALL_CC}")
+
+
+def _nvidia_gpu_listed(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    exe = shutil.which("nvidia-smi", path=env.get("PATH", os.defpath))
+    if exe is None:
+        return False
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(parse_nvidia_smi(out))
+
+
+def build_check(environ: Mapping[str, str] | None = None, include_dir: str | None = None) -> int:
+    """``scripts/train.sh``'s pre-flight on every node, after :func:`cuda_check`: 2 with :func:`build_tools_problem`'s
+    line where this node runs CUDA kernels (``nvidia-smi`` lists a GPU and the installed torch is a CUDA build) and
+    cannot build Triton's launcher, else 0.
+
+    CPU nodes are not checked: the CPU platform compiles nothing (``configs/platform/cpu.yaml``: the padded
+    micro-batches call verl's plain entropy function, not its torch.compile'd one, which serves only packed
+    batches; vLLM's CPU build runs eager; hfcpu is plain transformers)."""
+    if torch_cuda_version()[1] is None or not _nvidia_gpu_listed(environ):
+        return 0
+    problem = build_tools_problem(environ, include_dir)
+    if problem is None:
+        return 0
+    print(f"envace: {problem} (docs/gpu.md#build-tools)", file=sys.stderr)
+    return 2
 
 
 # -- Ray nodes ------------------------------------------------------------------------------------------------
@@ -327,15 +460,16 @@ MARKER_PREFIX = ".envace-shared-storage-"
 
 
 def _probe_node(marker: str, token: str, paths: Mapping[str, str]) -> dict[str, Any]:
-    """Runs on one node: can it read the head's marker and the listed paths?"""
+    """Runs on one node: can it read the head's marker in the run directory and the listed paths?"""
     import ray
 
     problems = []
     try:
         if Path(marker).read_text() != token:
-            problems.append(f"the marker {marker} has other content (another run, or a different file system)")
+            problems.append(f"trainer.default_local_dir: the marker {marker} has other content (another run, or a "
+                            "different file system)")
     except OSError as exc:
-        problems.append(f"cannot read {marker} ({exc.strerror or exc})")
+        problems.append(f"trainer.default_local_dir: cannot read {marker} ({exc.strerror or exc})")
     for what, path in paths.items():
         if not os.path.exists(path):
             problems.append(f"{what} {path} does not exist")
@@ -347,9 +481,10 @@ def _probe_node(marker: str, token: str, paths: Mapping[str, str]) -> dict[str, 
 
 def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, str], timeout: float = 300.0) -> None:
     """Every alive node of the connected Ray cluster must see ``run_dir`` (the checkpoint directory: the
-    head writes a marker file there, an actor on each node reads it back) and every path in ``paths``
-    (e.g. the model). Raises :class:`~envace.config.ConfigError` naming each node that cannot, before any
-    training starts."""
+    head writes a marker file there, an actor on each node reads it back) and every path in ``paths``, which
+    names each by what moves it (e.g. ``actor_rollout_ref.model.path (under ENVACE_CACHE)``, so that the error
+    tells the user what to set; :func:`envace.train.worker_paths`). Raises :class:`~envace.config.ConfigError`
+    naming each node that cannot, before any training starts."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -389,15 +524,15 @@ def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, st
                                 f"{n['NodeID'][:12]}): " + "; ".join(out["problems"]))
         if failures:
             raise ConfigError(
-                "every node must see the run directory and the model on shared storage (the same path on a "
-                "shared file system); " + " | ".join(failures)
+                "every node must see the run directory and every path its workers read, at the same path on shared "
+                "storage (set the key or variable named to a folder there); " + " | ".join(failures)
             )
     finally:
         marker.unlink(missing_ok=True)
 
 
 # -- watching a multi-node run -------------------------------------------------------------------------------
-#: exit status of ``watch`` (and of scripts/train.sh) when it stopped the run: a lost node or a step past its deadline
+#: exit status of ``watch`` (and of scripts/train.sh) when it stopped the run: a lost node or a passed deadline
 WATCH_STOPPED = 3
 _STEP_LINE = re.compile(r"\bstep:(\d+) - ")
 
@@ -466,66 +601,120 @@ def _stop_driver(pid: int, grace: float) -> None:
             pass
 
 
+class Progress:
+    """The training driver's progress as the head's watcher reads it from the driver's console log, and the deadline
+    that applies at each moment.
+
+    Start-up ends with the driver's first ``step:N - `` line: verl logs the metrics of its validation before
+    training at the step it starts (0) or resumes from, and with ``trainer.val_before_train=false`` the first line is
+    the first training step's. Until then ``startup_deadline`` applies, counted from the watcher's start: building
+    the data and models, loading the weights into the actor, the reference and the rollout replicas, vLLM's
+    compilation and CUDA-graph capture, and that validation pass, which together outlast a training step. After it,
+    ``step_deadline`` applies from each new step line to the next. 0 turns either off. Times are
+    ``time.monotonic()`` seconds, passed in."""
+
+    def __init__(self, step_deadline: float, startup_deadline: float, now: float) -> None:
+        self.step_deadline = step_deadline
+        self.startup_deadline = startup_deadline
+        self.step: int | None = None  # the last step logged; None while the driver starts up
+        self.since = now  # when start-up began, or when ``step`` was logged
+
+    def saw(self, step: int | None, now: float) -> None:
+        """Record the last step line read at ``now`` (None: no new line)."""
+        if step is not None and step != self.step:
+            self.step, self.since = step, now
+
+    @property
+    def at(self) -> str:
+        """Where the run stands, for a message."""
+        return f"during step {self.step + 1}" if self.step is not None else "before the first step finished"
+
+    def overdue(self, now: float) -> str | None:
+        """Which deadline has passed at ``now``, naming its variable, or None."""
+        waited = now - self.since
+        if self.step is None:
+            if self.startup_deadline and waited > self.startup_deadline:
+                return (f"start-up did not finish within {self.startup_deadline:g}s (no step line yet: loading the "
+                        "model, starting the rollout engine or validating before training; ENVACE_STARTUP_DEADLINE)")
+        elif self.step_deadline and waited > self.step_deadline:
+            return f"no training step finished within {self.step_deadline:g}s ({self.at}; ENVACE_STEP_DEADLINE)"
+        return None
+
+
 def watch(pid: int, address: str, log: str | os.PathLike[str], run_dir: str | None, step_deadline: float,
-          poll: float = 5.0, grace: float = 60.0) -> int:
+          startup_deadline: float = 0.0, poll: float = 5.0, grace: float = 60.0, *,
+          nodes: Callable[[], list[dict[str, Any]]] | None = None, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> int:
     """Watch a multi-node run from its head until the training driver ``pid`` ends (then 0).
 
     verl's synchronous trainer waits on its workers without a deadline, so a node lost mid-rollout hangs the run.
-    Every ``poll`` seconds this checks that every Ray node alive at the start is still alive, and that the driver
-    logged a new ``step:N`` line (``log``: its console output) within ``step_deadline`` seconds (0: no deadline).
-    On a lost node or a step past its deadline it prints one line naming the node (or the step) and the
-    checkpoint a relaunch resumes from, stops the driver (SIGTERM, SIGKILL after ``grace`` s) and returns
-    :data:`WATCH_STOPPED`. A driver that ended by itself while a node was already marked lost (it failed on the
-    node's collective first) gets the same line and status."""
+    Every ``poll`` seconds this checks that every Ray node alive at the start is still alive, and that the driver's
+    console output (``log``) shows progress within the deadline that applies (:class:`Progress`: ``startup_deadline``
+    until its first ``step:N`` line, then ``step_deadline`` per step). On a lost node or a passed deadline it prints
+    one line naming the node (or the deadline and its variable) and the checkpoint a relaunch resumes from, stops
+    the driver (SIGTERM, SIGKILL after ``grace`` s) and returns :data:`WATCH_STOPPED`. A driver that ended by itself
+    while a node was already marked lost (it failed on the node's collective first) gets the same line and status.
+
+    ``nodes`` returns the cluster's node table (default: ``ray.nodes()`` of the cluster at ``address``, connected
+    here); ``clock`` and ``sleep`` keep the time. Tests replace the three to play hours of a run in a moment."""
+    if nodes is not None:
+        return _watch(pid, Path(log), run_dir, Progress(step_deadline, startup_deadline, clock()), poll, grace, nodes,
+                      clock, sleep)
     import ray
 
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
-        head = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in (n.get("Resources") or {})}
-        watched = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
-
-        def names(ids: list[str]) -> str:
-            return ", ".join(f"{'head' if n in head else 'worker'} node {watched[n]} (node id {n[:12]})" for n in ids)
-
-        print(f"envace: watching {len(watched)} Ray node(s) and the step time (deadline "
-              f"{f'{step_deadline:g}s' if step_deadline else 'none'}) of the training driver {pid}", flush=True)
-        offset, step, since = 0, None, time.monotonic()
-        while _pid_alive(pid):
-            time.sleep(poll)
-            new, offset = _last_step(Path(log), offset)
-            if new is not None and new != step:
-                step, since = new, time.monotonic()
-            try:
-                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            except Exception:  # noqa: BLE001, S112 - the head's GCS itself is gone: the driver fails on its own
-                continue
-            lost = sorted(set(watched) - alive)
-            at = f"during step {step + 1}" if step is not None else "before the first step finished"
-            why = None
-            if lost:
-                why = f"lost Ray {names(lost)} {at}"
-            elif step_deadline and time.monotonic() - since > step_deadline:
-                why = f"no training step finished within {step_deadline:g}s ({at}; ENVACE_STEP_DEADLINE)"
-            if why and _pid_alive(pid):
-                print(f"envace: {why}: stopping the run. Last checkpoint: {last_checkpoint(run_dir)}; relaunch the "
-                      "same command on every node to resume from it (docs/multinode.md)", file=sys.stderr, flush=True)
-                _stop_driver(pid, grace)
-                return WATCH_STOPPED
-        try:  # the driver may have failed on a lost node before the head's health checks declared it dead
-            lost = sorted(set(watched) - {n["NodeID"] for n in ray.nodes() if n.get("Alive")})
-        except Exception:  # noqa: BLE001 - the head's GCS is gone too: nothing more to tell
-            lost = []
-        if lost:
-            new, offset = _last_step(Path(log), offset)
-            step = new if new is not None else step
-            at = f"during step {step + 1}" if step is not None else "before the first step finished"
-            print(f"envace: lost Ray {names(lost)} {at}: the training driver failed on it. Last checkpoint: "
-                  f"{last_checkpoint(run_dir)}; relaunch the same command on every node to resume from it "
-                  "(docs/multinode.md)", file=sys.stderr, flush=True)
-            return WATCH_STOPPED
-        return 0
+        return _watch(pid, Path(log), run_dir, Progress(step_deadline, startup_deadline, clock()), poll, grace,
+                      ray.nodes, clock, sleep)
     finally:
         ray.shutdown()
+
+
+def _watch(pid: int, log: Path, run_dir: str | None, progress: Progress, poll: float, grace: float,
+           nodes: Callable[[], list[dict[str, Any]]], clock: Callable[[], float],
+           sleep: Callable[[float], None]) -> int:
+    """:func:`watch`'s loop, given the cluster's node table."""
+    table = nodes()
+    head = {n["NodeID"] for n in table if "node:__internal_head__" in (n.get("Resources") or {})}
+    watched = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in table if n.get("Alive")}
+
+    def names(ids: list[str]) -> str:
+        return ", ".join(f"{'head' if n in head else 'worker'} node {watched[n]} (node id {n[:12]})" for n in ids)
+
+    def seconds(deadline: float) -> str:
+        return f"{deadline:g}s" if deadline else "none"
+
+    print(f"envace: watching {len(watched)} Ray node(s) and the training driver {pid}: start-up deadline "
+          f"{seconds(progress.startup_deadline)} (ENVACE_STARTUP_DEADLINE), step deadline "
+          f"{seconds(progress.step_deadline)} (ENVACE_STEP_DEADLINE)", flush=True)
+    offset = 0
+    while _pid_alive(pid):
+        sleep(poll)
+        new, offset = _last_step(log, offset)
+        progress.saw(new, clock())
+        try:
+            alive = {n["NodeID"] for n in nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001, S112 - the head's GCS itself is gone: the driver fails on its own
+            continue
+        lost = sorted(set(watched) - alive)
+        why = f"lost Ray {names(lost)} {progress.at}" if lost else progress.overdue(clock())
+        if why and _pid_alive(pid):
+            print(f"envace: {why}: stopping the run. Last checkpoint: {last_checkpoint(run_dir)}; relaunch the "
+                  "same command on every node to resume from it (docs/multinode.md)", file=sys.stderr, flush=True)
+            _stop_driver(pid, grace)
+            return WATCH_STOPPED
+    try:  # the driver may have failed on a lost node before the head's health checks declared it dead
+        lost = sorted(set(watched) - {n["NodeID"] for n in nodes() if n.get("Alive")})
+    except Exception:  # noqa: BLE001 - the head's GCS is gone too: nothing more to tell
+        lost = []
+    if lost:
+        new, offset = _last_step(log, offset)
+        progress.saw(new, clock())
+        print(f"envace: lost Ray {names(lost)} {progress.at}: the training driver failed on it. Last checkpoint: "
+              f"{last_checkpoint(run_dir)}; relaunch the same command on every node to resume from it "
+              "(docs/multinode.md)", file=sys.stderr, flush=True)
+        return WATCH_STOPPED
+    return 0
 
 
 # -- CLI ------------------------------------------------------------------------------------------------------
@@ -546,11 +735,15 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=seconds, default=600.0)
     sub.add_parser("gpus", help="print the CUDA devices of this node (1 logical slot without a driver)")
     sub.add_parser("cuda-check", help="stop (exit 2, with the fix) when the driver cannot run the installed torch")
-    wa = sub.add_parser("watch", help="stop the run (exit 3) on a lost Ray node or a step past its deadline")
+    sub.add_parser("build-check", help="stop (exit 2, naming the packages) when a GPU node lacks a C compiler or "
+                                       "the Python headers Triton compiles with")
+    wa = sub.add_parser("watch", help="stop the run (exit 3) on a lost Ray node or a passed deadline")
     wa.add_argument("--pid", type=count, required=True, help="the training driver")
     wa.add_argument("--address", required=True)
     wa.add_argument("--log", required=True, help="the driver's console output (its step:N lines)")
     wa.add_argument("--step-deadline", type=seconds, default=0.0, help="seconds per step (0: none)")
+    wa.add_argument("--startup-deadline", type=seconds, default=0.0,
+                    help="seconds until the first step line: start-up and validation before training (0: none)")
     wa.add_argument("--poll", type=number(float, min=0, min_open=True), default=5.0)
     wa.add_argument("--grace", type=seconds, default=60.0, help="seconds between SIGTERM and SIGKILL of the driver")
     wa.add_argument("--run-dir", default=None, help="the checkpoint directory (default: composed from OVERRIDES)")
@@ -570,10 +763,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "cuda-check":
         return cuda_check()
+    if args.cmd == "build-check":
+        return build_check()
     if args.cmd == "watch":
         overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
         run_dir = args.run_dir or _run_dir_of(overrides)
-        return watch(args.pid, args.address, args.log, run_dir, args.step_deadline, args.poll, args.grace)
+        return watch(args.pid, args.address, args.log, run_dir, args.step_deadline,
+                     startup_deadline=args.startup_deadline, poll=args.poll, grace=args.grace)
     if args.cmd == "node-ip":
         try:
             print(node_ip(args.head))

@@ -13,13 +13,17 @@
 # MASTER_ADDR), GPUS_PER_NODE (auto: the CUDA devices this node offers, honouring
 # CUDA_VISIBLE_DEVICES and MIG; 1 logical slot without an NVIDIA driver), RAY_NUM_CPUS (auto),
 # RAY_JOIN_TIMEOUT (600: how long a worker waits for its head, and the head for its workers),
-# ENVACE_STEP_DEADLINE (7200: seconds a multi-node training step may take before the head stops the run, 0: none;
-# a lost Ray node stops it at once; either way exit 3 with the node and the checkpoint to relaunch from).
+# ENVACE_STARTUP_DEADLINE (10800: seconds a multi-node run may take to its first step line, i.e. to load, start
+# vLLM and validate before training, 0: none), ENVACE_STEP_DEADLINE (7200: seconds each training step after it may
+# take, 0: none); past either, or on a lost Ray node at once, the head stops the run: exit 3 with the node or the
+# deadline and the checkpoint to relaunch from.
 # Multi-node Ray is token-authenticated: RAY_AUTH_TOKEN (the same secret on every node) or
 # RAY_AUTH_TOKEN_PATH (a file on shared storage: the head writes a new token there, the workers read it);
 # RAY_AUTH_MODE=disabled opts out explicitly. Network interfaces: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
 # NCCL_IB_* set here reach every Ray worker of the job. Every node must see the model and
-# trainer.default_local_dir at the same paths (shared storage); the head checks that before training.
+# trainer.default_local_dir at the same paths (shared storage); the head checks that before training. A multi-node
+# run's generated data (data.*_files: auto, worldbook: auto) goes into trainer.default_local_dir; a builtin: model
+# is built into the head's ENVACE_CACHE (default ~/.cache/envace): set it to shared storage, or give a model path.
 # Single node: the job starts its own Ray cluster (never one an old `ray start` left behind).
 #
 # Pre-flight, before anything slow: the variables above are checked first, before the virtualenv is installed (a bad
@@ -67,6 +71,11 @@ check_multinode_env() {
   [[ -z "${RAY_NUM_CPUS:-}" ]] || check_int RAY_NUM_CPUS 0
   ENVACE_STEP_DEADLINE="${ENVACE_STEP_DEADLINE:-7200}"
   check_seconds ENVACE_STEP_DEADLINE "0: no deadline"
+  # start-up, timed to the first step line: 1 h to build, load an 8B model from shared storage into the actor, the
+  # reference and every rollout replica, and start vLLM (compilation, CUDA graphs); then validation before training
+  # (or, without it, the first step): the 2 h a step with its validation pass gets (docs/multinode.md#losing-a-node)
+  ENVACE_STARTUP_DEADLINE="${ENVACE_STARTUP_DEADLINE:-10800}"
+  check_seconds ENVACE_STARTUP_DEADLINE "0: no deadline"
   case "${RAY_AUTH_MODE:-}" in
     disabled) ;;
     "" | token)
@@ -99,8 +108,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 case " $* " in *" --help "* | *" -h "*) exec "$PY" -m envace.train --help ;; esac
 
 # Pre-flight on every node, before any Ray start: a driver too old for the installed torch's CUDA build
-# (requirements/gpu.lock is CUDA 13: driver R580+, or NVIDIA's forward-compatibility package) stops here with the fix.
+# (requirements/gpu-cu13.lock needs driver R580+ or NVIDIA's forward-compatibility package, gpu-cu12.lock R525.60.13+)
+# stops here with the fix.
 "$PY" -m envace.launch cuda-check
+# ... and a GPU node without a C compiler or the Python headers, which Triton builds its launcher with at run time
+# (vLLM's kernels, verl's use_torch_compile), stops here naming the packages (docs/gpu.md#build-tools).
+"$PY" -m envace.launch build-check
 
 # Multi-node Ray authentication (its mode and source checked above): with RAY_AUTH_TOKEN_PATH, writes a new token
 # there (head) or waits for the head's (worker).
@@ -176,14 +189,15 @@ if [[ "$MULTINODE" -eq 1 ]]; then
     "$PY" -m envace.launch wait-nodes --address "$RAY_ADDRESS" --nodes "$NNODES" --timeout "$RAY_JOIN_TIMEOUT" \
       --node-pid "$RAY_NODE_PID"
     # The driver's console output also goes to DRIVER_LOG, where the watcher reads its step lines. The watcher
-    # stops the run (exit 3) when a Ray node is lost or no step finishes within ENVACE_STEP_DEADLINE seconds,
-    # naming the node and the checkpoint a relaunch resumes from (verl would otherwise wait on a lost node forever).
+    # stops the run (exit 3) when a Ray node is lost, when the first step line (validation before training, or the
+    # first step) does not come within ENVACE_STARTUP_DEADLINE seconds, or a later step within ENVACE_STEP_DEADLINE,
+    # naming the cause and the checkpoint a relaunch resumes from (verl would otherwise wait on a lost node forever).
     DRIVER_LOG="$(mktemp "${TMPDIR:-/tmp}/envace-driver.XXXXXX")"
     PYTHONUNBUFFERED=1 "$PY" -m envace.train trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@" \
       > >(tee -a "$DRIVER_LOG") 2> >(tee -a "$DRIVER_LOG" >&2) &
     TRAIN_PID=$!
     "$PY" -m envace.launch watch --pid "$TRAIN_PID" --address "$RAY_ADDRESS" --log "$DRIVER_LOG" \
-      --step-deadline "$ENVACE_STEP_DEADLINE" -- "$@" &
+      --startup-deadline "$ENVACE_STARTUP_DEADLINE" --step-deadline "$ENVACE_STEP_DEADLINE" -- "$@" &
     WATCH_PID=$!
     rc=0
     wait "$TRAIN_PID" || rc=$?

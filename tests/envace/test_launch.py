@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,8 +145,10 @@ def _worker(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
 
     full.update(NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", RAY_PORT=str(_free_port()), RAY_JOIN_TIMEOUT="2",
                 PATH=f"{bindir}:{os.environ['PATH']}", **env)
-    # the fake nvidia-smi must not make scripts/bootstrap.sh reinstall this virtualenv for another platform
+    # the fake nvidia-smi must not make scripts/bootstrap.sh reinstall this virtualenv for another platform or CUDA
+    # build (it reports no driver version)
     full["ENVACE_PLATFORM"] = "gpu" if torch.version.cuda else "cpu"
+    full["ENVACE_CUDA"] = torch.version.cuda.split(".")[0] if torch.version.cuda else "auto"
     proc = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -235,6 +238,10 @@ def _train_sh_env(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str
     ({"ENVACE_STEP_DEADLINE": "nan"}, "ENVACE_STEP_DEADLINE='nan'"),
     ({"ENVACE_STEP_DEADLINE": "-60"}, "ENVACE_STEP_DEADLINE='-60'"),
     ({"ENVACE_STEP_DEADLINE": "inf"}, "ENVACE_STEP_DEADLINE='inf'"),
+    ({"ENVACE_STARTUP_DEADLINE": "3h"}, "ENVACE_STARTUP_DEADLINE='3h'"),
+    ({"ENVACE_STARTUP_DEADLINE": "nan"}, "ENVACE_STARTUP_DEADLINE='nan'"),
+    ({"ENVACE_STARTUP_DEADLINE": "-1"}, "ENVACE_STARTUP_DEADLINE='-1'"),
+    ({"ENVACE_STARTUP_DEADLINE": "1e4"}, "ENVACE_STARTUP_DEADLINE='1e4'"),
     ({"NNODES": "two"}, "NNODES='two'"),
     ({"NNODES": "0"}, "NNODES='0'"),
     ({"NODE_RANK": "2"}, "NODE_RANK='2' must be a whole number from 0 to 1"),
@@ -264,7 +271,9 @@ def test_a_bad_variable_is_one_line_before_bootstrap(tmp_path, env, variable):
      "RAY_NUM_CPUS": "0"},
     {"ENVACE_STEP_DEADLINE": "0.5", "NODE_RANK": "01", "RAY_WAIT_NODES_TIMEOUT": "30", "RAY_AUTH_MODE": "token",
      "RAY_AUTH_TOKEN": "t" * 32},
-    {"NNODES": "1", "NODE_RANK": "7", "ENVACE_STEP_DEADLINE": "2h"},  # one node reads neither
+    {"ENVACE_STARTUP_DEADLINE": "0", "ENVACE_STEP_DEADLINE": "600"},
+    {"ENVACE_STARTUP_DEADLINE": "21600.5"},
+    {"NNODES": "1", "NODE_RANK": "7", "ENVACE_STEP_DEADLINE": "2h", "ENVACE_STARTUP_DEADLINE": "3h"},  # one node reads none
     {"NODE_RANK": "1", "GPUS_PER_NODE": "0"},  # a CPU-only worker node (the head's pre-flight checks its own count)
 ])
 def test_good_variables_reach_bootstrap(tmp_path, env):
@@ -283,24 +292,28 @@ def test_help_on_a_multinode_head_starts_nothing(tmp_path):
     assert "Ray head" not in proc.stdout and not (tmp_path / "token").exists()
 
 
+@pytest.mark.parametrize(("variable", "default"), [("ENVACE_STEP_DEADLINE", "7200"),
+                                                  ("ENVACE_STARTUP_DEADLINE", "10800")])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.one_of(st.text(alphabet="0123456789.-+eEinfatxhms ", max_size=8), st.floats().map(str),
                  st.integers(-10, 10**12).map(str)))
-def test_the_step_deadline_train_sh_accepts_is_a_finite_number_of_seconds(tmp_path, text):
+def test_a_deadline_train_sh_accepts_is_a_finite_number_of_seconds(tmp_path, variable, default, text):
     """Whatever the text, train.sh refuses it with its one line, or the watcher gets a finite number >= 0 (empty:
-    the default, 7200)."""
-    proc = _train_sh_env(tmp_path, **HEAD, ENVACE_STEP_DEADLINE=text)
+    the default)."""
+    proc = _train_sh_env(tmp_path, **HEAD, **{variable: text})
     if proc.stderr.strip() == BOOTSTRAP_REACHED:
-        value = float(text or "7200")
+        value = float(text or default)
         assert math.isfinite(value) and value >= 0
     else:
-        assert proc.stderr.startswith("scripts/train.sh: error: ENVACE_STEP_DEADLINE=") and proc.returncode == 2
+        assert proc.stderr.startswith(f"scripts/train.sh: error: {variable}=") and proc.returncode == 2
 
 
 @pytest.mark.parametrize("argv", [
     ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--step-deadline", "nan"],
     ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--step-deadline", "-1"],
     ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--step-deadline", "2h"],
+    ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--startup-deadline", "nan"],
+    ["watch", "--pid", "1", "--address", "h:1", "--log", "x", "--startup-deadline", "-10800"],
     ["wait-nodes", "--nodes", "0"],
     ["wait-head", "--address", "h:1", "--timeout", "inf"],
 ])
@@ -314,3 +327,246 @@ def test_launch_refuses_a_bad_number_in_one_line(argv, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith(f"python -m envace.launch {argv[0]}: error: argument --") and argv[-2] in err
+
+
+# -- the head's watcher: the start-up and step deadlines, on a simulated clock ---------------------------------------
+HEAD_NODE = {"NodeID": "a" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.1",
+             "Resources": {"node:__internal_head__": 1.0}}
+WORKER_NODE = {"NodeID": "b" * 28, "Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {}}
+
+
+def _metrics(step: int, *keys: str) -> str:
+    """A line of verl's console logger (``verl.utils.logger.aggregate_logger.concat_dict_to_str``)."""
+    return " - ".join([f"step:{step}", *(f"{k}:0.25" for k in keys or ("actor/pg_loss", "timing_s/step"))])
+
+
+def _watch(tmp_path: Path, lines: dict[float, str], *, startup: float, step: float, ends_at: float | None = None,
+           lost_at: float | None = None, poll: float = 30.0) -> tuple[int, float, int | None]:
+    """:func:`envace.launch.watch` on a stand-in training driver: a real process (the pid the watcher checks and
+    signals), a console log that receives ``lines`` ({simulated second: line}) as the simulated clock passes them, and
+    a two-node cluster whose worker is lost at ``lost_at``. The driver ends by itself at ``ends_at``. Returns the
+    watcher's status, the simulated second it returned at, and the driver's exit status (-15: the watcher's SIGTERM;
+    None: it ended by itself)."""
+    from envace.launch import watch
+
+    log = tmp_path / "driver.log"
+    log.write_text("")
+    driver = subprocess.Popen(["sleep", "600"])
+    now = 0.0
+    pending = sorted(lines.items())
+    ended = False
+
+    def sleep(seconds: float) -> None:
+        nonlocal now, ended
+        now += seconds
+        with open(log, "a") as fh:
+            while pending and pending[0][0] <= now:
+                fh.write(pending.pop(0)[1] + "\n")
+        if ends_at is not None and now >= ends_at and not ended:
+            driver.kill()
+            driver.wait()
+            ended = True
+
+    def nodes() -> list[dict]:
+        return [HEAD_NODE, {**WORKER_NODE, "Alive": lost_at is None or now < lost_at}]
+
+    try:
+        status = watch(driver.pid, "unused:1", log, str(tmp_path / "run"), step, startup_deadline=startup, poll=poll,
+                       grace=10, nodes=nodes, clock=lambda: now, sleep=sleep)
+        return status, now, None if ended else driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+@pytest.mark.parametrize("first", [
+    _metrics(0, "val-core/bfcl_multi_turn/reward/mean@1", "val-aux/num_turns/mean"),  # validation before training
+    _metrics(10, "val-core/bfcl_multi_turn/reward/mean@1"),  # the same, resuming from global_step_10
+    _metrics(1),  # trainer.val_before_train=false: start-up ends with the first step
+], ids=["validation", "validation-on-resume", "no-validation"])
+def test_a_start_up_longer_than_a_step_but_within_its_own_deadline_does_not_stop_the_run(tmp_path, capsys, first):
+    """Issue 44: ENVACE_STEP_DEADLINE (7,200 s) timed start-up too, so a healthy 8B run on H20 that took longer than a
+    step to load, start vLLM and validate was stopped before its first step. Start-up here takes 9,000 s; the steps
+    after it take 3,000 s each."""
+    n = int(first.split(" - ")[0].removeprefix("step:"))
+    lines = {600.0: "INFO Capturing CUDA graphs (decode, FULL): 100%", 8990.0: "Initial validation metrics: {...}",
+             9000.0: first, 12000.0: _metrics(n + 1), 15000.0: _metrics(n + 2)}
+    status, _, driver = _watch(tmp_path, lines, startup=10800, step=7200, ends_at=16000)
+    out, err = capsys.readouterr()
+    assert (status, driver, err) == (0, None, "")
+    assert ("start-up deadline 10800s (ENVACE_STARTUP_DEADLINE), step deadline 7200s (ENVACE_STEP_DEADLINE)"
+            in out)
+
+
+def test_a_start_up_past_its_deadline_stops_the_run_naming_it(tmp_path, capsys):
+    """Log lines that are not step lines (vLLM starting) do not end start-up; past ENVACE_STARTUP_DEADLINE the
+    watcher stops the driver and names that variable, not the step deadline."""
+    status, at, driver = _watch(tmp_path, {600.0: "INFO Capturing CUDA graphs", 4000.0: "Initial validation (1/160)"},
+                                startup=10800, step=7200)
+    err = capsys.readouterr().err
+    assert (status, driver) == (3, -signal.SIGTERM) and 10800 < at <= 10800 + 30
+    assert err.splitlines() == [err.strip()]
+    assert ("envace: start-up did not finish within 10800s (no step line yet: loading the model, starting the "
+            "rollout engine or validating before training; ENVACE_STARTUP_DEADLINE): stopping the run. Last "
+            f"checkpoint: none yet in {tmp_path / 'run'}") in err
+    assert "ENVACE_STEP_DEADLINE" not in err
+
+
+def test_a_step_past_the_step_deadline_after_start_up_stops_the_run_naming_it(tmp_path, capsys):
+    lines = {5010.0: _metrics(0, "val-core/x"), 8010.0: _metrics(1)}  # at polls (every 30 s): read when written
+    status, at, driver = _watch(tmp_path, lines, startup=10800, step=7200)
+    err = capsys.readouterr().err
+    assert (status, driver) == (3, -signal.SIGTERM) and 8010 + 7200 < at <= 8010 + 7200 + 30
+    assert "envace: no training step finished within 7200s (during step 2; ENVACE_STEP_DEADLINE): stopping" in err
+    assert "ENVACE_STARTUP_DEADLINE" not in err
+
+
+def test_deadlines_of_0_are_off(tmp_path, capsys):
+    lines = {50000.0: _metrics(0, "val-core/x"), 90000.0: _metrics(1)}
+    status, _, driver = _watch(tmp_path, lines, startup=0, step=0, ends_at=100000, poll=600)
+    out, err = capsys.readouterr()
+    assert (status, driver, err) == (0, None, "")
+    assert "start-up deadline none (ENVACE_STARTUP_DEADLINE), step deadline none (ENVACE_STEP_DEADLINE)" in out
+
+
+def test_a_node_lost_during_start_up_stops_the_run_at_once(tmp_path, capsys):
+    status, at, driver = _watch(tmp_path, {}, startup=10800, step=7200, lost_at=1000)
+    err = capsys.readouterr().err
+    assert (status, driver) == (3, -signal.SIGTERM) and 1000 <= at <= 1030
+    assert ("envace: lost Ray worker node 10.0.0.2 (node id bbbbbbbbbbbb) before the first step finished: stopping "
+            "the run") in err
+
+
+# -- build tools: what Triton compiles its launcher with ---------------------------------------------------------------
+#: a C compiler that builds whatever it is given (writes its -o file)
+CC_OK = '#!/bin/sh\nwhile [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done\n'
+#: gcc installed without the C library's headers (Debian's gcc without its recommended libc6-dev)
+CC_NO_LIBC = ('#!/bin/sh\necho "In file included from $1:1:" >&2\n'
+              'echo "/usr/include/python3.11/Python.h:23:10: fatal error: stdlib.h: No such file or directory" >&2\n'
+              'echo "compilation terminated." >&2\nexit 1\n')
+
+
+def _bin(tmp_path: Path, **programs: str) -> str:
+    """A PATH of one folder holding ``programs`` ({name: shell script})."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name, text in programs.items():
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    return str(bindir)
+
+
+def _include(tmp_path: Path, python_h: str | None = "") -> str:
+    inc = tmp_path / "include"
+    inc.mkdir(exist_ok=True)
+    if python_h is not None:
+        (inc / "Python.h").write_text(python_h)
+    return str(inc)
+
+
+@pytest.mark.parametrize(("programs", "cc", "expected"), [
+    (("gcc", "clang", "cc"), None, "gcc"),  # gcc before clang; a bare `cc` is not looked for
+    (("clang", "cc"), None, "clang"),
+    (("gcc", "clang"), "clang", "clang"),  # $CC wins
+    (("gcc",), "ccache gcc", None),  # one program name, as Triton runs it
+    (("gcc",), "", None),
+    (("gcc",), "/nonexistent/gcc", None),
+    (("cc",), None, None),
+])
+def test_the_c_compiler_is_found_as_triton_finds_it(tmp_path, monkeypatch, programs, cc, expected):
+    from envace.launch import find_c_compiler
+
+    path = _bin(tmp_path, **dict.fromkeys(programs, CC_OK))
+    env = {"PATH": path} if cc is None else {"PATH": path, "CC": cc}
+    name, found = find_c_compiler(env)
+    assert found == (None if expected is None else str(Path(path) / expected))
+    assert name == (cc if cc is not None else expected)
+    # against Triton's own lookup, where the installed Triton has it as a function (3.9: _find_compiler)
+    build = pytest.importorskip("triton.runtime.build")
+    if not hasattr(build, "_find_compiler"):
+        return
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", path)
+    if cc is not None:
+        monkeypatch.setenv("CC", cc)
+    if name is None:
+        with pytest.raises(RuntimeError, match="Failed to find C compiler"):
+            build._find_compiler.__wrapped__("c")
+    else:
+        assert build._find_compiler.__wrapped__("c") in (name, found)
+
+
+def test_build_tools_problem_names_what_to_install(tmp_path):
+    from envace.launch import build_tools_problem
+
+    empty = str(tmp_path / "nothing")
+    os.mkdir(empty)
+    with_python_h = _include(tmp_path)
+    no_cc = build_tools_problem({"PATH": empty}, with_python_h)
+    assert no_cc.startswith("no C compiler on PATH (gcc or clang, or $CC): Triton")
+    assert "apt-get install build-essential (Debian/Ubuntu) or dnf install gcc glibc-devel (RHEL/Fedora)" in no_cc
+
+    bad_cc = build_tools_problem({"PATH": _bin(tmp_path, gcc=CC_OK), "CC": "ccache gcc"}, with_python_h)
+    assert bad_cc.startswith("CC='ccache gcc' is not an executable on PATH")
+
+    no_headers = build_tools_problem({"PATH": _bin(tmp_path, gcc=CC_OK)}, str(tmp_path))
+    assert no_headers.startswith(f"no Python headers ({tmp_path}/Python.h) for Python {sys.version_info[0]}.")
+
+    no_libc = build_tools_problem({"PATH": _bin(tmp_path, gcc=CC_NO_LIBC)}, with_python_h)
+    assert "(/usr/include/python3.11/Python.h:23:10: fatal error: stdlib.h: No such file or directory)" in no_libc
+    assert no_libc.startswith(f"the C compiler {tmp_path}/bin/gcc cannot build a Python extension")
+    assert "build-essential" in no_libc and "envace-cc-" not in no_libc
+
+    assert build_tools_problem({"PATH": _bin(tmp_path, gcc=CC_OK)}, with_python_h) is None
+    for problem in (no_cc, bad_cc, no_headers, no_libc):
+        assert "\n" not in problem
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("clang") is None, reason="no C compiler here")
+def test_the_probe_builds_with_the_real_compiler_and_headers(tmp_path):
+    """This machine's own compiler and this interpreter's headers, as Triton uses them; and the same compiler on
+    headers it cannot build (a missing system header, as without libc6-dev), named from its own error."""
+    from envace.launch import build_tools_problem, python_include_dir
+
+    if not (Path(python_include_dir()) / "Python.h").is_file():
+        pytest.skip("this interpreter has no headers")
+    assert build_tools_problem(dict(os.environ)) is None
+    broken = _include(tmp_path, "#include <envace_no_such_header.h>\n")
+    problem = build_tools_problem(dict(os.environ), broken)
+    assert problem is not None and "envace_no_such_header.h" in problem and "build-essential" in problem
+
+
+@pytest.mark.parametrize(("prefix", "expected", "absent"), [
+    ("/usr", "apt-get install python3.11-dev (Debian/Ubuntu) or dnf install python3.11-devel (RHEL/Fedora)", "pyenv"),
+    ("/root/.pyenv/versions/3.11.7", "install them with the interpreter, so this one at /root/.pyenv/versions/3.11.7",
+     "-dev"),
+    ("/opt/conda", "uv python install 3.11, pyenv install 3.11", "-dev"),
+])
+def test_the_headers_fix_fits_where_the_interpreter_came_from(prefix, expected, absent):
+    from envace.launch import python_headers_fix
+
+    fix = python_headers_fix(prefix, (3, 11))
+    assert expected in fix and absent not in fix
+
+
+def test_build_check_stops_a_cuda_node_without_a_compiler_and_lets_a_cpu_node_pass(tmp_path, monkeypatch, capsys):
+    """The pre-flight train.sh runs on every node: a node whose torch is a CUDA build and whose nvidia-smi lists a GPU
+    must have the build tools; a CPU node (the CPU platform compiles nothing), or a CUDA torch without a GPU, need not."""
+    from envace import launch
+
+    smi = "#!/bin/sh\necho 'GPU 0: NVIDIA H20 (UUID: GPU-aaaa0000-0000-0000-0000-000000000000)'\n"
+    monkeypatch.setenv("PATH", _bin(tmp_path, **{"nvidia-smi": smi}))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(launch, "torch_cuda_version", lambda: ("2.11.0+cu130", "13.0"))
+    assert launch.main(["build-check"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()]
+    assert err.startswith("envace: no C compiler on PATH") and err.strip().endswith("(docs/gpu.md#build-tools)")
+
+    monkeypatch.setattr(launch, "torch_cuda_version", lambda: ("2.13.0+cpu", None))
+    assert launch.main(["build-check"]) == 0
+    monkeypatch.setattr(launch, "torch_cuda_version", lambda: ("2.11.0+cu130", "13.0"))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no nvidia-smi: no GPU
+    assert launch.main(["build-check"]) == 0
+    assert capsys.readouterr().err == ""

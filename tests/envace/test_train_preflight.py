@@ -213,19 +213,28 @@ H100 = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa0000-0000-0000-0000-00000000
 @pytest.mark.parametrize(("driver", "cuda", "refused"), [
     ("550.54.15", "13.0", True),  # R550 (CUDA 12.4) under the CUDA 13 lock: the issue's case
     ("535.230.02", "13.0", True),
+    ("570.124.06", "13.0", True),  # R570 (CUDA 12.8), the last branch before CUDA 13
+    ("470.256.02", "13.0", True),  # too old for the CUDA 12.8 lock too
     ("580.65.06", "13.0", False),  # the first CUDA 13.0 driver
     ("590.44.01", "13.0", False),
-    ("535.230.02", "12.8", False),  # minor-version compatibility within CUDA 12
+    ("535.230.02", "12.8", False),  # the CUDA 12.8 lock: minor-version compatibility within CUDA 12
+    ("525.60.13", "12.8", False),  # its first driver
     ("470.256.02", "12.8", True),
     (None, "13.0", False),  # no driver: a CPU node
     ("550.54.15", None, False),  # CPU torch: nothing to check
 ])
 def test_driver_against_torch_cuda(driver, cuda, refused):
-    problem = cuda_mismatch(driver, "2.11.0", cuda)
+    """One line naming the driver, the torch build and its lock, and every way out: the CUDA 12.8 lock where the
+    driver runs it (a CUDA 13 torch on R525.60.13 to R575), a driver upgrade, or forward compatibility."""
+    problem = cuda_mismatch(driver, f"2.11.0+cu{(cuda or '').replace('.', '')}", cuda)
     assert (problem is not None) == refused
     if refused:
         assert f"NVIDIA driver {driver}" in problem and f"CUDA {cuda}" in problem and "\n" not in problem
+        assert f"(requirements/gpu-cu{cuda.split('.')[0]}.lock)" in problem
         assert "upgrade the driver to the R" in problem and f"cuda-compat-{cuda.replace('.', '-')}" in problem
+        cuda12_runs_here = cuda == "13.0" and not driver.startswith("470.")
+        assert ("ENVACE_CUDA=12 scripts/train.sh" in problem) == cuda12_runs_here, problem
+        assert ("requirements/gpu-cu12.lock" in problem) == (cuda12_runs_here or cuda == "12.8"), problem
 
 
 def _cuda12_node(tmp_path: Path, cuda_works: bool = False) -> dict[str, str]:
@@ -250,9 +259,11 @@ def _cuda12_node(tmp_path: Path, cuda_works: bool = False) -> dict[str, str]:
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "GPUS_PER_NODE", "PYTHONPATH")}
     import torch
 
-    # the stand-in nvidia-smi must not make scripts/bootstrap.sh reinstall this virtualenv for another platform
+    # the stand-in nvidia-smi must not make scripts/bootstrap.sh reinstall this virtualenv for another platform or
+    # CUDA build (its R550 driver picks the CUDA 12.8 lock)
     env.update(PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(fake.parent),
-               ENVACE_PLATFORM="gpu" if torch.version.cuda else "cpu")
+               ENVACE_PLATFORM="gpu" if torch.version.cuda else "cpu",
+               ENVACE_CUDA=torch.version.cuda.split(".")[0] if torch.version.cuda else "auto")
     return env
 
 
@@ -269,7 +280,7 @@ def test_train_sh_stops_on_a_cuda_12_driver_before_ray_on_one_node(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "driver" in ln]
     assert len(lines) == 1 and "driver 550.54.15 supports CUDA up to 12.4" in lines[0], proc.stderr
-    assert "cuda-compat-13-0" in lines[0] and "R580" in lines[0]
+    assert "cuda-compat-13-0" in lines[0] and "R580" in lines[0] and "ENVACE_CUDA=12" in lines[0]
     assert "Traceback" not in proc.stderr and not run.exists()  # nothing written, no Ray, no trainer
     assert "--query-gpu=driver_version" in (tmp_path / "smi_calls").read_text()
 
