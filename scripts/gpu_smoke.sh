@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# GPU smoke test on one GPU or more with a small local Qwen3 checkpoint (0.6B-1.7B):
-#   scripts/gpu_smoke.sh /models/Qwen3-1.7B [--out outputs/gpu_smoke]
-# Imports, verl's CUDA platform (driver and Ray actor), the paper recipe shrunk to 1 GPU for 2 steps at lr 1e-5 with
-# a validation pass and a checkpoint, a resume to step 3 (with 2+ GPUs also one step at tensor-parallel 2), the
-# weight sync after every update (rollout/trainer probability difference and correlation), turns, tool calls,
-# rewards, finite losses, verl's peak memory against the GPU's, vLLM sleep and decode speed, peak memory of a
-# 24k-token update; one summary table (envace/gpu_smoke.py), exit 1 on any failure. Never run here on a GPU: the
-# thresholds are set from CPU runs and the reasoning in envace/gpu_smoke.py, not from a GPU measurement.
-# Without a CUDA GPU it checks the checkpoint and the recipe, then stops with exit status 3.
-# The arguments and MODEL's config.json are checked first, with the system python3 (the pre-check imports only the
-# standard library), so --help and a usage mistake answer at once (one line, exit 2), before bootstrap.sh installs.
+# GPU smoke test of a recipe (envace/gpu_smoke.py; docs/gpu.md, "Checking one GPU node"):
+#   scripts/gpu_smoke.sh MODEL [--recipe NAME] [--out DIR]     # one node: the recipe, two steps, resume, memory
+#   scripts/gpu_smoke.sh MODEL --nodes N [--recipe NAME] --out SHARED_DIR   # the head of an N-node cluster
+# One node trains the recipe (default envace_qwen3_8b_h20_2x8) with its own memory settings, token budgets and
+# tensor-parallel size, shrunk only to this node's GPUs, a small batch and 2 steps (+ a resumed third), and names each
+# change; it checks the weight sync after an update at the recipe's tensor-parallel size, the run's metrics, vLLM's
+# sleep, and the peak memory of one update at the recipe's token budget against the GPU's; one summary table, exit 1
+# on any failure, within the bound of its stages' time-outs (gpu_smoke.TIME_BOUND_S). --nodes N starts a
+# token-authenticated Ray head (MASTER_ADDR, RAY_PORT, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, as scripts/train.sh
+# reads them); the other nodes run the real run's worker command, NNODES=N NODE_RANK=k MASTER_ADDR=...
+# scripts/train.sh; it checks token authentication, shared storage and an NCCL all-reduce across the nodes.
+# Without a CUDA GPU it stops before the GPU checks with exit status 3.
+# The arguments, the recipe's name, the cluster's variables and MODEL's config.json are checked first, with the
+# system python3 (the pre-check imports only the standard library), so --help and a usage mistake answer at once
+# (one line, exit 2), before bootstrap.sh installs.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
