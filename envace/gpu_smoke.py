@@ -959,7 +959,7 @@ def no_cuda(report: Report, what: str) -> int:
     report.add("CUDA", False, f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda})")
     print(report.table())
     print(f"gpu_smoke: stopped before {what}: this machine has no CUDA GPU. Run it on a GPU node (NVIDIA, "
-          "requirements/gpu.lock installed by scripts/bootstrap.sh).", file=sys.stderr)
+          "requirements/gpu-cu13.lock or gpu-cu12.lock installed by scripts/bootstrap.sh).", file=sys.stderr)
     return 3
 
 

@@ -26,5 +26,9 @@ done
 "$SYS_PY" -m envace.gpu_smoke --preflight "$@"
 # shellcheck source=scripts/bootstrap.sh
 source "$ROOT/scripts/bootstrap.sh"
+# the node pre-flight scripts/train.sh runs: a driver too old for the installed torch's CUDA build, or no C compiler or
+# Python headers for Triton, stops here with its one-line fix (exit 2) instead of failing a row later
+"$PY" -m envace.launch cuda-check
+"$PY" -m envace.launch build-check
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec "$PY" -m envace.gpu_smoke "$@"

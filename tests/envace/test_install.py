@@ -403,9 +403,7 @@ def test_pyproject_admits_the_locks_and_pins_vllm():
     reqs = {canonicalize_name(Requirement(r).name): Requirement(r) for r in project["dependencies"]}
     for lock in ("cpu.lock", *GPU_LOCKS):
         pins = lock_pins(lock)
-        # pyproject.toml's torch floor (2.11) predates the CUDA 12.8 lock's torch 2.10.0 (envace goes in with
-        # --no-deps, so nothing enforces it at install); widening it changes every bootstrapped virtualenv's stamp
-        for name in ("transformers", "verl") if lock == "gpu-cu12.lock" else ("torch", "transformers", "verl"):
+        for name in ("torch", "transformers", "verl"):
             assert reqs[name].specifier.contains(pins[name]), (lock, name, pins[name])
     assert project["optional-dependencies"]["gpu"] == ["vllm==0.24.0"]
 
