@@ -13,9 +13,10 @@ own memory settings, token budgets and tensor-parallel size, and prints one summ
 3. -- from here on a CUDA GPU is needed; without one the smoke test stops here, says so, and exits 3 --
    imports: torch with CUDA, vLLM, the attention backend (SDPA; flash-attn when installed);
 4. verl picks its CUDA platform in the driver and inside a Ray actor that holds a GPU;
-5. the training run: 2 steps at learning rate :data:`SMOKE_LR` with a validation pass and a checkpoint at step 2,
-   then a second launch resumes it and runs step 3. The rollouts of steps 2 and 3 come after an update, at the
-   recipe's tensor-parallel size (2 for the 8B recipes), so the weight sync after an update is checked there;
+5. the training run: 2 steps at learning rate :data:`SMOKE_LR` with a validation pass and a checkpoint at step 2
+   (complete as a relaunch checks it, :func:`check_saved`), then a second launch resumes from it and runs step 3
+   (:func:`resume_problem`). The rollouts of steps 2 and 3 come after an update, at the recipe's tensor-parallel
+   size (2 for the 8B recipes), so the weight sync after an update is checked there;
 6. what the runs wrote (verl's metrics JSONL, the rollout dumps), per step: the rollout held the actor's weights
    (:func:`sync_problems`), the update ran, validation reported, rollouts have several ACT messages and a tool
    call, rewards lie in [0, 1], losses are finite, and verl's FSDP2 engine's peak stayed within the GPU;
@@ -32,9 +33,10 @@ one without it (or with another) is refused (:func:`check_token_auth`), that eve
 (:func:`envace.launch.check_shared_storage`, the check the run itself makes), and an NCCL all-reduce over every GPU of
 every node through Ray (:func:`check_allreduce`); without CUDA it stops before the all-reduce, exit 3.
 
-The checks of 6 read only the run directory, and the row logic of 8 and of the cluster checks are functions of
-measured values, so ``tests/envace/test_gpu_smoke.py`` makes each row fail on CPU; token authentication, shared
-storage and the all-reduce (over gloo) run there for real on two Ray nodes on loopback.
+The checkpoint and resume rows of 5 and the checks of 6 read only the run directory and the second launch's output,
+and the row logic of 8 and of the cluster checks are functions of measured values, so
+``tests/envace/test_gpu_smoke.py`` makes each row fail on CPU; the nodes joining, token authentication, shared
+storage and the all-reduce (over gloo) run there for real on Ray nodes on loopback.
 
 Every stage has a time-out (:data:`STAGE_TIMEOUTS`): one node's smoke test ends within their sum,
 :data:`TIME_BOUND_S`, plus its imports; the cluster checks within ``RAY_JOIN_TIMEOUT`` plus
@@ -498,6 +500,57 @@ def run_training(report: Report, name: str, overrides: list[str], log: Path, tim
     return out
 
 
+def check_saved(report: Report, run_dir: Path, step: int = STEPS, envsched: bool = False) -> bool:
+    """The checkpoint row: ``run_dir/global_step_{step}`` is complete by the check a relaunch makes before it
+    resumes (:func:`envace.verl.resume.checkpoint_problems`: every rank's shards and the dataloader's state intact
+    ``torch.save`` archives, EnvSched's state with the EnvSched trainer), and verl's tracker
+    (``latest_checkpointed_iteration.txt``, written last) names ``step``, so the resumed launch loads it."""
+    from envace.verl.resume import TRACKER, checkpoint_problems
+
+    folder = run_dir / f"global_step_{step}"
+    problems = checkpoint_problems(folder, envsched=envsched)
+    try:
+        tracked = (run_dir / TRACKER).read_text().strip()
+    except OSError:
+        problems.append(f"no {TRACKER} in {run_dir} (verl writes it after the checkpoint)")
+    else:
+        if tracked != str(step):
+            problems.append(f"{TRACKER} names step {tracked!r}, not {step}")
+    return report.add(f"checkpoint at step {step}", not problems, "; ".join(problems) or (
+        f"{folder} complete (every rank's shards, data.pt{', envsched.pt' if envsched else ''}), {TRACKER} names it"))
+
+
+#: verl's trainer names the checkpoint it loads: ``Resuming from FOLDER`` (v0), ``..., setting global step to N`` (v1)
+_RESUMING = re.compile(r"Resuming from (.+?)(?:, setting global step to \d+)?\s*$", re.MULTILINE)
+#: verl's console logger, one line a step (the pattern envace.launch's watcher reads)
+_STEP_LINE = re.compile(r"\bstep:(\d+) - ")
+
+
+def resume_problem(log: str, run_dir: Path, step: int = STEPS) -> str | None:
+    """Why the resumed launch's output does not show it continuing from ``run_dir/global_step_{step}``, or None:
+    verl names the folder it loads, and the first step the launch logs is ``step + 1``. A launch that found no
+    checkpoint trains from scratch, logging steps 1 to 3 again: the metrics files would still cover steps 1, 2 and
+    3, so this row is what catches it."""
+    loaded = _RESUMING.findall(log)
+    want = run_dir / f"global_step_{step}"
+    if not loaded:
+        scratch = ": it trained from scratch" if "Training from scratch" in log else ""
+        return f"no 'Resuming from' line in its output{scratch}"
+    if Path(loaded[-1]).resolve() != want.resolve():
+        return f"it resumed from {loaded[-1]}, not {want}"
+    first = _STEP_LINE.search(log)
+    if first is None or int(first.group(1)) != step + 1:
+        return f"its first logged step is {first.group(1) if first else 'none'}, not {step + 1}"
+    return None
+
+
+def check_resumed(report: Report, log: str, run_dir: Path, step: int = STEPS) -> bool:
+    """The resume row: :func:`resume_problem` of the second launch's output."""
+    problem = resume_problem(log, run_dir, step)
+    return report.add(f"resumed from step {step}", problem is None,
+                      problem or f"loaded {run_dir / f'global_step_{step}'}, first step {step + 1}")
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     """{step: metrics} from every metrics/*.jsonl (verl's file logger, one file per launch), raw values."""
     steps: dict[int, dict[str, Any]] = {}
@@ -908,6 +961,22 @@ def ensure_token() -> None:
     tmp.replace(path)
 
 
+def check_joined(report: Report, nodes: int, address: str, timeout: float, head: subprocess.Popen | None = None,
+                 head_log: Path | None = None) -> bool:
+    """The "Ray cluster" row: ``nodes`` alive nodes at ``address`` within ``timeout`` seconds
+    (:func:`envace.launch.wait_nodes`); when the head's ``ray start`` (``head``) has exited, the cluster never forms,
+    and the row fails at once, saying so."""
+    from envace.launch import wait_nodes
+
+    joined = wait_nodes(nodes, timeout, address=address, node_pid=None if head is None else head.pid) == 0
+    log = f"; the head's log: {head_log}" if head_log else ""
+    if not joined and head is not None and head.poll() is not None:
+        return report.add("Ray cluster", False, f"the head's ray start exited (status {head.returncode}) before "
+                          f"{nodes} nodes joined {address}{log}")
+    return report.add("Ray cluster", joined, f"{nodes} nodes joined {address}" if joined else
+                      f"fewer than {nodes} nodes joined {address} within {timeout:g} s (RAY_JOIN_TIMEOUT{log})")
+
+
 def check_cluster(report: Report, nodes: int, out: Path, model: Path, cuda: bool) -> None:
     """``--nodes N`` on the head: a token-authenticated Ray head on ``MASTER_ADDR:RAY_PORT`` (bound to this
     process, as ``scripts/train.sh`` binds its own; :func:`main` has set ``RAY_AUTH_MODE=token`` and the token
@@ -918,7 +987,7 @@ def check_cluster(report: Report, nodes: int, out: Path, model: Path, cuda: bool
 
     import ray
 
-    from envace.launch import gpus_here, wait_nodes
+    from envace.launch import gpus_here
 
     address = f"{os.environ['MASTER_ADDR']}:{os.environ.get('RAY_PORT', '6379')}"
     join_timeout = float(os.environ.get("RAY_JOIN_TIMEOUT", "600"))
@@ -930,11 +999,7 @@ def check_cluster(report: Report, nodes: int, out: Path, model: Path, cuda: bool
              f"--port={address.rpartition(':')[2]}", f"--num-gpus={gpus_here() if cuda else 0}",
              "--disable-usage-stats", "--include-dashboard=false", "--block"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        joined = wait_nodes(nodes, join_timeout, address=address, node_pid=head.pid) == 0
-        report.add("Ray cluster", joined, f"{nodes} nodes joined {address}" if joined else
-                   f"fewer than {nodes} nodes joined {address} within {join_timeout:g} s (RAY_JOIN_TIMEOUT; the "
-                   f"head's log: {out / 'ray_head.log'})")
-        if not joined:
+        if not check_joined(report, nodes, address, join_timeout, head, out / "ray_head.log"):
             return
         check_token_auth(report, address)
         ray.init(address=address, log_to_driver=False)
@@ -1009,14 +1074,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     run_training(report, f"train {STEPS} steps, validate and save at {STEPS}", smoke.overrides, out / "train_1.log",
                  timeout=STAGE_TIMEOUTS["train"])
-    report.add(f"checkpoint at step {STEPS}", (run_dir / f"global_step_{STEPS}" / "actor").is_dir(),
-               str(run_dir / f"global_step_{STEPS}"))
+    check_saved(report, run_dir, envsched=str(cfg.trainer.v1.trainer_mode) == "envsched_sync")
     resume = [o for o in smoke.overrides if not o.startswith("trainer.total_training_steps=")]
     log2 = run_training(report, f"resume to step {RESUME_STEPS}", [*resume,
                         f"trainer.total_training_steps={RESUME_STEPS}"], out / "train_2.log",
                         timeout=STAGE_TIMEOUTS["resume"])
-    report.add(f"resumed from step {STEPS}", f"global_step_{STEPS}" in log2 and "Resuming" in log2,
-               f"the second launch loaded global_step_{STEPS}" if "Resuming" in log2 else "no 'Resuming from' in its log")
+    check_resumed(report, log2, run_dir)
     check_run_outputs(report, run_dir, expect_steps=tuple(range(1, RESUME_STEPS + 1)), gpu_gb=gpu_gb, tp=tp)
     v = None
     try:

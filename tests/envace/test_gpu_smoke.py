@@ -1,7 +1,8 @@
 """scripts/gpu_smoke.sh on CPU: the pre-check, the recipe as one node runs it (every memory setting the recipe's),
-each row made to fail (the run-directory checks against written metrics, the peak-memory row against measured
-values, the cluster rows on two Ray nodes on loopback), and the dry run, which stops with exit status 3 where CUDA
-is needed; the full run is a `gpu` test (ENVACE_SMOKE_MODEL=<checkpoint>)."""
+each row made to fail (the run-directory checks against written metrics, the checkpoint row against written shards,
+the resume row against a launch's output, the peak-memory row against measured values, the cluster rows on Ray nodes
+on loopback: two with token authentication, and one without it that no second node joins), and the dry run, which
+stops with exit status 3 where CUDA is needed; the full run is a `gpu` test (ENVACE_SMOKE_MODEL=<checkpoint>)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -341,6 +343,139 @@ def test_a_training_launch_that_fails_fails_its_row_and_keeps_its_log(tmp_path):
     assert "no_such_key" in out and (tmp_path / "train.log").read_text() == out
 
 
+# -- the checkpoint the first launch saves, and the second launch resuming from it ----------------------------------
+
+def saved_run(tmp_path: Path, step: int = 2, world: int = 2) -> Path:
+    """A run directory after verl 0.9.1 saved ``step``, as its FSDP checkpoint manager and trainer write it (tiny
+    tensors): every rank's model, optimizer and extra-state shard, the dataloader's state, then the tracker."""
+    run = tmp_path / "run"
+    actor = run / f"global_step_{step}" / "actor"
+    actor.mkdir(parents=True)
+    for rank in range(world):
+        for kind in ("model", "optim", "extra_state"):
+            torch.save({"w": torch.zeros(2)}, actor / f"{kind}_world_size_{world}_rank_{rank}.pt")
+    torch.save({"epoch": 0}, actor.parent / "data.pt")
+    (run / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return run
+
+
+def test_the_checkpoint_row_passes_on_a_complete_checkpoint_the_tracker_names(tmp_path):
+    run = saved_run(tmp_path)
+    report = gpu_smoke.Report()
+    assert gpu_smoke.check_saved(report, run), report.table()
+    says = f"{run}/global_step_2 complete (every rank's shards, data.pt), latest_checkpointed_iteration.txt names it"
+    assert report.rows == [("checkpoint at step 2", "ok", says)]
+
+
+#: each way a save goes wrong (made by damage()), and what the row then says; the row's former test (`actor/` is a
+#: directory) passed every one but the first
+BROKEN_SAVES = {
+    # the first launch never saved (it failed before step 2)
+    "nothing saved": "{run}/global_step_2 does not exist; no latest_checkpointed_iteration.txt in {run}",
+    # the step's folders exist but hold nothing
+    "empty actor/": "actor/ is empty",
+    # a crash or a full disk in the middle of a write; a rank that never wrote
+    "truncated shard": "actor/optim_world_size_2_rank_1.pt is not an intact torch archive",
+    "missing rank": "actor/model: ranks [1] of world size 2 are missing",
+    # verl writes the tracker last, and the resumed launch finds the checkpoint through it
+    "no tracker": "no latest_checkpointed_iteration.txt in {run} (verl writes it after the checkpoint)",
+    "tracker names step 1": "latest_checkpointed_iteration.txt names step '1', not 2",
+}
+
+
+def damage(run: Path, how: str) -> None:
+    step, tracker = run / "global_step_2", run / "latest_checkpointed_iteration.txt"
+    if how == "nothing saved":
+        shutil.rmtree(step)
+        tracker.unlink()
+    elif how == "empty actor/":
+        for f in (step / "actor").iterdir():
+            f.unlink()
+    elif how == "truncated shard":
+        shard = step / "actor" / "optim_world_size_2_rank_1.pt"
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif how == "missing rank":
+        (step / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    elif how == "no tracker":
+        tracker.unlink()
+    else:
+        assert how == "tracker names step 1", how
+        tracker.write_text("1")
+
+
+@pytest.mark.parametrize("how", BROKEN_SAVES)
+def test_the_checkpoint_row_fails_on_a_checkpoint_a_relaunch_cannot_load(tmp_path, how):
+    """The row is envace.verl.resume's completeness check (the one a relaunch makes) plus verl's tracker: each
+    way a save goes wrong fails it, naming what is wrong."""
+    run = saved_run(tmp_path)
+    damage(run, how)
+    report = gpu_smoke.Report()
+    assert not gpu_smoke.check_saved(report, run)
+    assert [r[:2] for r in report.rows] == [("checkpoint at step 2", "FAIL")]
+    assert BROKEN_SAVES[how].format(run=run) in report.rows[0][2], report.rows[0][2]
+
+
+def test_the_checkpoint_row_of_the_envsched_trainer_needs_the_schedulers_state(tmp_path):
+    """With trainer.v1.trainer_mode=envsched_sync a relaunch restores EnvSched's state too: a checkpoint without
+    envsched.pt fails, one with a loadable envsched.pt passes."""
+    run = saved_run(tmp_path)
+    report = gpu_smoke.Report()
+    assert not gpu_smoke.check_saved(report, run, envsched=True)
+    assert report.rows[-1][1:] == ("FAIL", "envsched.pt is missing")
+    torch.save({"obs_count": torch.zeros(3, dtype=torch.int64)}, run / "global_step_2" / "envsched.pt")
+    assert gpu_smoke.check_saved(report, run, envsched=True), report.table()
+    assert "data.pt, envsched.pt)" in report.rows[-1][2]
+
+
+def launch_output(resumed_from: str | None, steps: tuple[int, ...], *, v1: bool = True, warning: str = "") -> str:
+    """A training launch's output as run_training keeps it, stdout then stderr: verl's console logger's step lines
+    (stdout); envace's ``warning``, then verl's trainer's checkpoint line (stderr, verl's logging format), relayed
+    from the TaskRunner actor."""
+    actor = "(TaskRunner pid=4242) "
+    stdout = "".join(f"{actor}step:{s} - actor/pg_loss:0.01 - critic/score/mean:0.25\n" for s in steps)
+    if resumed_from is None:
+        verl = f"{actor}INFO:2026-12-06 14:00:00,000:Training from scratch\n"
+    elif v1:
+        verl = (f"{actor}INFO:2026-12-06 14:00:00,000:Resuming from {resumed_from}, setting global step to "
+                f"{resumed_from.rsplit('_', 1)[-1]}\n")
+    else:  # the legacy trainer's print
+        verl = f"{actor}Resuming from {resumed_from}\n"
+    return stdout + warning + verl
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["v1 trainer", "legacy trainer"])
+@pytest.mark.parametrize("run_name", ["run", "smoke runs"], ids=["run", "a space in the path"])
+def test_the_resume_row_passes_when_the_second_launch_loads_step_2_and_logs_step_3(tmp_path, run_name, v1):
+    run = tmp_path / run_name
+    report = gpu_smoke.Report()
+    assert gpu_smoke.check_resumed(report, launch_output(f"{run}/global_step_2", (3,), v1=v1), run), report.table()
+    assert report.rows == [("resumed from step 2", "ok", f"loaded {run}/global_step_2, first step 3")]
+
+
+#: envace.verl.resume's line when the tracker's checkpoint is incomplete and an older one is loaded instead
+FALLBACK = ("envace: WARNING: checkpoint {run}/global_step_2 is incomplete (actor/ is empty); resuming from the "
+            "newest complete one, {run}/global_step_1\n")
+
+
+@pytest.mark.parametrize(("resumed_from", "steps", "warning", "says"), [
+    # no checkpoint found: steps 1 to 3 again, which the metrics files cannot tell from a resumed run
+    (None, (1, 2, 3), "", "no 'Resuming from' line in its output: it trained from scratch"),
+    # another run's step 2, and envace's fallback to an older checkpoint: the row's former test (`global_step_2`
+    # and `Resuming` anywhere in the output) passed both
+    ("/elsewhere/run/global_step_2", (3,), "", "it resumed from /elsewhere/run/global_step_2, not {run}/global_step_2"),
+    ("{run}/global_step_1", (2, 3), FALLBACK, "it resumed from {run}/global_step_1, not {run}/global_step_2"),
+    # it loaded the checkpoint and then failed before a step
+    ("{run}/global_step_2", (), "", "its first logged step is none, not 3"),
+], ids=["from scratch", "another run", "older checkpoint", "no step"])
+def test_the_resume_row_fails_when_the_second_launch_did_not_continue_from_step_2(tmp_path, resumed_from, steps,
+                                                                                   warning, says):
+    run = tmp_path / "run"
+    out = launch_output(resumed_from and resumed_from.format(run=run), steps, warning=warning.format(run=run))
+    report = gpu_smoke.Report()
+    assert not gpu_smoke.check_resumed(report, out, run)
+    assert report.rows == [("resumed from step 2", "FAIL", says.format(run=run))]
+
+
 @pytest.mark.parametrize(("measured", "fails"), [
     ({"vllm_gb": 60.0, "freed_gb": 58.0, "woke": True, "decode_tps": 900.0}, False),
     # sleep kept most of the KV cache: the actor's update would not have the room the recipe counts on
@@ -461,13 +596,16 @@ def connected(token_cluster, monkeypatch):
     reset_auth_token_state()
 
 
-@pytest.mark.slow  # a Ray cluster of two nodes and six Ray drivers start (about a minute on 2 cores)
+@pytest.mark.slow  # a Ray cluster of two nodes and seven Ray drivers start (about 35 s on 2 cores)
 def test_the_cluster_rows_pass_on_a_token_cluster_and_each_fails_where_the_cluster_does(tmp_path, token_cluster,
                                                                                          connected):
     address, env = token_cluster
+    # a refused client retries for RAY_NUM_REDIS_GET_RETRIES seconds (20 by default) before it gives up: 3 here
+    # (five refusals below: 85 s less), where the cluster is up and a refusal is the same on every try
+    clients = {**env, "RAY_NUM_REDIS_GET_RETRIES": "3"}
     report = gpu_smoke.Report()
     # token auth, for real: the cluster admits its token and refuses a client without it or with another one
-    assert gpu_smoke.check_token_auth(report, address, env), report.table()
+    assert gpu_smoke.check_token_auth(report, address, clients), report.table()
     assert "a client with the token connects; without one: refused" in report.rows[-1][2]
     # the all-reduce across the two nodes, for real (gloo: no GPU here), through Ray tasks pinned to each node
     assert gpu_smoke.check_allreduce(report, backend="gloo", numel=1024), report.table()
@@ -481,21 +619,74 @@ def test_the_cluster_rows_pass_on_a_token_cluster_and_each_fails_where_the_clust
     # a client whose token the cluster accepts is the positive control: with the wrong one in this process's
     # environment, the row fails on it
     bad = gpu_smoke.Report()
-    assert not gpu_smoke.check_token_auth(bad, address, {**env, "RAY_AUTH_TOKEN": "cd" * 32})
+    assert not gpu_smoke.check_token_auth(bad, address, {**clients, "RAY_AUTH_TOKEN": "cd" * 32})
     assert "a client with the cluster's token could not connect" in bad.rows[-1][2]
 
 
-@pytest.mark.slow  # a Ray node and three Ray drivers start
-def test_the_token_auth_row_fails_on_a_cluster_without_authentication():
+@pytest.fixture(scope="module")
+def open_node():
+    """One Ray node on loopback without authentication (RAY_AUTH_MODE=disabled), shared by the token row's negative
+    control and the cluster row's count; yields its address and its ``ray start --head`` process."""
     port = _free_port()
     procs = _start_cluster(port, _ray_env(RAY_AUTH_MODE="disabled"), workers=0)
-    try:
-        report = gpu_smoke.Report()
-        assert not gpu_smoke.check_token_auth(report, f"127.0.0.1:{port}", _ray_env(RAY_AUTH_MODE="disabled"))
-    finally:
-        _stop_cluster(procs)
+    yield f"127.0.0.1:{port}", procs[0]
+    _stop_cluster(procs)
+
+
+@pytest.mark.slow  # three Ray drivers start (and open_node, once for the module)
+def test_the_token_auth_row_fails_on_a_cluster_without_authentication(open_node):
+    """A cluster whose token authentication is off admits a client without a token and one with another token:
+    the row fails, naming both (the row cannot pass on a cluster that only has a token configured)."""
+    address, _ = open_node
+    report = gpu_smoke.Report()
+    assert not gpu_smoke.check_token_auth(report, address, _ray_env(RAY_AUTH_MODE="disabled"))
     assert report.rows[-1][1] == "FAIL"
     assert "a client without a token connected; a client with another token connected" in report.rows[-1][2]
+
+
+@pytest.fixture
+def tokenless_driver(monkeypatch):
+    """This process as a Ray driver without a token, as open_node's clients are: Ray reads its authentication
+    settings once per process, so they are re-read from the cleaned environment, and again afterwards."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(key, raising=False)
+    reset_auth_token_state()
+    yield
+    monkeypatch.undo()
+    reset_auth_token_state()
+
+
+@pytest.mark.slow  # two Ray drivers connect to open_node (about 5 s on 2 cores, and open_node once)
+def test_the_cluster_row_fails_when_a_node_never_joins(open_node, tokenless_driver, tmp_path, capfd):
+    """--nodes N's wait for the workers (check_cluster's first row), on a real cluster of one node: --nodes 1 is
+    answered at once; --nodes 2 fails when RAY_JOIN_TIMEOUT passes, because the count stayed at 1 (not because the
+    driver could not connect), naming the time-out's variable and the head's log."""
+    address, head = open_node
+    report = gpu_smoke.Report()
+    assert gpu_smoke.check_joined(report, 1, address, timeout=60, head=head), report.table()
+    t0 = time.monotonic()
+    assert not gpu_smoke.check_joined(report, 2, address, timeout=3, head=head, head_log=tmp_path / "ray_head.log")
+    assert time.monotonic() - t0 < 30  # the time-out bounds the wait (two polls past it at most, plus Ray's start)
+    assert [r[:2] for r in report.rows] == [("Ray cluster", "ok"), ("Ray cluster", "FAIL")]
+    assert report.rows[1][2] == (f"fewer than 2 nodes joined {address} within 3 s (RAY_JOIN_TIMEOUT; the head's log: "
+                                 f"{tmp_path / 'ray_head.log'})")
+    assert "only 1/2 Ray nodes joined within 3s" in capfd.readouterr().err
+
+
+def test_the_cluster_row_fails_at_once_when_the_heads_ray_start_exited(tmp_path):
+    """A head whose ``ray start`` exited (its port taken, an address not of this node) never forms the cluster: the
+    row fails at once, not after RAY_JOIN_TIMEOUT, and says the head exited."""
+    head = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    head.wait()
+    report = gpu_smoke.Report()
+    t0 = time.monotonic()
+    address, head_log = f"127.0.0.1:{_free_port()}", tmp_path / "ray_head.log"  # nothing listens at the address
+    assert not gpu_smoke.check_joined(report, 2, address, timeout=120, head=head, head_log=head_log)
+    assert time.monotonic() - t0 < 60  # not the time-out
+    says = f"the head's ray start exited (status 1) before 2 nodes joined {address}; the head's log: {head_log}"
+    assert report.rows == [("Ray cluster", "FAIL", says)]
 
 
 @pytest.mark.parametrize(("results", "problem"), [
