@@ -26,12 +26,14 @@
     that passed: start-up's or a step's) and the checkpoint a relaunch resumes from, exit 3 (:func:`watch`).
 
 Library functions: :func:`passthrough_env` (network-interface variables every Ray worker gets) and
-:func:`check_shared_storage` (every node sees the run directory, the model and the data before training starts).
+:func:`check_shared_storage` (every node sees the run directory, the model and the data before training starts, and
+the folders the builds write into before they start).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -43,7 +45,7 @@ import sysconfig
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -457,19 +459,65 @@ def wait_nodes(n: int, timeout: float, poll: float = 2.0, address: str | None = 
 
 # -- shared storage -------------------------------------------------------------------------------------------
 MARKER_PREFIX = ".envace-shared-storage-"
+#: how :func:`check_shared_storage`'s error names the run directory: the key that moves it
+RUN_DIR_KEY = "trainer.default_local_dir"
 
 
-def _probe_node(marker: str, token: str, paths: Mapping[str, str]) -> dict[str, Any]:
-    """Runs on one node: can it read the head's marker in the run directory and the listed paths?"""
+@contextlib.contextmanager
+def _markers(folders: Mapping[str, str | os.PathLike[str]], token: str) -> Iterator[dict[str, str]]:
+    """Write a marker file holding ``token`` into each of ``folders`` (name → folder); yields name → marker path.
+
+    A folder that does not exist yet is created for its marker (with its missing parents). On exit, whatever the
+    outcome, the markers are removed and so are the folders created here, deepest first, each only while empty: the
+    check leaves the file system as it found it (a refused run leaves nothing behind), and a folder something else
+    wrote into meanwhile is kept with what it holds. A folder the head cannot create or write into is a
+    :class:`~envace.config.ConfigError` naming it."""
+    from envace.config import ConfigError
+
+    written: list[Path] = []
+    created: list[Path] = []
+    try:
+        markers: dict[str, str] = {}
+        for name, folder in folders.items():
+            path = Path(os.path.abspath(Path(folder).expanduser()))
+            missing = [p for p in (path, *path.parents) if not p.exists()]
+            try:
+                for p in reversed(missing):  # the outermost first
+                    try:
+                        p.mkdir()
+                    except FileExistsError:  # another process made it meanwhile: not ours to remove
+                        continue
+                    created.append(p)
+                marker = path / f"{MARKER_PREFIX}{token[:12]}"
+                if marker not in written:  # two names for one folder share its marker
+                    marker.write_text(token)
+                    written.append(marker)
+            except OSError as exc:
+                raise ConfigError(f"{name}: cannot write into {path} on the head ({exc.strerror or exc})") from None
+            markers[name] = str(marker)
+        yield markers
+    finally:
+        for marker in written:
+            marker.unlink(missing_ok=True)
+        for p in reversed(created):
+            try:
+                p.rmdir()
+            except OSError:  # not empty: another process wrote there meanwhile
+                pass
+
+
+def _probe_node(markers: Mapping[str, str], token: str, paths: Mapping[str, str]) -> dict[str, Any]:
+    """Runs on one node: can it read each of the head's markers (name → marker path) and the listed paths?"""
     import ray
 
     problems = []
-    try:
-        if Path(marker).read_text() != token:
-            problems.append(f"trainer.default_local_dir: the marker {marker} has other content (another run, or a "
-                            "different file system)")
-    except OSError as exc:
-        problems.append(f"trainer.default_local_dir: cannot read {marker} ({exc.strerror or exc})")
+    for what, marker in markers.items():
+        try:
+            if Path(marker).read_text() != token:
+                problems.append(f"{what}: the marker {marker} has other content (another run, or a different file "
+                                "system)")
+        except OSError as exc:
+            problems.append(f"{what}: cannot read {marker} ({exc.strerror or exc})")
     for what, path in paths.items():
         if not os.path.exists(path):
             problems.append(f"{what} {path} does not exist")
@@ -479,30 +527,33 @@ def _probe_node(marker: str, token: str, paths: Mapping[str, str]) -> dict[str, 
     return {"node_id": ctx.get_node_id(), "host": socket.gethostname(), "problems": problems}
 
 
-def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, str], timeout: float = 300.0) -> None:
-    """Every alive node of the connected Ray cluster must see ``run_dir`` (the checkpoint directory: the
-    head writes a marker file there, an actor on each node reads it back) and every path in ``paths``, which
-    names each by what moves it (e.g. ``actor_rollout_ref.model.path (under ENVACE_CACHE)``, so that the error
-    tells the user what to set; :func:`envace.train.worker_paths`). Raises :class:`~envace.config.ConfigError`
-    naming each node that cannot, before any training starts."""
+def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, str], timeout: float = 300.0, *,
+                         folders: Mapping[str, str | os.PathLike[str]] | None = None) -> None:
+    """Every alive node of the connected Ray cluster must see ``run_dir`` (the checkpoint directory), every folder
+    of ``folders`` and every path in ``paths``. Raises :class:`~envace.config.ConfigError` naming each node that
+    cannot, before any training starts.
+
+    The head writes a marker file into ``run_dir`` and into each folder of ``folders`` (:func:`_markers`: a folder
+    not there yet is created for it, and removed again afterwards), and a Ray task on each node reads every marker
+    back and checks that each path of ``paths`` exists there. ``folders`` are where something is still to be
+    written for the workers to read: :func:`envace.train.prepare` checks, before its builds, the folders they
+    write into. Both mappings name each entry by what moves it (e.g. ``actor_rollout_ref.model.path (under
+    ENVACE_CACHE)``; the run directory is ``trainer.default_local_dir``), so that the error tells the user what to
+    set (:func:`envace.train.worker_paths`, :func:`envace.train.build_folders`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from envace.config import ConfigError
 
-    run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
-    marker = run / f"{MARKER_PREFIX}{token[:12]}"
-    marker.write_text(token)
-    try:
+    with _markers({RUN_DIR_KEY: run_dir, **(folders or {})}, token) as markers:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         head_key = "node:__internal_head__"
         label = {n["NodeID"]: ("head" if head_key in (n.get("Resources") or {}) else "worker") for n in nodes}
         probe = ray.remote(num_cpus=0)(_probe_node)
         refs = {
             probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-                str(marker), token, dict(paths)
+                markers, token, dict(paths)
             ): n
             for n in nodes
         }
@@ -527,8 +578,6 @@ def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, st
                 "every node must see the run directory and every path its workers read, at the same path on shared "
                 "storage (set the key or variable named to a folder there); " + " | ".join(failures)
             )
-    finally:
-        marker.unlink(missing_ok=True)
 
 
 # -- watching a multi-node run -------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ groups), then runs in two phases (:func:`prepare`):
    environment pools), ``builtin:tiny-qwen3``/``builtin:tiny-qwen3-warm`` (built once into the cache), the prompts
    that fit, the epochs the steps need, and then verl's checks again, its model section included.
 
-Then it joins exactly the Ray cluster it is told to (``RAY_ADDRESS``; a multi-node cluster is checked for GPU slots
-and for shared storage on every node) or starts its own local one — never a cluster Ray's "current cluster" file
-happens to name — and hands the config to verl's own ``run_ppo`` with its V1 ``TaskRunner``
-(:mod:`envace.verl.runner`) — the real verl trainer, unmodified.
+A driver told to join a Ray cluster (``RAY_ADDRESS``) joins exactly that one between the two phases: the cluster is
+checked for GPU slots, and, when it has several nodes, every node must see the folders the builds write into and
+the files the config names (:func:`check_build_folders`), so that a node without the shared storage is named before
+the builds, not minutes after them. A run of its own starts its own local cluster after the builds, as the first
+step of :func:`launch` — never a cluster Ray's "current cluster" file happens to name. Then every node of a
+several-node cluster must see what was built (:func:`worker_paths`), and the config goes to verl's own ``run_ppo``
+with its V1 ``TaskRunner`` (:mod:`envace.verl.runner`) — the real verl trainer, unmodified.
 
 A mistake exits 2 with one line on stderr naming the key (``ENVACE_DEBUG=1`` re-raises). The config composition and
 verl's own checks are :mod:`envace.verl.config`; everything else plugged into verl is in :mod:`envace.verl`.
@@ -485,8 +488,16 @@ def build(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str]) -> None:
 
 
 def prepare(cfg: DictConfig) -> tuple[DictConfig, EnvAceConfig]:
-    """:func:`preflight`, then :func:`build`: a composed config checked and resolved in place, ready for Ray."""
+    """:func:`preflight`, then :func:`build`: a composed config checked and resolved in place, ready for Ray.
+
+    A driver told to join a Ray cluster (``RAY_ADDRESS``) joins it in between (:func:`init_ray`: the cluster's GPU
+    slots are checked) and, on several nodes, checks that every node sees where the builds write
+    (:func:`check_build_folders`): a node without the shared storage is refused in seconds, before the data build
+    and the warm start's (minutes). A run of its own starts no Ray here: :func:`launch` does, after the builds."""
     ecfg, simulated = preflight(cfg)
+    if os.environ.get("RAY_ADDRESS"):
+        init_ray(cfg)
+        check_build_folders(cfg)
     build(cfg, ecfg, simulated)
     return cfg, ecfg
 
@@ -497,19 +508,33 @@ def _as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+def _cache_name() -> str:
+    """How an error names ``$ENVACE_CACHE``, the variable that moves it, and where it is when unset."""
+    return "ENVACE_CACHE" if os.environ.get("ENVACE_CACHE") else "ENVACE_CACHE, unset: ~/.cache/envace"
+
+
 def worker_paths(cfg: DictConfig) -> dict[str, str]:
-    """The paths the Ray workers of a built config read on whichever node they run: the model, the data files and
-    the worldbooks, for :func:`~envace.launch.check_shared_storage`. Each is named by what moves it, for that
+    """The paths the Ray workers of a config read on whichever node they run: the model, the data files and the
+    worldbooks, for :func:`~envace.launch.check_shared_storage`. Each is named by what moves it, for that
     check's error: its config key, and, where the path lies under a folder chosen elsewhere, that folder's key or
     variable too (``envace.data.out_dir``, ``trainer.default_local_dir``: :func:`generated_dir`; ``ENVACE_CACHE``:
-    a ``builtin:`` model, or the generated files of a one-node config on a several-node cluster)."""
-    paths = {"actor_rollout_ref.model.path": str(cfg.actor_rollout_ref.model.path)}
+    a ``builtin:`` model, or the generated files of a one-node config on a several-node cluster).
+
+    On a config not yet built, what :func:`build` makes (``auto`` data and worldbooks, a ``builtin:`` model) is left
+    out: these are the paths the user gave, and the folders they will be built into are :func:`build_folders`'."""
+    from envace.config import AUTO
+
+    paths = {}
+    model = str(cfg.actor_rollout_ref.model.path)
+    if not model.startswith(BUILTIN_PREFIX):
+        paths["actor_rollout_ref.model.path"] = os.path.expanduser(model)
     for key in ("train_files", "val_files"):
-        for i, f in enumerate(_as_list(cfg.data[key])):
-            paths[f"data.{key}[{i}]"] = f
-    if cfg.envace.agent.worldbook is not None:
+        if cfg.data[key] != AUTO:
+            for i, f in enumerate(_as_list(cfg.data[key])):
+                paths[f"data.{key}[{i}]"] = f
+    if cfg.envace.agent.worldbook not in (None, AUTO):
         paths["envace.agent.worldbook"] = str(cfg.envace.agent.worldbook)
-    cache = "ENVACE_CACHE" if os.environ.get("ENVACE_CACHE") else "ENVACE_CACHE, unset: ~/.cache/envace"
+    cache = _cache_name()
     roots = [(cfg.envace.data.out_dir, "envace.data.out_dir"),
              (cfg.trainer.default_local_dir, "trainer.default_local_dir"), (cache_dir(), cache)]
 
@@ -523,24 +548,60 @@ def worker_paths(cfg: DictConfig) -> dict[str, str]:
     return {named(key, path): path for key, path in paths.items()}
 
 
-def init_ray(cfg: DictConfig) -> None:
-    """Join ``RAY_ADDRESS`` (checking its resources) or start a local Ray, with verl's runtime env."""
+def build_folders(cfg: DictConfig) -> dict[str, str]:
+    """The folders :func:`build` will write into for the Ray workers to read, besides the run directory (where a
+    multi-node run's generated data goes: :func:`generated_dir`), each named by the key or variable that moves it,
+    as :func:`worker_paths` names paths: ``envace.data.out_dir`` (``data.*_files: auto`` there); the cache, for the
+    generated files of a one-node config (on a several-node cluster); ``$ENVACE_CACHE/models`` for a ``builtin:``
+    model, which is built there on the head."""
+    from envace.config import AUTO
+
+    folders = {}
+    cache = _cache_name()
+    data_auto = any(cfg.data[key] == AUTO for key in ("train_files", "val_files"))
+    out_dir = cfg.envace.data.out_dir
+    if data_auto and out_dir:
+        folders["envace.data.out_dir"] = os.path.expanduser(str(out_dir))
+    generated = [what for what, auto in (("data.*_files: auto", data_auto and not out_dir),
+                                         ("envace.agent.worldbook: auto", cfg.envace.agent.worldbook == AUTO)) if auto]
+    if generated and int(cfg.trainer.nnodes) == 1:  # several nodes: the run directory (generated_dir)
+        folders[f"{' and '.join(generated)} (under {cache})"] = str(generated_dir(cfg))
+    if str(cfg.actor_rollout_ref.model.path).startswith(BUILTIN_PREFIX):
+        folders[f"actor_rollout_ref.model.path (under {cache})"] = str(cache_dir() / "models")
+    return folders
+
+
+def alive_nodes() -> int:
+    """The alive nodes of the Ray cluster this process is connected to."""
     import ray
 
-    from envace.launch import check_shared_storage, passthrough_env
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def check_build_folders(cfg: DictConfig) -> None:
+    """Before :func:`build`, on a connected Ray cluster of several nodes: every node sees the run directory and the
+    folders the builds will write into (:func:`build_folders`), and the model, data files and worldbooks the config
+    names (:func:`worker_paths`). A folder not there yet is created for the check and removed again
+    (:func:`~envace.launch.check_shared_storage`): a refused run leaves nothing behind."""
+    if alive_nodes() > 1:
+        from envace.launch import check_shared_storage
+
+        check_shared_storage(cfg.trainer.default_local_dir, worker_paths(cfg), folders=build_folders(cfg))
+
+
+def init_ray(cfg: DictConfig) -> None:
+    """Join ``RAY_ADDRESS`` or start a local Ray, with verl's runtime env, and check the cluster's GPU slots."""
+    import ray
+
+    from envace.launch import passthrough_env
     from envace.verl.runner import ray_runtime_env
 
     # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*: the same on every node
     runtime_env = ray_runtime_env(cfg, passthrough_env())
-    env_vars = runtime_env["env_vars"]
-    Path(env_vars["VERL_FILE_LOGGER_PATH"]).parent.mkdir(parents=True, exist_ok=True)
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=runtime_env)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        check_ray_resources(cfg, ray.cluster_resources(), len(nodes))
-        if len(nodes) > 1:  # every node writes checkpoints and reads the model, the data and the books
-            check_shared_storage(cfg.trainer.default_local_dir, worker_paths(cfg))
+        check_ray_resources(cfg, ray.cluster_resources(), alive_nodes())
     else:
         kwargs = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
         kwargs["runtime_env"] = runtime_env
@@ -552,11 +613,21 @@ def init_ray(cfg: DictConfig) -> None:
 
 
 def launch(cfg: DictConfig) -> None:
-    """Start or join Ray and run verl's trainer (:func:`envace.verl.runner.run`) on a config :func:`prepare`
-    validated."""
-    from envace.verl.runner import run
+    """Run verl's trainer (:func:`envace.verl.runner.run`) on a config :func:`prepare` validated and built: on the
+    Ray cluster it joined (``RAY_ADDRESS``), else on one started here (:func:`init_ray`). On several nodes, every
+    node must first see the run directory and what the workers read, the built files included (:func:`worker_paths`):
+    a node that does not stops the run before training."""
+    import ray
 
-    init_ray(cfg)
+    from envace.launch import check_shared_storage
+    from envace.verl.runner import run, run_env
+
+    if not ray.is_initialized():
+        init_ray(cfg)
+    if alive_nodes() > 1:  # every node writes checkpoints and reads the model, the data and the books
+        check_shared_storage(cfg.trainer.default_local_dir, worker_paths(cfg))
+    # verl's file logger opens its file without making the folder (the file's name alone carries the launch's time)
+    Path(run_env(cfg)["VERL_FILE_LOGGER_PATH"]).parent.mkdir(parents=True, exist_ok=True)
     run(cfg)
 
 

@@ -21,9 +21,10 @@
 # RAY_AUTH_TOKEN_PATH (a file on shared storage: the head writes a new token there, the workers read it);
 # RAY_AUTH_MODE=disabled opts out explicitly. Network interfaces: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
 # NCCL_IB_* set here reach every Ray worker of the job. Every node must see the model and
-# trainer.default_local_dir at the same paths (shared storage); the head checks that before training. A multi-node
-# run's generated data (data.*_files: auto, worldbook: auto) goes into trainer.default_local_dir; a builtin: model
-# is built into the head's ENVACE_CACHE (default ~/.cache/envace): set it to shared storage, or give a model path.
+# trainer.default_local_dir at the same paths (shared storage); the head checks that before it builds anything and
+# again before training. A multi-node run's generated data (data.*_files: auto, worldbook: auto) goes into
+# trainer.default_local_dir; a builtin: model is built into the head's ENVACE_CACHE (default ~/.cache/envace): set it
+# to shared storage, or give a model path.
 # Single node: the job starts its own Ray cluster (never one an old `ray start` left behind).
 #
 # Pre-flight, before anything slow: the variables above are checked first, before the virtualenv is installed (a bad

@@ -1,6 +1,7 @@
 """Launch helpers (envace/launch.py) and the multi-node pre-flight of scripts/train.sh that needs no cluster:
-GPU counting, joining a head that is still starting, process lifetime, authentication, offline mode, and the
-environment variables train.sh reads, checked before it installs anything."""
+GPU counting, joining a head that is still starting, process lifetime, authentication, offline mode, the
+environment variables train.sh reads, checked before it installs anything, and the shared-storage check's marker
+folders and node probe."""
 
 from __future__ import annotations
 
@@ -327,6 +328,78 @@ def test_launch_refuses_a_bad_number_in_one_line(argv, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith(f"python -m envace.launch {argv[0]}: error: argument --") and argv[-2] in err
+
+
+# -- shared storage: the head's marker folders and a node's probe ------------------------------------------------------
+def test_the_marker_folders_are_removed_with_what_the_check_created_when_it_is_refused_or_passes(tmp_path):
+    """The shared-storage check's folder probe (``envace.launch._markers``): a folder not there yet is created for
+    its marker, its missing parents with it; a refused check (an error inside) and a passed one both end with the
+    markers and every folder it created removed, an existing folder keeping what it held. A folder made here that
+    something else wrote into meanwhile (a build) is kept with that. Old behaviour: one marker, in the run
+    directory, which the check created and left behind."""
+    from envace.config import ConfigError
+    from envace.launch import MARKER_PREFIX, _markers
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "global_step_4").mkdir()
+    models = tmp_path / "home" / ".cache" / "envace" / "models"  # no home yet
+    out = tmp_path / "out"
+    folders = {"trainer.default_local_dir": run, "actor_rollout_ref.model.path (under ENVACE_CACHE)": models,
+               "envace.data.out_dir": out, "the run directory again": run}
+    token = "f" * 32
+    with pytest.raises(ConfigError, match="refused"), _markers(folders, token) as markers:
+        assert set(markers) == set(folders)
+        for name, marker in markers.items():
+            assert Path(marker).parent == folders[name] and Path(marker).name.startswith(MARKER_PREFIX)
+            assert Path(marker).read_text() == token
+        raise ConfigError("refused")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert [p.name for p in run.iterdir()] == ["global_step_4"]
+
+    with _markers(folders, token):
+        (out / "train.parquet").write_text("")
+    assert [p.name for p in out.iterdir()] == ["train.parquet"] and not (tmp_path / "home").exists()
+    assert [p.name for p in run.iterdir()] == ["global_step_4"]
+
+
+def test_a_marker_folder_the_head_cannot_write_is_one_line_naming_its_key(tmp_path):
+    """Root writes through permissions, so the folder lies under a file: ``mkdir`` fails on every account."""
+    from envace.config import ConfigError
+    from envace.launch import _markers
+
+    run, blocker = tmp_path / "run", tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError) as refused, _markers({"trainer.default_local_dir": run,
+                                                          "envace.data.out_dir": blocker / "data"}, "f" * 32):
+        pytest.fail("the markers were written")
+    assert str(refused.value) == (f"envace.data.out_dir: cannot write into {blocker / 'data'} on the head "
+                                  "(Not a directory)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the run directory made for it is gone again
+
+
+def test_a_node_probe_names_each_marker_it_cannot_read_and_each_missing_path_by_its_key(tmp_path, monkeypatch):
+    import ray
+
+    from envace.launch import _probe_node
+
+    class Context:
+        def get_node_id(self) -> str:
+            return "b" * 28
+
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    seen, other = tmp_path / "seen", tmp_path / "other"
+    seen.write_text("t")
+    other.write_text("another run's token")
+    out = _probe_node({"trainer.default_local_dir": str(seen), "envace.data.out_dir": str(other),
+                       "actor_rollout_ref.model.path (under ENVACE_CACHE)": str(tmp_path / "hidden" / "m")}, "t",
+                      {"data.train_files[0]": str(tmp_path / "x.parquet"), "envace.agent.worldbook": str(seen)})
+    assert out["node_id"] == "b" * 28 and out["problems"] == [
+        f"envace.data.out_dir: the marker {other} has other content (another run, or a different file system)",
+        (f"actor_rollout_ref.model.path (under ENVACE_CACHE): cannot read {tmp_path / 'hidden' / 'm'} (No such "
+         "file or directory)"),
+        f"data.train_files[0] {tmp_path / 'x.parquet'} does not exist",
+    ]
 
 
 # -- the head's watcher: the start-up and step deadlines, on a simulated clock ---------------------------------------

@@ -290,9 +290,11 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
 
 def test_a_node_that_cannot_see_the_run_directory_or_the_heads_home_stops_the_run_before_training(tmp_path):
     """The worker node runs in its own mount namespace where the run directory and the head's home directory are
-    empty tmpfs mounts. It cannot read the marker the head writes into the run directory, nor the data the head
-    builds there, nor the ``builtin:`` model the head builds into its ``ENVACE_CACHE`` (unset: in its home). The
-    head stops before training with one line (exit 2) naming that node and, for each path, what moves it."""
+    empty tmpfs mounts. It cannot read the markers the head writes, before it builds anything, into the run
+    directory (where it would build the data) and into the folder of its ``ENVACE_CACHE`` (unset: in its home) where
+    it would build the ``builtin:`` model. The head stops before the builds with one line (exit 2) naming that node
+    and, for each folder, what moves it, and leaves nothing behind: no data, no model, the run directory as it was,
+    no cache in its home. Old behaviour: the same refusal came after the data build and the model's."""
     if not _mount_namespaces():
         pytest.skip("needs mount namespaces (unshare -m)")
     port = _free_port()
@@ -322,11 +324,13 @@ def test_a_node_that_cannot_see_the_run_directory_or_the_heads_home_stops_the_ru
     assert failure.startswith("envace: config error: "), failure
     assert "worker node " in failure and "head node" not in failure, failure
     assert f"trainer.default_local_dir: cannot read {run}/" in failure, failure
-    assert f"data.train_files[0] (under trainer.default_local_dir) {run}/data/" in failure, failure
-    model = head_home / ".cache" / "envace" / "models" / "tiny-qwen3"
-    assert f"actor_rollout_ref.model.path (under ENVACE_CACHE, unset: ~/.cache/envace) {model} does not exist" \
+    models = head_home / ".cache" / "envace" / "models"
+    assert f"actor_rollout_ref.model.path (under ENVACE_CACHE, unset: ~/.cache/envace): cannot read {models}/" \
         in failure, failure
+    # refused before the builds (no parquet, no model), and what the check made for its markers is gone again
     assert "step:1 - " not in text
+    assert list(run.iterdir()) == [], list(run.rglob("*"))
+    assert not (head_home / ".cache" / "envace").exists(), list(head_home.rglob("*"))
     assert _ray_processes_gone(port) == []
 
 

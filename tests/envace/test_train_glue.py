@@ -1,7 +1,8 @@
 """Fast tests of the trainer's glue: ``envace.train.fit_prompts`` (rows whose prompt fits once their own tools
 are rendered, with the real Qwen3 tokenizer on real BFCL rows), ``envace.train.build_data`` (the parquet files
 of ``envace.data``, cached by recipe; a multi-node run's, with its worldbooks, in its run directory),
-``envace.train.worker_paths`` (what every node must see, each path named by what moves it) and
+``envace.train.worker_paths`` (what every node must see, each path named by what moves it), ``build_folders``
+(where the builds will write, checked on every node before they start) and
 ``envace.launch.wait_nodes`` (a multi-node launch waiting for its
 Ray cluster; Ray itself is replaced by a scripted stand-in and the clock by a fake one)."""
 
@@ -248,6 +249,32 @@ def test_every_path_a_worker_reads_is_named_by_what_moves_it(tmp_path, monkeypat
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     cfg.actor_rollout_ref.model.path = str(tmp_path / "home" / ".cache" / "envace" / "models" / "tiny-qwen3-warm")
     assert "actor_rollout_ref.model.path (under ENVACE_CACHE, unset: ~/.cache/envace)" in worker_paths(cfg)
+
+
+def test_before_the_builds_the_check_covers_the_paths_given_and_the_folders_the_builds_write_into(tmp_path,
+                                                                                                   monkeypatch):
+    """On a config not yet built, ``worker_paths`` leaves out what the builds make (``auto``, ``builtin:``) and
+    ``build_folders`` names the folders they will write into besides the run directory: ``$ENVACE_CACHE/models`` for a
+    ``builtin:`` model, ``envace.data.out_dir``, and the cache itself for the generated files of a one-node config."""
+    from envace.train import build_folders
+
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    run, model, out = tmp_path / "run", tmp_path / "model", tmp_path / "out"
+    cfg = compose([f"trainer.default_local_dir={run}", "trainer.nnodes=2",
+                   "actor_rollout_ref.model.path=builtin:tiny-qwen3"])
+    assert worker_paths(cfg) == {}
+    models = str(tmp_path / "cache" / "models")
+    assert build_folders(cfg) == {"actor_rollout_ref.model.path (under ENVACE_CACHE)": models}
+    cfg = compose([f"trainer.default_local_dir={run}", "trainer.nnodes=1", f"actor_rollout_ref.model.path={model}",
+                   "envace.agent.worldbook=auto"])
+    assert worker_paths(cfg) == {"actor_rollout_ref.model.path": str(model)}
+    assert build_folders(cfg) == {
+        "data.*_files: auto and envace.agent.worldbook: auto (under ENVACE_CACHE)": str(tmp_path / "cache")}
+    cfg = compose([f"trainer.default_local_dir={run}", "trainer.nnodes=2", f"actor_rollout_ref.model.path={model}",
+                   f"envace.data.out_dir={out}", f"data.val_files={tmp_path / 'val.parquet'}"])
+    assert worker_paths(cfg) == {"actor_rollout_ref.model.path": str(model),
+                                 "data.val_files[0]": str(tmp_path / "val.parquet")}
+    assert build_folders(cfg) == {"envace.data.out_dir": str(out)}
 
 
 # -- launch.wait_nodes ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """envace/train.py before and at the start of Ray: every check (envace's and verl's typed keys, verl's own
 validation, the registries' names) runs before the data build, the model build and Ray, and ``--preflight-only``
-runs them alone, as the multi-node head does before it starts Ray; a single-node run starts its own cluster (never
+runs them alone, as the multi-node head does before it starts Ray; a driver that joins a cluster of several nodes
+checks, before it builds, that every node sees where the builds write; a single-node run starts its own cluster (never
 the one Ray's "current cluster" file names), and the network-interface variables reach every Ray worker; and
 scripts/train.sh's check, on every node before any Ray start, that the NVIDIA driver can run the installed torch's
 CUDA build (a stand-in nvidia-smi and torch/version.py simulate a CUDA 12 driver under the CUDA 13 lock)."""
@@ -110,6 +111,51 @@ def test_a_valid_config_reaches_the_data_build_first_and_preflight_only_reaches_
     assert capsys.readouterr().out.strip().splitlines()[-1] == "envace: pre-flight passed"
     assert heavy == [] and not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
     assert main(["--preflight-only", run, "data.train_batch_size=0"]) == 2
+
+
+def test_on_a_cluster_of_several_nodes_the_folders_the_builds_write_into_are_checked_before_building(
+        heavy, monkeypatch, tmp_path):
+    """Issue 44's follow-up: a driver told to join a Ray cluster (``RAY_ADDRESS``, ``trainer.nnodes=2``) joins it
+    before the builds and, the cluster having several nodes, checks that every node sees the run directory, the
+    folders the builds will write into (a ``builtin:`` model's under ENVACE_CACHE; ``envace.data.out_dir``) and the
+    paths the user gave; refused, it exits 2 with nothing built. Passed, the builds follow. Old behaviour: the only
+    check came after the data build and the warm start's (minutes). Ray is replaced by spies here;
+    tests/envace/test_multinode.py runs it for real."""
+    from envace import launch, train
+    from envace.config import ConfigError
+
+    checks: list[tuple[str, dict[str, str], dict[str, str]]] = []
+    verdict: list[str] = []
+
+    def check_shared_storage(run_dir, paths, timeout=300.0, *, folders=None):
+        checks.append((str(run_dir), dict(paths), dict(folders or {})))
+        if verdict:
+            raise ConfigError(verdict[0])
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setattr(train, "init_ray", lambda cfg: heavy.append("ray"))
+    monkeypatch.setattr(train, "alive_nodes", lambda: 2)
+    monkeypatch.setattr(launch, "check_shared_storage", check_shared_storage)
+    run = tmp_path / "run"
+    base = [f"trainer.default_local_dir={run}", "trainer.nnodes=2"]
+
+    verdict.append("every node must see the run directory ...")
+    assert main(base) == 2
+    assert heavy == ["ray"] and not run.exists() and not (tmp_path / "cache").exists()
+    assert checks == [(str(run), {}, {"actor_rollout_ref.model.path (under ENVACE_CACHE)":
+                                      str(tmp_path / "cache" / "models")})]
+
+    verdict.clear()
+    heavy.clear()
+    checks.clear()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(Heavy, match="data build"):
+        main([*base, f"actor_rollout_ref.model.path={model}", f"envace.data.out_dir={tmp_path / 'data'}"])
+    assert heavy == ["ray", "data build"]
+    assert checks == [(str(run), {"actor_rollout_ref.model.path": str(model)},
+                       {"envace.data.out_dir": str(tmp_path / "data")})]
 
 
 def test_enabling_debug_shows_the_traceback(heavy, monkeypatch):
