@@ -62,6 +62,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -824,9 +825,11 @@ def check_token_auth(report: Report, address: str, environ: dict[str, str] | Non
     env = dict(os.environ if environ is None else environ)
     env.pop("RAY_ADDRESS", None)
     bare = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    with_token, why_with = _client(address, env)
-    without, why_without = _client(address, bare)
-    other, why_other = _client(address, {**bare, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+    clients = (env, bare, {**bare, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+    # at once: a refused client retries for about 20 s before it gives up (Ray's GCS connection retries)
+    with ThreadPoolExecutor(len(clients)) as pool:
+        (with_token, why_with), (without, why_without), (other, why_other) = pool.map(
+            lambda e: _client(address, e), clients)
     problems = ([] if with_token else [f"a client with the cluster's token could not connect ({why_with})"]) + [
         f"a client {who} connected" for who, got in (("without a token", without), ("with another token", other))
         if got]
