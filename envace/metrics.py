@@ -190,14 +190,14 @@ def learning_line(summary: dict[str, Any]) -> str:
     its error and how many errors it spans, the greedy pass, and the training reward's first and last means."""
 
     def val(x: float, sem: float | None) -> str:
-        return f"{x:.3f} ± {sem:.3f}" if sem is not None and sem == sem else f"{x:.3f}"
+        return f"{x:.3f} ± {sem:.3f}" if sem is not None and not math.isnan(sem) else f"{x:.3f}"
 
     line = (f"envace: held-out success {val(summary['first'], summary.get('first_sem'))} (step "
             f"{summary['first_step']}) -> {val(summary['last'], summary.get('last_sem'))} (step {summary['last_step']})")
     change, sem = summary.get("change"), summary.get("change_sem")
     if change is not None:
         line += f", change {change:+.3f}"
-        if sem is not None and sem == sem and sem > 0:
+        if sem is not None and sem > 0:  # NaN fails the comparison
             line += f" ± {sem:.3f} ({change / sem:+.1f} s.e., paired by task)"
     if "greedy_first" in summary:
         line += f"; greedy {summary['greedy_first']:.3f} -> {summary['greedy_last']:.3f}"

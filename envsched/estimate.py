@@ -7,7 +7,7 @@ indexed by y in {v, m, d}; "h" is a half-life (h_long = 8, h_short = 2 by defaul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.stats import rankdata, spearmanr
@@ -341,7 +341,7 @@ def decline_priority(u_long: np.ndarray, u_short: np.ndarray, eta: float = 0.5, 
 class ObservationLog:
     """Append-only log of group statistics (node, step, m, v, d) in preallocated columns (grown by doubling)."""
 
-    _DTYPES = {"node": np.int64, "step": np.int64, "m": np.float64, "v": np.float64, "d": np.float64}
+    _DTYPES: ClassVar[dict[str, type]] = {"node": np.int64, "step": np.int64, "m": np.float64, "v": np.float64, "d": np.float64}
 
     def __init__(self) -> None:
         self._set({k: np.zeros(0, dtype=t) for k, t in self._DTYPES.items()})

@@ -159,7 +159,7 @@ class ProgressFilter:
         rows = np.arange(first_new, self._n)
         alpha = self.cfg.progress_ridge_alpha
         if self.n_envs <= _DENSE_MAX_ENVS:
-            feats = lambda r: self.features_dense(arr["m_prev"][r], arr["v_prev"][r], arr["step_prev"][r], arr["count_prev"][r], arr["env"][r], self.n_envs)  # noqa: E731
+            feats = lambda r: self.features_dense(arr["m_prev"][r], arr["v_prev"][r], arr["step_prev"][r], arr["count_prev"][r], arr["env"][r], self.n_envs)
             coef, intercept = ridge_fit_dense(feats(train), arr["m_next"][train], alpha)
             pred = feats(rows) @ coef + intercept
         else:
@@ -249,7 +249,7 @@ def find_suspicious_actions(task: Task, actions: Sequence[Mapping[str, Any]]) ->
     """Default detector (App. C): indices of actions that use an identifier not obtainable from the permitted
     context (instruction, initial state, outputs of earlier actions), or that create an object duplicating an
     existing record (all its non-identifier values already present in the initial state)."""
-    context = " ".join([task.instruction, task.initial_state]).lower()
+    context = f"{task.instruction} {task.initial_state}".lower()
     seen_outputs = ""
     bad = []
     for k, a in enumerate(actions):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -282,7 +283,7 @@ class DeterministicExtractor:
             calls = [(n, {}) for n in (named or [t.name for t in task.tools])]
         if not calls:
             calls = [("respond", {})]
-        instr = " ".join([task.instruction, task.initial_state]).lower()
+        instr = f"{task.instruction} {task.initial_state}".lower()
 
         ops: list[Operation] = []
         gates: list[Gate] = []
@@ -357,9 +358,9 @@ class DeterministicExtractor:
             ctrl = []
             for o, vals in zip(ops, values_of):
                 words = [w for w in split_identifier(o.tool or "") if len(w) > 3 and w not in _STOP]
-                if any(v in low for v in vals if len(v) >= 3) or any(w in low for w in words):
-                    if o.type in MUTATING or o.type in ("validate", "authorize"):
-                        ctrl.append(o.id)
+                if (any(v in low for v in vals if len(v) >= 3) or any(w in low for w in words)) and (
+                        o.type in MUTATING or o.type in ("validate", "authorize")):
+                    ctrl.append(o.id)
             groups.setdefault(tuple(ctrl), []).append(c)
         reward_groups = []
         for ctrl, checks in groups.items():
@@ -440,7 +441,7 @@ def parse_description(text: str, task: Task) -> OperationDescription:
     except json.JSONDecodeError as exc:
         raise ValueError(f"answer is not JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"answer is a JSON {type(data).__name__}, expected an object")
+        raise ValueError(f"answer is a JSON {type(data).__name__}, expected an object")  # noqa: TRY004 - a malformed answer, as the JSON error above
     try:
         desc = OperationDescription.model_validate(data)
     except ValidationError as exc:
@@ -582,7 +583,7 @@ def abstract_text(desc: OperationDescription) -> str:
         toks.append(f"op:{label[o.id]}")
         toks.extend(f"arg:{o.type}:{t}" for t in sorted(o.arguments.values()))
     seq = [o.type for o in desc.operations]
-    toks.extend(f"seq:{a}>{b}" for a, b in zip(seq, seq[1:]))
+    toks.extend(f"seq:{a}>{b}" for a, b in itertools.pairwise(seq))
     toks.extend(f"seq3:{a}>{b}>{c}" for a, b, c in zip(seq, seq[1:], seq[2:]))
     edges = {(d.source, d.target) for d in desc.dependencies} | {(s, o.id) for o in desc.operations for s in o.depends_on}
     toks.extend(f"dep:{label[s]}>{label[t]}" for s, t in sorted(edges))

@@ -103,7 +103,7 @@ class RelationWeights:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-        grid = sorted(set(float(c) for c in cfg.relation_weight_grid))
+        grid = sorted({float(c) for c in cfg.relation_weight_grid})
         self.pairs = list(itertools.product(grid, grid))  # (c_in, c_cross)
         self.paper = self.pairs.index((1.0, 1.0))
         # c_0, the pair in force until another is measured to rank better (relation_weight_start)

@@ -408,7 +408,7 @@ def render_template(template: str, *, arguments: Mapping[str, Any], before: Any,
             v: Any = outcome
         elif expr.startswith("action.arguments."):
             v = arguments.get(expr[len("action.arguments."):], MISSING)
-        elif expr.startswith("state_before.") or expr.startswith("state_after."):
+        elif expr.startswith(("state_before.", "state_after.")):
             base, _, p = expr.partition(".")
             v = get_path(before if base == "state_before" else after, p, arguments)
         else:
@@ -460,7 +460,7 @@ def select_rule(rules: Sequence[TransitionRule], action: str, arguments: Mapping
     if len(plans) > 1:
         return RuleSelection(None, candidates=ids, ambiguous=True,
                              reason=f"{len(best)} rules of priority {top} disagree: {', '.join(ids)}")
-    r, e = sorted(best, key=lambda x: x[0].id)[0]
+    r, e = min(best, key=lambda x: x[0].id)
     return RuleSelection(r, e, candidates=ids)
 
 
@@ -478,9 +478,9 @@ def _field_for(fields: Sequence[StateField], segs: tuple[str, ...]) -> StateFiel
     best_len = -1
     for f in fields:
         fs = _declared_path(f.path)
-        if fs == segs[: len(fs)] and (len(fs) == len(segs) or f.type in ("object", "array", "any")):
-            if len(fs) > best_len:
-                best, best_len = f, len(fs)
+        if (fs == segs[: len(fs)] and (len(fs) == len(segs) or f.type in ("object", "array", "any"))
+                and len(fs) > best_len):
+            best, best_len = f, len(fs)
     return best
 
 

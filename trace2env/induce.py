@@ -210,7 +210,8 @@ def select_demonstrations(transitions: Sequence[Transition], *, k: int = 3) -> l
         chosen: list[Transition] = []
         outcomes: set[str] = set()
         episodes: set[str] = set()
-        for pred in (lambda t: outcome_of(t) not in outcomes, lambda t: t.episode_id not in episodes, lambda t: True):
+        for pred in (lambda t, seen=outcomes: outcome_of(t) not in seen, lambda t, seen=episodes: t.episode_id not in seen,
+                     lambda t: True):
             for t in by_action[name]:
                 if len(chosen) < k and t not in chosen and pred(t):
                     chosen.append(t)

@@ -242,7 +242,7 @@ def _parse_action(action: Any) -> ActionCall:
         except json.JSONDecodeError as e:
             raise ValueError(f"action is not JSON: {e.msg}") from None
     if not isinstance(action, Mapping):
-        raise ValueError("action must be an object with 'name' and 'arguments'")
+        raise ValueError("action must be an object with 'name' and 'arguments'")  # noqa: TRY004 - a malformed action
     fn = action.get("function", action)
     name, args = fn.get("name"), fn.get("arguments", {})
     if isinstance(args, str):
@@ -253,7 +253,7 @@ def _parse_action(action: Any) -> ActionCall:
     if not isinstance(name, str) or not name:
         raise ValueError("action has no name")
     if not isinstance(args, Mapping):
-        raise ValueError("arguments must be an object")
+        raise ValueError("arguments must be an object")  # noqa: TRY004 - a malformed action, as above
     return ActionCall(name=name, arguments=dict(args))
 
 

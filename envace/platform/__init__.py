@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-__all__ = ["register_cpu_platform", "ROLLOUT_NAME"]
+__all__ = ["ROLLOUT_NAME", "register_cpu_platform"]
 
 ROLLOUT_NAME = "hfcpu"
 _registered = False

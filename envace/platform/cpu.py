@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 

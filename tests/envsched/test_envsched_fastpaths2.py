@@ -144,9 +144,9 @@ def test_prediction_with_shared_kernel_equals_separate_passes(seed):
     assert np.array_equal(got.v, long["v"])
     # and the kernel path itself equals neighbor_weights
     W = long["W"]
-    for rel in idx:
-        safe = np.maximum(idx[rel], 0)
-        avail = (idx[rel] >= 0) & (W[safe] > 0)
+    for rel, nbrs in idx.items():
+        safe = np.maximum(nbrs, 0)
+        avail = (nbrs >= 0) & (W[safe] > 0)
         a = neighbor_weights(sim[rel], W[safe], avail, cfg.bandwidth_floor, cfg.neighbor_weight_clip)
         kern = E.neighbor_kernel(sim[rel], avail, cfg.bandwidth_floor)
         assert np.array_equal(a, np.where(avail, kern * np.sqrt(np.clip(W[safe], *cfg.neighbor_weight_clip)), 0.0))

@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from envsched import EnvSchedConfig, EnvScheduler, TaskPool
-from envsched.estimate import average_rank, decline_priority, linear_quantiles, percentile_rank, predict_all, prediction_classes, quantile_score
+from envsched.estimate import (
+    average_rank,
+    decline_priority,
+    linear_quantiles,
+    percentile_rank,
+    predict_all,
+    prediction_classes,
+    quantile_score,
+)
 from envsched.synthetic import synthetic_records
 
 

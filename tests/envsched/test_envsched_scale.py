@@ -282,7 +282,7 @@ def test_cross_update_equals_the_full_merge(pool, monkeypatch, min_sim):
     monkeypatch.setattr(neighbors_mod, "_CROSS_BLOCK", 20)
     rng = np.random.default_rng(int(min_sim * 10))
     new, ref = NeighborIndex(graph, 0, 12, min_sim), NeighborIndex(graph, 0, 12, min_sim)
-    crows, cinv = new.cross_classes()
+    crows, _ = new.cross_classes()
     assert 20 < len(crows) < graph.n  # several blocks of classes, classes of several nodes
     for _ in range(6):
         nodes = np.unique(rng.choice(np.flatnonzero(~new.observed), 15, replace=False))

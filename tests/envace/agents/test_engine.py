@@ -275,9 +275,9 @@ def test_training_and_evaluation_adapters_give_the_same_transcript():
     from verl.utils.dataset.rl_dataset import RLHFDataset
     from verl.workers.rollout.replica import TokenOutput
 
+    from envace.agents.client import parse_assistant_output
     from envace.agents.verl_loop import EnvaceAgentLoop, VerlPolicy
     from envace.config import agent_config_from
-    from envace.agents.client import parse_assistant_output
     from envace.eval.runner import ChatPolicy, to_api_messages
     from envace.models import load_tokenizer
 

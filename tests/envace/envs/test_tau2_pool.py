@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from envace.agents.client import ChatReply, parse_assistant_output
 from envace.envs.base import ToolCall, get_pool
 from envace.envs.tau2 import Tau2Pool, Tau2ToolCall, UserSimulatorRequired
-from envace.agents.client import ChatReply, parse_assistant_output
 
 TELECOM0 = "telecom/[mobile_data_issue]airplane_mode_on|user_abroad_roaming_enabled_off[PERSONA:None]"
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from envace.agents.client import ChatReply, parse_assistant_output
 from envace.agents.engine import ModelError
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict, get_pool
-from envace.agents.client import ChatReply, parse_assistant_output
 from envace.eval.runner import (
     AgentLoopRunner,
     LoopLimits,

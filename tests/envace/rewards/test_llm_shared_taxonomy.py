@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from envace.agents.engine import ModelError
 from envace.agents.client import classify_http_error
+from envace.agents.engine import ModelError
 from envace.rewards import llm as envace_llm
 from trace2env import llmcore
 from trace2env import providers as t2e_providers
