@@ -523,8 +523,6 @@ def check_saved(report: Report, run_dir: Path, step: int = STEPS, envsched: bool
 
 #: verl's trainer names the checkpoint it loads: ``Resuming from FOLDER`` (v0), ``..., setting global step to N`` (v1)
 _RESUMING = re.compile(r"Resuming from (.+?)(?:, setting global step to \d+)?\s*$", re.MULTILINE)
-#: verl's console logger, one line a step (the pattern envace.launch's watcher reads)
-_STEP_LINE = re.compile(r"\bstep:(\d+) - ")
 
 
 def resume_problem(log: str, run_dir: Path, step: int = STEPS) -> str | None:
@@ -532,6 +530,8 @@ def resume_problem(log: str, run_dir: Path, step: int = STEPS) -> str | None:
     verl names the folder it loads, and the first step the launch logs is ``step + 1``. A launch that found no
     checkpoint trains from scratch, logging steps 1 to 3 again: the metrics files would still cover steps 1, 2 and
     3, so this row is what catches it."""
+    from envace.launch import STEP_LINE
+
     loaded = _RESUMING.findall(log)
     want = run_dir / f"global_step_{step}"
     if not loaded:
@@ -539,7 +539,7 @@ def resume_problem(log: str, run_dir: Path, step: int = STEPS) -> str | None:
         return f"no 'Resuming from' line in its output{scratch}"
     if Path(loaded[-1]).resolve() != want.resolve():
         return f"it resumed from {loaded[-1]}, not {want}"
-    first = _STEP_LINE.search(log)
+    first = STEP_LINE.search(log)
     if first is None or int(first.group(1)) != step + 1:
         return f"its first logged step is {first.group(1) if first else 'none'}, not {step + 1}"
     return None
@@ -948,22 +948,6 @@ def check_allreduce(report: Report, backend: str = "nccl", numel: int = ALLREDUC
         f"{min(r['bus_gbps'] for r in results):.1f} GB/s ({numel * 4 / 2**20:.0f} MiB)"))
 
 
-def ensure_token() -> None:
-    """With ``RAY_AUTH_TOKEN_PATH`` and no token there yet, write a fresh one (mode 600), as ``scripts/train.sh``'s
-    head does: the workers' ``train.sh`` waits for it."""
-    import secrets
-
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if os.environ.get("RAY_AUTH_TOKEN") or not path or (Path(path).is_file() and Path(path).stat().st_size):
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32) + "\n")
-    tmp.replace(path)
-
-
 def check_joined(report: Report, nodes: int, address: str, timeout: float, head: subprocess.Popen | None = None,
                  head_log: Path | None = None) -> bool:
     """The "Ray cluster" row: ``nodes`` alive nodes at ``address`` within ``timeout`` seconds
@@ -1044,7 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.nodes > 1:  # before Ray is imported: it reads its authentication settings once per process
         os.environ["RAY_AUTH_MODE"] = "token"
-        ensure_token()
+        if os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.environ.get("RAY_AUTH_TOKEN"):
+            from envace.launch import write_auth_token
+
+            write_auth_token(os.environ["RAY_AUTH_TOKEN_PATH"])  # as train.sh's head: the workers wait for it
     import torch
 
     report = Report()

@@ -17,6 +17,9 @@
 ``build-check``
     Exits 2 with the packages to install when this GPU node lacks what Triton compiles with at run time: a C compiler
     and the interpreter's headers (:func:`build_check`).
+``auth-token PATH``
+    On the head: writes a new Ray authentication token to PATH (mode 600, renamed into place) unless one is there
+    (:func:`write_auth_token`; the workers read it from shared storage).
 ``node-ip --head HOST``
     Prints this node's address on the interface that routes to the head (the worker's ``ray start`` uses it).
 ``wait-nodes --address HOST:PORT --nodes N [--timeout S]``
@@ -583,7 +586,8 @@ def check_shared_storage(run_dir: str | os.PathLike[str], paths: Mapping[str, st
 # -- watching a multi-node run -------------------------------------------------------------------------------
 #: exit status of ``watch`` (and of scripts/train.sh) when it stopped the run: a lost node or a passed deadline
 WATCH_STOPPED = 3
-_STEP_LINE = re.compile(r"\bstep:(\d+) - ")
+#: verl's console logger, one line a step (what the watcher, and gpu_smoke's resume row, read)
+STEP_LINE = re.compile(r"\bstep:(\d+) - ")
 
 
 def last_checkpoint(run_dir: str | os.PathLike[str] | None) -> str:
@@ -618,7 +622,7 @@ def _last_step(log: Path, offset: int) -> tuple[int | None, int]:
     except OSError:
         return None, offset
     end = chunk.rfind(b"\n") + 1  # a partial last line is read again next time
-    steps = _STEP_LINE.findall(chunk[:end].decode(errors="replace"))
+    steps = STEP_LINE.findall(chunk[:end].decode(errors="replace"))
     return (int(steps[-1]) if steps else None), offset + end
 
 
@@ -766,6 +770,25 @@ def _watch(pid: int, log: Path, run_dir: str | None, progress: Progress, poll: f
     return 0
 
 
+def write_auth_token(path: str | os.PathLike[str]) -> bool:
+    """The head's Ray token on shared storage: unless ``path`` already holds one (non-empty), write a new random
+    token there, readable by its owner only (mode 600) and renamed into place, so that a worker waiting for the file
+    never reads half of it. Returns whether it wrote one. ``scripts/train.sh``'s head and ``scripts/gpu_smoke.sh
+    --nodes`` both call it."""
+    import secrets
+
+    target = Path(path)
+    if target.is_file() and target.stat().st_size:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    tmp.replace(target)
+    return True
+
+
 # -- CLI ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     # numbers are range-checked as they are parsed (NaN, infinities and negative times refused), and a bad flag is
@@ -797,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
     wa.add_argument("--grace", type=seconds, default=60.0, help="seconds between SIGTERM and SIGKILL of the driver")
     wa.add_argument("--run-dir", default=None, help="the checkpoint directory (default: composed from OVERRIDES)")
     wa.add_argument("overrides", nargs=argparse.REMAINDER, help="-- train.sh's arguments")
+    tok = sub.add_parser("auth-token", help="write a new Ray auth token to PATH (mode 600) unless one is there")
+    tok.add_argument("path")
     ip = sub.add_parser("node-ip", help="print this node's address on the interface that routes to --head")
     ip.add_argument("--head", required=True)
     r = sub.add_parser("bound-exec", help="exec COMMAND, terminated when --parent ends")
@@ -819,6 +844,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.run_dir or _run_dir_of(overrides)
         return watch(args.pid, args.address, args.log, run_dir, args.step_deadline,
                      startup_deadline=args.startup_deadline, poll=args.poll, grace=args.grace)
+    if args.cmd == "auth-token":
+        if write_auth_token(args.path):
+            print(f"envace: wrote a new Ray auth token to {args.path} (mode 600)")
+        return 0
     if args.cmd == "node-ip":
         try:
             print(node_ip(args.head))

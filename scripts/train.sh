@@ -130,12 +130,7 @@ ray_auth() {
   if [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
     export RAY_AUTH_TOKEN_PATH
     if [[ "$NODE_RANK" -eq 0 ]]; then
-      if [[ ! -s "$RAY_AUTH_TOKEN_PATH" ]]; then
-        mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
-        (umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"${RAY_AUTH_TOKEN_PATH}.tmp" &&
-          mv "${RAY_AUTH_TOKEN_PATH}.tmp" "$RAY_AUTH_TOKEN_PATH")
-        echo "envace: wrote a new Ray auth token to $RAY_AUTH_TOKEN_PATH (mode 600)"
-      fi
+      "$PY" -m envace.launch auth-token "$RAY_AUTH_TOKEN_PATH"
     else
       local waited=0
       until [[ -s "$RAY_AUTH_TOKEN_PATH" ]]; do

@@ -643,3 +643,17 @@ def test_build_check_stops_a_cuda_node_without_a_compiler_and_lets_a_cpu_node_pa
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no nvidia-smi: no GPU
     assert launch.main(["build-check"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_heads_auth_token_is_written_once_owner_only(tmp_path, capsys):
+    """``auth-token``, train.sh's head and gpu_smoke.sh --nodes: a new token, mode 600, in a folder made for it; a
+    token already there (a relaunch, or the workers' copy of it) is kept."""
+    from envace.launch import main, write_auth_token
+
+    path = tmp_path / "shared" / "ray_token"
+    assert main(["auth-token", str(path)]) == 0
+    token = path.read_text()
+    assert len(token.strip()) == 64 and path.stat().st_mode & 0o777 == 0o600
+    assert capsys.readouterr().out.strip() == f"envace: wrote a new Ray auth token to {path} (mode 600)"
+    assert write_auth_token(path) is False and path.read_text() == token
+    assert not list(path.parent.glob("*.tmp"))
