@@ -851,14 +851,6 @@ def check_storage(report: Report, run_dir: Path, model: Path) -> bool:
     return report.add("shared storage", True, f"every node reads {run_dir} (a marker the head wrote) and {model}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _allreduce_rank(master: str, port: int, rank: int, world: int, backend: str, numel: int) -> dict[str, Any]:
     """One rank of :func:`check_allreduce`, in a Ray task: joins the process group, checks one all-reduce's sum,
     then times a few."""
@@ -916,6 +908,7 @@ def check_allreduce(report: Report, backend: str = "nccl", numel: int = ALLREDUC
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from envace.eval.server import free_port
     from envace.launch import passthrough_env
 
     nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: "node:__internal_head__"
@@ -929,7 +922,8 @@ def check_allreduce(report: Report, backend: str = "nccl", numel: int = ALLREDUC
     runtime_env = {"env_vars": passthrough_env()}
     deadline = time.monotonic() + ALLREDUCE_TIMEOUT_S
     try:
-        port = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=pin[0]).remote(),
+        # a free port on the first node, on every interface: the other nodes' ranks connect to it
+        port = ray.get(ray.remote(num_cpus=0)(free_port).options(scheduling_strategy=pin[0]).remote(""),
                        timeout=ALLREDUCE_TIMEOUT_S)
         task = ray.remote(_allreduce_rank)
         refs, rank = [], 0
