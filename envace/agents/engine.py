@@ -100,7 +100,7 @@ class Observation:
     """What a source answered for one tool call."""
 
     text: str  # the tool message content the agent sees
-    # result | tool_error | env_error | bound_exceeded | malformed_rehearsal | timeout
+    # result | tool_error | env_error | bound_exceeded | malformed_rehearsal | timeout | env_unavailable | env_fault
     kind: str = "result"
     real_text: str | None = None  # the real environment's response to the same call (fidelity), if known
     terminate: bool = False  # end the episode after this observation (malformed rehearsal with on_malformed=end)
@@ -155,6 +155,8 @@ class Transcript:
     malformed_rehearsals: int = 0
     env_errors: int = 0  # the environment raised while executing a call
     bound_hits: int = 0  # calls stopped at a tool bound (time or memory)
+    env_unavailable: int = 0  # calls the environment could not answer (server down, connection lost): masked
+    env_faults: int = 0  # calls the environment answered against its protocol (the server's fault): masked
     masked: bool = False  # some part of the rollout could not be judged (time-out ...): do not score it
     mask_reason: str = ""
     final_text: str = ""
@@ -169,6 +171,8 @@ class Transcript:
             "malformed_rehearsals": float(self.malformed_rehearsals),
             "env_errors": float(self.env_errors),
             "bound_hits": float(self.bound_hits),
+            "env_unavailable": float(self.env_unavailable),
+            "env_faults": float(self.env_faults),
         }
 
 
@@ -307,6 +311,10 @@ class TurnEngine:
                     t.bound_hits += 1
                 if obs.kind == "env_error":
                     t.env_errors += 1
+                if obs.kind == "env_unavailable":
+                    t.env_unavailable += 1
+                if obs.kind == "env_fault":
+                    t.env_faults += 1
                 if obs.kind == "malformed_rehearsal":
                     t.malformed_rehearsals += 1
                 if obs.masked and not t.masked:

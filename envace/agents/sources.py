@@ -21,7 +21,10 @@ the tool). A call that computes or allocates past the tool bounds (``limits.tool
 ``tool_memory_mb``) is stopped in a forked copy of the episode before it ever runs for real
 (:mod:`envace.envs.sandbox`): the model reads a ``bound_exceeded`` error observation and the rollout goes
 on, with the episode unchanged. Environment time-outs of the real execution (``env_timeout_s``, e.g. an
-environment waiting on the network) mask the rollout (it cannot be scored) and end it.
+environment waiting on the network) mask the rollout (it cannot be scored) and end it, as do an unavailable
+environment (:class:`~envace.envs.base.EnvironmentUnavailable`: ``env_unavailable``) and one that broke its protocol
+(:class:`~envace.envs.base.EnvironmentFault`: ``env_fault``). A remote episode (an MCP or OpenEnv server) skips the
+forked dry run and is awaited (``Episode.aexecute``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from envace.agents.engine import CallContext, Observation, Policy, Role, assistant_message
-from envace.envs.base import ToolCall, scrub_surrogates
+from envace.envs.base import EnvironmentFault, EnvironmentUnavailable, ToolCall, scrub_surrogates
 from envace.envs.sandbox import BoundExceeded, Bounds, ChildFailed, run_bounded
 from envace.loop_config import RehearsalPrompt
 from envace.toolcall import THINK_END, THINK_START, render_tool_call
@@ -76,6 +79,51 @@ class RealSource:
         self.timeout_s = timeout_s
 
     async def execute(self, call: ToolCall, ctx: CallContext) -> Observation:
+        if not ctx.episode.remote:
+            probe = await self._probe(call, ctx)
+            if probe is not None:
+                return probe
+        try:
+            run = (ctx.episode.aexecute(call) if ctx.episode.remote
+                   else asyncio.to_thread(ctx.episode.execute, call))
+            text = await asyncio.wait_for(run, self.timeout_s)
+        except TimeoutError:
+            return Observation(
+                text=f"Error: the environment did not answer '{call.name}' within {self.timeout_s:g}s.",
+                kind="timeout",
+                terminate=True,
+                masked=True,
+                meta={"reason": f"environment time-out on {call.name}"},
+            )
+        except EnvironmentUnavailable as exc:  # infrastructure (a server down, a dropped connection): never scored
+            return Observation(
+                text=f"Error: the environment is unavailable ('{call.name}').",
+                kind="env_unavailable",
+                terminate=True,
+                masked=True,
+                meta={"reason": f"environment unavailable on {call.name}: {_safe_str(exc)}"},
+            )
+        except EnvironmentFault as exc:  # the server broke its protocol: named, never scored as the model's
+            return Observation(
+                text=f"Error: the environment answered '{call.name}' with a malformed result.",
+                kind="env_fault",
+                terminate=True,
+                masked=True,
+                meta={"reason": f"environment fault on {call.name}: {_safe_str(exc)}"},
+            )
+        except Exception as exc:
+            logger.debug("environment raised on %s", call.name, exc_info=True)
+            return Observation(
+                text=f"Error: the environment failed on '{call.name}': {type(exc).__name__}: {_safe_str(exc)}",
+                kind="env_error",
+            )
+        text = _safe_str(text)[:MAX_OUTPUT_CHARS]
+        return Observation(text=text, kind="tool_error" if _looks_like_error(text) else "result")
+
+    @staticmethod
+    async def _probe(call: ToolCall, ctx: CallContext) -> Observation | None:
+        """The call's dry run in a forked copy of the episode under the tool bounds: the error observation when it
+        exceeds them or crashes (it then never runs for real), else None."""
         bounds = Bounds(timeout_s=float(ctx.limits.tool_timeout_s), memory_mb=int(ctx.limits.tool_memory_mb))
         try:
             await asyncio.to_thread(run_bounded, lambda: ctx.episode.execute(call), bounds)
@@ -93,24 +141,7 @@ class RealSource:
                 executed=False,
                 meta={"bound": "crash", "reason": str(exc)},
             )
-        try:
-            text = await asyncio.wait_for(asyncio.to_thread(ctx.episode.execute, call), self.timeout_s)
-        except TimeoutError:
-            return Observation(
-                text=f"Error: the environment did not answer '{call.name}' within {self.timeout_s:g}s.",
-                kind="timeout",
-                terminate=True,
-                masked=True,
-                meta={"reason": f"environment time-out on {call.name}"},
-            )
-        except Exception as exc:
-            logger.debug("environment raised on %s", call.name, exc_info=True)
-            return Observation(
-                text=f"Error: the environment failed on '{call.name}': {type(exc).__name__}: {_safe_str(exc)}",
-                kind="env_error",
-            )
-        text = _safe_str(text)[:MAX_OUTPUT_CHARS]
-        return Observation(text=text, kind="tool_error" if _looks_like_error(text) else "result")
+        return None
 
     async def observe(self, call: ToolCall, ctx: CallContext) -> Observation:
         return await self.execute(call, ctx)

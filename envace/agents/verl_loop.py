@@ -169,23 +169,27 @@ class EnvaceAgentLoop(AgentLoopBase):
         pool = _llm_pool("simulator", cfg.simulator)
         return SimulatorSource(pool.complete_text, cfg.rehearsal, on_bad, shadow=real, examples=examples)
 
-    def _episode(self, kwargs: dict[str, Any]) -> Episode:
+    async def _episode(self, kwargs: dict[str, Any]) -> Episode:
         pool_name, task_id = task_ref(kwargs)
         if pool_name == cm2.POOL:  # checklist-scored dialogue: built from the row itself
-            return cm2.episode_from_row(kwargs)
-        pool = shared_pool(pool_name, dict(self.agent_cfg.pool_kwargs.get(pool_name, {}) or {}))
-        return pool.start(task_id)
+            return await asyncio.to_thread(cm2.episode_from_row, kwargs)
+        pool = await asyncio.to_thread(shared_pool, pool_name,
+                                       dict(self.agent_cfg.pool_kwargs.get(pool_name, {}) or {}))
+        return await pool.astart(task_id)  # a remote pool awaits its server instead of holding a thread
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
         cfg = self.agent_cfg
         pool_name, task_id = task_ref(kwargs)
-        episode = await asyncio.to_thread(self._episode, kwargs)
+        episode = await self._episode(kwargs)
         if kwargs.get(GREEDY_FIELD):  # the trainer's greedy validation pass (envace.verl.trainer)
             sampling_params = {**sampling_params, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
         policy = VerlPolicy(self, sampling_params, cfg)
-        source = self._source(policy, episode)
-        transcript = await TurnEngine(cfg.limits).run(episode, policy, source)
-        reward, masked, reason, details = await self._score(episode, transcript, kwargs)
+        try:
+            source = self._source(policy, episode)
+            transcript = await TurnEngine(cfg.limits).run(episode, policy, source)
+            reward, masked, reason, details = await self._score(episode, transcript, kwargs)
+        finally:  # a remote episode's session (or server, or workspace) ends with its rollout
+            await episode.aclose()
         trajectory_id = f"{kwargs.get('uid', '')}_{kwargs.get('session_id', 0)}"
         return self._outputs(policy, transcript, reward, masked, reason, details,
                              pool_name, task_id, episode.spec.env_id, trajectory_id)

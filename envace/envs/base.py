@@ -18,6 +18,7 @@ gold replay, the identifier filter of EnvSched and the CLI all go through it.
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,7 +27,9 @@ from typing import Any
 
 __all__ = [
     "END_TURN",
+    "EnvironmentFault",
     "EnvironmentPool",
+    "EnvironmentUnavailable",
     "Episode",
     "TaskSpec",
     "ToolCall",
@@ -39,6 +42,18 @@ __all__ = [
     "scrub_surrogates",
     "split_turns",
 ]
+
+
+class EnvironmentUnavailable(RuntimeError):
+    """The environment could not answer (infrastructure): its server is down, the connection dropped, it answered a
+    5xx or it did not answer within its time-out. Raised by remote episodes after their own retries of what is safe
+    to retry (never a tool call: it may have had an effect). A rollout that meets it is masked, never scored as the
+    model's failure."""
+
+
+class EnvironmentFault(RuntimeError):
+    """The environment broke its protocol (the server's fault, not the model's): a malformed tool result, a
+    response that does not validate. The rollout is masked and the fault is named and counted."""
 
 
 #: name of the marker action separating user turns in a flat action sequence (replays stay multi-turn)
@@ -220,6 +235,29 @@ class Episode(abc.ABC):
     #: calls can only be rehearsed or simulated, and their reward comes from a judge, not ``verify``
     executable: bool = True
 
+    #: True for an episode whose state lives in another process (an MCP or OpenEnv server): its calls are I/O, so the
+    #: rollout awaits :meth:`aexecute` / :meth:`averify` instead of holding a worker thread, and the tool bounds'
+    #: forked dry run is skipped (a forked copy of a connection would send the call twice, and the server bounds its
+    #: own work). Its calls have a time-out of their own and raise :class:`EnvironmentUnavailable` or
+    #: :class:`EnvironmentFault` for what is not the model's doing.
+    remote: bool = False
+
+    async def aexecute(self, call: ToolCall) -> str:
+        """:meth:`execute` for an event loop (default: in a worker thread; remote episodes await their I/O)."""
+        return await asyncio.to_thread(self.execute, call)
+
+    async def averify(self) -> Verdict:
+        """:meth:`verify` for an event loop (default: in a worker thread)."""
+        return await asyncio.to_thread(self.verify)
+
+    def close(self) -> None:
+        """Release what the episode holds outside this process (a server session, a server, a workspace); later
+        calls are errors. In-process episodes hold nothing: a no-op. Called once the rollout is scored."""
+
+    async def aclose(self) -> None:
+        """:meth:`close` for an event loop (default: the in-process no-op, inline; remote episodes await it)."""
+        self.close()
+
 
 class EnvironmentPool(abc.ABC):
     """All tasks of one benchmark."""
@@ -241,6 +279,10 @@ class EnvironmentPool(abc.ABC):
     def gold_actions(self, task_id: str) -> list[list[ToolCall]]:
         """Ground-truth tool calls, one list per user turn."""
 
+    async def astart(self, task_id: str, **kwargs: Any) -> Episode:
+        """:meth:`start` for an event loop (default: in a worker thread; remote pools await their connection)."""
+        return await asyncio.to_thread(self.start, task_id, **kwargs)
+
     def replay(self, task_id: str, actions: Sequence[Sequence[ToolCall]]) -> Verdict:
         """Execute ``actions`` (one list per user turn) from the initial state and verify.
 
@@ -248,12 +290,18 @@ class EnvironmentPool(abc.ABC):
         override this.
         """
         ep = self.start(task_id)
-        for turn in actions:
-            for call in turn:
-                ep.execute(call)
-            if ep.end_turn("") is None:
-                break
-        return ep.verify()
+        try:
+            for turn in actions:
+                for call in turn:
+                    ep.execute(call)
+                if ep.end_turn("") is None:
+                    break
+            return ep.verify()
+        finally:
+            ep.close()
+
+    def close(self) -> None:
+        """Release what the pool holds outside this process (servers it started). In-process pools: a no-op."""
 
     def tasks(self, split: str | None = None) -> Iterable[TaskSpec]:
         for tid in self.task_ids(split):
@@ -261,15 +309,21 @@ class EnvironmentPool(abc.ABC):
 
 
 _POOLS: dict[str, Callable[..., EnvironmentPool]] = {}
+#: pools named with an argument, ``PREFIX:ARGUMENT`` (e.g. ``worldbook:DIR``): the factory's keyword for it
+_PREFIX_ARG: dict[str, str] = {}
 
 
-def register_pool(name: str) -> Callable[[Callable[..., EnvironmentPool]], Callable[..., EnvironmentPool]]:
-    """Class decorator: make a pool constructible by name through :func:`get_pool`."""
+def register_pool(name: str, *, argument: str | None = None
+                  ) -> Callable[[Callable[..., EnvironmentPool]], Callable[..., EnvironmentPool]]:
+    """Class decorator: make a pool constructible by name through :func:`get_pool`. With ``argument``, the pool is
+    also named ``NAME:VALUE``, and ``VALUE`` is passed to the factory as that keyword (``worldbook:DIR``)."""
 
     def deco(factory: Callable[..., EnvironmentPool]) -> Callable[..., EnvironmentPool]:
         if name in _POOLS and _POOLS[name] is not factory:
             raise ValueError(f"environment pool {name!r} registered twice")
         _POOLS[name] = factory
+        if argument:
+            _PREFIX_ARG[name] = argument
         return factory
 
     return deco
@@ -282,6 +336,9 @@ def available_pools() -> list[str]:
 
 def get_pool(name: str, **kwargs: Any) -> EnvironmentPool:
     _import_builtin_pools()
+    base, sep, value = name.partition(":")
+    if sep and base in _PREFIX_ARG:
+        return _POOLS[base](**{_PREFIX_ARG[base]: value}, **kwargs)
     try:
         factory = _POOLS[name]
     except KeyError:
@@ -300,7 +357,7 @@ def _import_builtin_pools() -> None:
     # Imported lazily: each pool pulls in its benchmark package.
     import importlib
 
-    for mod in ("envace.envs.bfcl", "envace.envs.tau2", "envace.envs.synthetic"):
+    for mod in ("envace.envs.bfcl", "envace.envs.tau2", "envace.envs.synthetic", "envace.envs.remote"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:  # pool module not written yet / package absent

@@ -32,6 +32,7 @@ Every argument is checked before anything is written (an unknown pool, split or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -66,7 +67,20 @@ def record_gold_trace(pool: EnvironmentPool, task_id: str, replies: Sequence[str
     spec = pool.task(task_id)
     if replies is None and hasattr(pool, "gold_replies"):
         replies = pool.gold_replies(task_id)
-    episode = pool.start(task_id)
+    with contextlib.closing(pool.start(task_id)) as episode:
+        messages = _play_gold(pool, task_id, episode, replies)
+    return {
+        "episode_id": f"{pool.name}/{task_id}",
+        "messages": messages,
+        "metadata": {"pool": pool.name, "task_id": task_id, "env_id": spec.env_id, "category": spec.category,
+                     "split": spec.split, "trajectory_group": f"{pool.name}/{task_id}",
+                     "initial_state_id": initial_state_id(spec)},
+    }
+
+
+def _play_gold(pool: EnvironmentPool, task_id: str, episode: Any, replies: Sequence[str] | None
+               ) -> list[dict[str, Any]]:
+    """The messages of ``task_id``'s gold calls executed in ``episode``, each turn closed by its reply."""
     messages: list[dict[str, Any]] = [dict(m) for m in episode.initial_messages()]
     turns = pool.gold_actions(task_id)
     n = 0
@@ -89,13 +103,7 @@ def record_gold_trace(pool: EnvironmentPool, task_id: str, replies: Sequence[str
             if nxt is None:
                 break
             messages.append({"role": "user", "content": nxt})
-    return {
-        "episode_id": f"{pool.name}/{task_id}",
-        "messages": messages,
-        "metadata": {"pool": pool.name, "task_id": task_id, "env_id": spec.env_id, "category": spec.category,
-                     "split": spec.split, "trajectory_group": f"{pool.name}/{task_id}",
-                     "initial_state_id": initial_state_id(spec)},
-    }
+    return messages
 
 
 def record_pool(pool: EnvironmentPool, task_ids: Sequence[str]) -> list[dict[str, Any]]:

@@ -165,7 +165,10 @@ class AgentLoopRunner:
         started = time.monotonic()
         spec: TaskSpec = pool.task(task_id)
         episode = pool.start(task_id, **self.start_kwargs)
-        return self.run_episode(spec, episode, ChatPolicy(self.client), started=started)
+        try:
+            return self.run_episode(spec, episode, ChatPolicy(self.client), started=started)
+        finally:  # a remote episode's session ends with its task
+            episode.close()
 
     def run_episode(
         self, spec: TaskSpec, episode: Any, policy: ChatPolicy, *, started: float | None = None,

@@ -43,6 +43,7 @@ summed request seconds (``wall_s``; concurrent requests overlap, so roles can su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import json
@@ -332,6 +333,9 @@ class RehearsalEpisode(Episode):
     def fork(self) -> Episode:
         return RehearsalEpisode(self._fork.fork(), self.note)
 
+    def close(self) -> None:
+        self._fork.close()
+
     @property
     def done(self) -> bool:
         return self._fork.done
@@ -345,9 +349,19 @@ class ConditionedEpisode(Episode):
         self.spec = inner.spec
         self.note = note
         self.executable = inner.executable
+        self.remote = inner.remote
 
     def initial_messages(self) -> list[dict[str, Any]]:
         return _with_system_note(list(self.inner.initial_messages()), self.note)
+
+    async def aexecute(self, call: ToolCall) -> str:
+        return await self.inner.aexecute(call)
+
+    async def averify(self) -> Verdict:
+        return await self.inner.averify()
+
+    def close(self) -> None:
+        self.inner.close()
 
     def tools(self) -> list[dict[str, Any]]:
         return self.inner.tools()
@@ -572,28 +586,28 @@ class RehearsalRunner:
     def __call__(self, pool: EnvironmentPool, task_id: str) -> TaskRecord:
         started = time.monotonic()
         spec: TaskSpec = pool.task(task_id)
-        episode = pool.start(task_id, **self.start_kwargs)
-        meter = CostMeter()
-        attempts, memory, memory_error = asyncio.run(self.rehearse(episode, meter))
-        rehearsal_s = time.monotonic() - started
-        note = render_memory(memory, len(attempts), self.config.prompt_version) if memory is not None else ""
-        commit_start = time.monotonic()
-        policy = MeteredPolicy(self.client, meter, {Role.ACT: "commit", Role.REHEARSE: "rehearse"},
-                               {Role.ACT: self._act_sampling(0)})
-        rec = self.committer.run_episode(spec, ConditionedEpisode(episode, note), policy, started=started)
-        rec.extra["tts"] = {
-            "mode": self.config.mode,
-            "rehearsals": self.config.rehearsals,
-            "rehearsal_model": self.rehearsal_client.config.model,
-            "attempts": [a.to_json(self.keep_transcript) for a in attempts],
-            "memory": memory.model_dump() if memory is not None else None,
-            "memory_text": note,
-            "memory_error": memory_error,
-            "cost": meter.as_dict(),
-            "rehearsal_s": round(rehearsal_s, 3),
-            "commit_s": round(time.monotonic() - commit_start, 3),
-        }
-        return rec
+        with contextlib.closing(pool.start(task_id, **self.start_kwargs)) as episode:  # a remote session ends here
+            meter = CostMeter()
+            attempts, memory, memory_error = asyncio.run(self.rehearse(episode, meter))
+            rehearsal_s = time.monotonic() - started
+            note = render_memory(memory, len(attempts), self.config.prompt_version) if memory is not None else ""
+            commit_start = time.monotonic()
+            policy = MeteredPolicy(self.client, meter, {Role.ACT: "commit", Role.REHEARSE: "rehearse"},
+                                   {Role.ACT: self._act_sampling(0)})
+            rec = self.committer.run_episode(spec, ConditionedEpisode(episode, note), policy, started=started)
+            rec.extra["tts"] = {
+                "mode": self.config.mode,
+                "rehearsals": self.config.rehearsals,
+                "rehearsal_model": self.rehearsal_client.config.model,
+                "attempts": [a.to_json(self.keep_transcript) for a in attempts],
+                "memory": memory.model_dump() if memory is not None else None,
+                "memory_text": note,
+                "memory_error": memory_error,
+                "cost": meter.as_dict(),
+                "rehearsal_s": round(rehearsal_s, 3),
+                "commit_s": round(time.monotonic() - commit_start, 3),
+            }
+            return rec
 
     async def rehearse(
         self, episode: Episode, meter: CostMeter
@@ -626,7 +640,11 @@ class RehearsalRunner:
         writer = MeteredPolicy(self.rehearsal_client, meter, {Role.ACT: "act", Role.REHEARSE: "rehearse"},
                                {Role.REHEARSE: self._rehearse_sampling(index)})
         source = RehearseSource(writer, on_malformed=self.limits.on_malformed_rehearsal)
-        transcript = await TurnEngine(self.limits).run(RehearsalEpisode(fork, note), actor, source)
+        rehearsal = RehearsalEpisode(fork, note)
+        try:
+            transcript = await TurnEngine(self.limits).run(rehearsal, actor, source)
+        finally:  # a remote fork holds a session of its own
+            rehearsal.close()
         attempt = Attempt(index=index, transcript=transcript, opening=len(_with_system_note(context, note)))
         prompt = self._prompts["evaluate"].substitute(
             context=_context_text(context, self.config.max_context_chars), tools=_tools_text(tools), index=index,

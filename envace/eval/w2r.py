@@ -167,9 +167,12 @@ class SimulatorRunner(AgentLoopRunner):
         started = time.monotonic()
         spec: TaskSpec = pool.task(task_id)
         episode = pool.start(task_id, **self.start_kwargs)
-        source = _CountingSource.for_episode(self.worldbook, episode, proposer=self.proposer,
-                                             shadow=RealSource(self.env_timeout_s))
-        rec = self.run_episode(spec, episode, ChatPolicy(self.client), started=started, source=source)
+        try:
+            source = _CountingSource.for_episode(self.worldbook, episode, proposer=self.proposer,
+                                                 shadow=RealSource(self.env_timeout_s))
+            rec = self.run_episode(spec, episode, ChatPolicy(self.client), started=started, source=source)
+        finally:
+            episode.close()
         if self.wm:
             try:
                 gold: list[list[ToolCall]] | None = pool.gold_actions(task_id)

@@ -58,8 +58,14 @@ class Score:
 
 
 async def run_verifier(episode: Any, timeout_s: float | None) -> Any:
-    """``episode.verify()`` in a daemon thread, waited for at most ``timeout_s`` seconds (None or 0: no limit).
-    Raises what the verifier raised, or :class:`TimeoutError` naming the limit."""
+    """``episode.verify()`` in a daemon thread, waited for at most ``timeout_s`` seconds (None or 0: no limit);
+    a remote episode's ``averify()`` awaited under the same limit. Raises what the verifier raised, or
+    :class:`TimeoutError` naming the limit."""
+    if getattr(episode, "remote", False):
+        try:
+            return await asyncio.wait_for(episode.averify(), timeout_s or None)
+        except TimeoutError:
+            raise TimeoutError(f"the verifier did not finish within {timeout_s:g}s") from None
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 

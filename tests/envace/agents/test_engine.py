@@ -22,7 +22,15 @@ from envace.agents.sources import (
     rehearsal_messages,
     render_rehearsal,
 )
-from envace.envs.base import Episode, TaskSpec, ToolCall, Verdict, get_pool
+from envace.envs.base import (
+    EnvironmentFault,
+    EnvironmentUnavailable,
+    Episode,
+    TaskSpec,
+    ToolCall,
+    Verdict,
+    get_pool,
+)
 from envace.toolcall import parse_tool_calls, render_tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "echo",
@@ -255,6 +263,84 @@ def test_environment_timeout_masks_and_ends_the_rollout():
     assert t.masked and t.stop_reason == "timeout" and "time-out" in t.mask_reason
 
 
+class RemoteEpisode(CountingEpisode):
+    """A remote episode (its state in another process): calls are awaited, never run in a forked dry run."""
+
+    remote = True
+
+    def __init__(self, fail: BaseException | None = None, after: int = 0, delay: float = 0.0) -> None:
+        super().__init__(turns=1)
+        self.fail, self.after, self.delay = fail, after, delay
+        self.sync_calls, self.closed = 0, 0
+
+    def execute(self, call):  # the sync path (the fork probe would use it): must not be reached in a rollout
+        self.sync_calls += 1
+        return super().execute(call)
+
+    async def aexecute(self, call):
+        await asyncio.sleep(self.delay)
+        if self.fail is not None and len(self.executed) >= self.after:
+            raise self.fail
+        self.executed.append(call)
+        return json.dumps({"echo": call.arguments})
+
+    def close(self):
+        self.closed += 1
+
+
+def test_remote_calls_are_awaited_without_the_forked_dry_run():
+    t, ep = run(ScriptedPolicy([ECHO, ECHO, "done"]), RemoteEpisode())
+    assert ep.sync_calls == 0 and len(ep.executed) == 2  # awaited once each; no probe ran execute in a child
+    assert t.stop_reason == "completed" and not t.masked and t.counters()["env_unavailable"] == 0
+
+
+def test_remote_episodes_overlap_their_calls_on_one_event_loop():
+    """64 rollouts' calls are in flight at once on one event loop: none holds a worker thread (the default executor
+    has 6 on 2 cores) while it waits on its server."""
+    in_flight, peak = 0, 0
+
+    class Tracked(RemoteEpisode):
+        async def aexecute(self, call):
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await super().aexecute(call)
+            finally:
+                in_flight -= 1
+
+    async def main():
+        eps = [Tracked(delay=0.05) for _ in range(64)]
+        engine = TurnEngine(LoopLimits())
+        await asyncio.gather(*(engine.run(ep, ScriptedPolicy([ECHO] * 3 + ["done"]), RealSource()) for ep in eps))
+        return eps
+
+    eps = asyncio.run(main())
+    assert all(len(ep.executed) == 3 for ep in eps) and peak == 64
+
+
+@pytest.mark.parametrize(("error", "kind", "counter"), [
+    (EnvironmentUnavailable("connection closed"), "env_unavailable", "env_unavailable"),
+    (EnvironmentFault("content is not a list"), "env_fault", "env_faults"),
+])
+def test_an_environment_outage_or_fault_masks_the_rollout_and_is_counted(error, kind, counter):
+    t, ep = run(ScriptedPolicy([ECHO, ECHO, ECHO]), RemoteEpisode(fail=error, after=1))
+    assert len(ep.executed) == 1 and t.masked and t.stop_reason == kind and str(error) in t.mask_reason
+    assert t.counters()[counter] == 1 and t.env_errors == 0  # never the model's failure
+    # the same errors from an in-process episode are classified the same way
+    class Local(CountingEpisode):
+        def execute(self, call):
+            raise error
+
+    t, _ = run(ScriptedPolicy([ECHO]), Local())
+    assert t.masked and t.stop_reason == kind and t.env_errors == 0
+
+
+def test_a_remote_call_past_the_environment_timeout_masks_the_rollout():
+    t, _ = run(ScriptedPolicy([ECHO, ECHO]), RemoteEpisode(delay=0.5), RealSource(timeout_s=0.05))
+    assert t.masked and t.stop_reason == "timeout"
+
+
 def test_rehearsal_never_touches_the_environment_without_a_shadow():
     ep = CountingEpisode(turns=1)
     policy = ScriptedPolicy([ECHO, "done"], [render_rehearsal('{"echo": "imagined"}')])
@@ -423,9 +509,11 @@ def test_transcript_counters_name_each_counter():
     from envace.agents.engine import StepRecord, Transcript
 
     t = Transcript(messages=[], steps=[StepRecord(turn=1, reply=Reply(text="x"))] * 2, user_turns=3, tool_calls=4,
-                   malformed_calls=5, skipped_calls=6, malformed_rehearsals=7, env_errors=8, bound_hits=9)
+                   malformed_calls=5, skipped_calls=6, malformed_rehearsals=7, env_errors=8, bound_hits=9,
+                   env_unavailable=10, env_faults=11)
     assert t.counters() == {"user_turns": 3.0, "assistant_messages": 2.0, "tool_calls": 4.0, "malformed_calls": 5.0,
-                            "skipped_calls": 6.0, "malformed_rehearsals": 7.0, "env_errors": 8.0, "bound_hits": 9.0}
+                            "skipped_calls": 6.0, "malformed_rehearsals": 7.0, "env_errors": 8.0, "bound_hits": 9.0,
+                            "env_unavailable": 10.0, "env_faults": 11.0}
 
 
 def test_truncate_middle_exact():
