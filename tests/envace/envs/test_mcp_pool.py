@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envace.envs.base import EnvironmentUnavailable, ToolCall, get_pool
+from envace.envs.base import EnvironmentFault, EnvironmentUnavailable, ToolCall, get_pool
 from envace.envs.remote import mcp_pool, runtime
 from envace.envs.remote.mcp_pool import DEFAULT_TASKS, MCPPool, git_checks, openai_tool
 from envace.envs.remote.taskfile import check_tools, load_tasks
@@ -196,6 +196,44 @@ def test_server_errors_are_observations(pool: MCPPool) -> None:
         ep.close()
 
 
+class _FakeClient:
+    """A client whose call_tool raises or returns what the unit test says (no server)."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    async def call_tool(self, name, arguments, read_timeout_seconds=None):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+def _fake_server(outcome) -> mcp_pool._Server:
+    server = mcp_pool._Server(mcp_pool.ServerConfig("fake", ("true",)), "/nonexistent")
+    server.session.client = _FakeClient(outcome)
+    return server
+
+
+def test_call_results_and_protocol_errors() -> None:
+    from mcp.shared.exceptions import MCPError
+    from mcp.types import CallToolResult, ImageContent, TextContent
+
+    def call(outcome):
+        return runtime.run_sync(mcp_pool._call_tool(_fake_server(outcome), "t", {}, 5.0), 10.0)
+
+    text = [TextContent(type="text", text="a"), ImageContent(type="image", data="", mime_type="image/png")]
+    assert call(CallToolResult(content=text)) == "a\n[image omitted]"
+    assert call(CallToolResult(content=text[:1], is_error=True)) == "Error: a"
+    assert len(call(CallToolResult(content=[TextContent(type="text", text="x" * 70000)]))) == 65536
+    assert call(MCPError(-32602, "bad arguments")) == "Error: bad arguments"
+    with pytest.raises(EnvironmentUnavailable, match="no answer within 5s"):
+        call(MCPError(-32001, "Request 'tools/call' timed out"))
+    with pytest.raises(EnvironmentUnavailable, match="connection closed"):
+        call(MCPError(-32000, "Connection closed"))
+    with pytest.raises(EnvironmentFault, match="JSON-RPC error -32603"):
+        call(MCPError(-32603, "internal"))
+
+
 # -- the tool verifier on an episode-scope server --------------------------------------------------------------------
 
 
@@ -228,9 +266,12 @@ def test_killed_server_raises_unavailable_and_leaks_nothing(task_dir: Path) -> N
             ep.execute(ToolCall("git_add", {"files": ["notes.txt"]}))
         ep.close()
         assert pool.replay("git/add-commit-01", pool.gold_actions("git/add-commit-01")).passed  # a new server
+        root = pool._proc().root
+        assert len(_server_pids(root)) == 1
     finally:
         pool.close()
     assert runtime.open_sessions() == before
+    assert not _server_pids(root) and not os.path.exists(root)  # the server stopped, the workspaces removed
 
 
 # -- task files ------------------------------------------------------------------------------------------------------
