@@ -1,4 +1,4 @@
-"""The ``mcp`` pool: tasks on real MCP tool servers (stdio), the reference one being ``mcp-server-git``.
+"""The ``mcp`` pool: tasks on real MCP tool servers (stdio or streamable HTTP), the reference one ``mcp-server-git``.
 
 A task file (:mod:`envace.envs.remote.taskfile`) names, per task, the server, the instruction, the tool subset the
 model sees, the workspace the episode starts from, the verifier and the gold calls. The pool's kwargs::
@@ -7,6 +7,7 @@ model sees, the workspace the episode starts from, the verifier and the gold cal
     servers:                              # named; a task names one (default: "git" below)
       git: {command: [mcp-server-git, --repository, "{root}"], scope: worker, bind: {repo_path: "{workspace}"},
             workspace: {kind: git}}
+      kv: {url: "http://host:8000/mcp", headers: {Authorization: "Bearer ${KV_TOKEN}"}, scope: session}
     call_timeout_s: 30                    # per tool call (and per verifier call)
     connect_timeout_s: 60                 # starting a server and its MCP handshake
 
@@ -14,7 +15,10 @@ model sees, the workspace the episode starts from, the verifier and the gold cal
 repository: mcp-server-git's ``--repository`` must be one), and gives every episode its own repository under it
 (``{workspace}``). The model never names the repository: ``bind`` injects ``repo_path`` on every call and removes it
 from the schemas the model reads, so one rollout cannot reach another's repository. ``scope: episode`` starts a
-server per episode with ``{root}`` = ``{workspace}`` (a start: 0.8 s idle, 1-2.5 s on 2 loaded cores). A relative ``command[0]`` or ``cwd`` in a
+server per episode with ``{root}`` = ``{workspace}`` (a start: 0.8 s idle, 1-2.5 s on 2 loaded cores). A ``url:``
+server (streamable HTTP) gets a session per episode (``scope: session``); it has no workspace here, so its tasks use
+``tool`` verifiers, its fork opens a new session and replays the episode's calls, and a 401/403/404 stops the run
+(:class:`~trace2env.llmcore.ConfigurationError`). A relative ``command[0]`` or ``cwd`` in a
 server resolves against the task file's folder; a bare ``command[0]`` is looked up on ``PATH``, then beside the
 running Python (a venv's console scripts). Every client lives on the process's remote-I/O loop
 (:mod:`envace.envs.remote.runtime`): a lost server raises :class:`~envace.envs.base.EnvironmentUnavailable` (the
@@ -50,6 +54,7 @@ from envace.envs.base import (
 )
 from envace.envs.remote.runtime import Session, run_async, run_sync
 from envace.envs.remote.taskfile import TaskRecord, check_tools, describe_check, load_tasks, task_files
+from trace2env.llmcore import ConfigurationError
 
 __all__ = ["DEFAULT_TASKS", "MAX_OUTPUT_CHARS", "MCPEpisode", "MCPPool", "ServerConfig", "build_git_workspace",
            "git_checks", "openai_tool"]
@@ -64,6 +69,8 @@ DEFAULT_SERVERS: dict[str, dict[str, Any]] = {
             "bind": {"repo_path": "{workspace}"}, "workspace": {"kind": "git"}},
 }
 _SERVER_KEYS = {"command", "scope", "bind", "workspace", "env", "cwd"}
+_URL_KEYS = {"url", "scope", "bind", "headers"}
+_ENV_REF = re.compile(r"\$\{(\w+)\}")
 _INVALID_PARAMS = -32602  # JSON-RPC: the model's arguments (or tool name) were rejected
 _CONNECTION_CLOSED = -32000  # the MCP SDK: the transport closed (the server exited or was killed)
 _REQUEST_TIMEOUT = -32001  # the MCP SDK's own read time-out (read_timeout_seconds)
@@ -86,6 +93,8 @@ class ServerConfig:
     workspace: str = "git"
     env: Mapping[str, str] | None = None
     cwd: str | None = None
+    url: str | None = None
+    headers: Mapping[str, str] | None = None
 
     @classmethod
     def parse(cls, name: str, raw: Any, folder: Path) -> ServerConfig:
@@ -94,7 +103,7 @@ class ServerConfig:
         if not isinstance(raw, Mapping):
             raise ValueError(f"{key} must be a mapping")  # noqa: TRY004  (a pool-kwargs mistake)
         if "url" in raw:
-            raise ValueError(f"{key}.url: streamable-HTTP servers are not supported by the mcp pool yet")
+            return cls._parse_url(name, raw, key)
         unknown = sorted(set(raw) - _SERVER_KEYS)
         if unknown:
             raise ValueError(f"{key}: unknown key(s) {unknown}; known: {sorted(_SERVER_KEYS)}")
@@ -120,8 +129,38 @@ class ServerConfig:
         argv = (_executable(str(command[0]), folder, key), *map(str, command[1:]))
         return cls(name, argv, scope, dict(bind), "git", dict(env) if env else None, cwd)
 
+    @classmethod
+    def _parse_url(cls, name: str, raw: Mapping[str, Any], key: str) -> ServerConfig:
+        """A streamable-HTTP server: a session per episode, no workspace (``${VAR}`` in headers read from the
+        environment, so tokens stay out of config files)."""
+        unknown = sorted(set(raw) - _URL_KEYS)
+        if unknown:
+            raise ValueError(f"{key}: unknown key(s) {unknown} for a url server; known: {sorted(_URL_KEYS)}")
+        url = raw["url"]
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"{key}.url must be an http(s) URL, got {url!r}")
+        if raw.get("scope", "session") != "session":
+            raise ValueError(f"{key}.scope must be 'session' for a url server (a session per episode)")
+        bind, headers = raw.get("bind", {}), raw.get("headers", {})
+        for sub, value in (("bind", bind), ("headers", headers)):
+            if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+                raise ValueError(f"{key}.{sub} must map names to strings")
+        if any("{workspace}" in v or "{root}" in v for v in bind.values()):
+            raise ValueError(f"{key}.bind: a url server has no workspace or root")
+        return cls(name, (), "session", dict(bind), "none", url=url,
+                   headers={h: _expand_env(v, f"{key}.headers.{h}") for h, v in headers.items()})
+
     def argv(self, root: str, workspace: str = "") -> list[str]:
         return [a.replace("{root}", root).replace("{workspace}", workspace) for a in self.command]
+
+
+def _expand_env(value: str, key: str) -> str:
+    def var(match: re.Match[str]) -> str:
+        if match.group(1) not in os.environ:
+            raise ValueError(f"{key}: environment variable {match.group(1)} is not set")
+        return os.environ[match.group(1)]
+
+    return _ENV_REF.sub(var, value)
 
 
 def _executable(cmd: str, folder: Path, key: str) -> str:
@@ -153,15 +192,49 @@ def _stdio_opener(argv: list[str], env: Mapping[str, str] | None, cwd: str | Non
     return opener
 
 
-class _Server:
-    """A running server and its client session; ``broken`` once a call lost the transport (the pool then starts a
-    new one for the next episode; the episodes on this one get EnvironmentUnavailable)."""
+def _http_opener(url: str, headers: Mapping[str, str] | None, timeout: float) -> Any:
+    """The :class:`Session` opener of a streamable-HTTP server. The SDK reports a refused ``initialize`` as a bare
+    "Server returned an error response": the HTTP status is recorded on the way so that a 401/403/404 stops the run
+    as a :class:`~trace2env.llmcore.ConfigurationError` naming it."""
 
-    def __init__(self, cfg: ServerConfig, root: str, workspace: str = "") -> None:
+    async def opener(stack: contextlib.AsyncExitStack) -> Any:
+        import httpx2
+        from mcp import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+
+        refused: list[int] = []
+
+        async def record(response: Any) -> None:
+            if response.status_code in (401, 403, 404):
+                refused.append(response.status_code)
+
+        http = await stack.enter_async_context(httpx2.AsyncClient(
+            headers=dict(headers or {}), timeout=timeout, event_hooks={"response": [record]}))
+        read, write, *_ = await stack.enter_async_context(streamable_http_client(url, http_client=http))
+        client = await stack.enter_async_context(ClientSession(read, write))
+        try:
+            await client.initialize()
+        except Exception as exc:
+            if refused:
+                raise ConfigurationError(f"the MCP server {url} refused the session: HTTP {refused[0]}",
+                                         status_code=refused[0]) from exc
+            raise
+        return client
+
+    return opener
+
+
+class _Server:
+    """A running server (or, for a url server, a session on it) and its client session; ``broken`` once a call lost
+    the transport (the pool then starts a new one for the next episode; the episodes on this one get
+    EnvironmentUnavailable)."""
+
+    def __init__(self, cfg: ServerConfig, root: str, workspace: str = "", timeout: float = 30.0) -> None:
         self.cfg = cfg
         self.root = root
-        self.session: Session[Any] = Session(_stdio_opener(cfg.argv(root, workspace), cfg.env, cfg.cwd),
-                                             f"mcp-{cfg.name}")
+        opener = (_http_opener(cfg.url, cfg.headers, timeout) if cfg.url else
+                  _stdio_opener(cfg.argv(root, workspace), cfg.env, cfg.cwd))
+        self.session: Session[Any] = Session(opener, f"mcp-{cfg.name}")
         self.broken = False
 
     def open(self, timeout: float) -> _Server:
@@ -412,6 +485,10 @@ class MCPPool(EnvironmentPool):
                 raise ValueError(f"{key} must be a positive number of seconds, got {value!r}")
         self.call_timeout_s, self.connect_timeout_s = float(call_timeout_s), float(connect_timeout_s)
         self._records = {r.task_id: r for r in load_tasks(files, self.servers)}
+        for rec in self._records.values():
+            if self.servers[rec.data["server"]].url and (rec.data["verifier"]["kind"] != "tool" or rec.steps):
+                raise ValueError(f"{rec.where}: a task on the url server {rec.data['server']!r} has no workspace and "
+                                 "needs a 'tool' verifier (its state is not on this machine)")
         self._state: _ProcessState | None = None
         self._state_lock = threading.Lock()
         used = sorted({r.data["server"] for r in self._records.values()})
@@ -444,9 +521,15 @@ class MCPPool(EnvironmentPool):
             return server
 
     def _server_tools(self, cfg: ServerConfig) -> list[dict[str, Any]]:
-        key = (cfg.command, cfg.cwd, tuple(sorted((cfg.env or {}).items())))
+        key = (cfg.url, cfg.command, cfg.cwd, tuple(sorted((cfg.env or {}).items())))
         if key not in _TOOL_CACHE:
-            if cfg.scope == "worker":
+            if cfg.url:
+                server = self._session_server(cfg)
+                try:
+                    _TOOL_CACHE[key] = run_sync(_list_tools(server), self.connect_timeout_s)
+                finally:
+                    server.close()
+            elif cfg.scope == "worker":
                 _TOOL_CACHE[key] = run_sync(_list_tools(self._worker_server(cfg)), self.connect_timeout_s)
             else:
                 with tempfile.TemporaryDirectory(prefix="envace-mcp-list-") as tmp:
@@ -515,6 +598,8 @@ class MCPPool(EnvironmentPool):
             raise TypeError(f"unexpected start options {sorted(kwargs)}")
         rec = self._record(task_id)
         cfg = self.servers[rec.data["server"]]
+        if cfg.url:
+            return MCPEpisode(self, rec, self.task(task_id), self._session_server(cfg), None)
         st = self._proc()
         workspace = st.new_dir("ep")
         shutil.copytree(self._template(rec), workspace, symlinks=True)
@@ -529,6 +614,10 @@ class MCPPool(EnvironmentPool):
         if cfg.scope == "worker":
             return self._worker_server(cfg)
         return _Server(cfg, workspace, workspace).open(self.connect_timeout_s)
+
+    def _session_server(self, cfg: ServerConfig) -> _Server:
+        """A new session on a url server (one per episode: the server keeps each session's state apart)."""
+        return _Server(cfg, "", "", self.call_timeout_s).open(self.connect_timeout_s)
 
     def gold_actions(self, task_id: str) -> list[list[ToolCall]]:
         gold = self._record(task_id).data.get("gold") or []
@@ -578,13 +667,15 @@ class MCPEpisode(Episode):
 
     remote = True
 
-    def __init__(self, pool: MCPPool, rec: TaskRecord, spec: TaskSpec, server: _Server, workspace: str) -> None:
+    def __init__(self, pool: MCPPool, rec: TaskRecord, spec: TaskSpec, server: _Server, workspace: str | None
+                 ) -> None:
         self.spec = spec
         self._pool = pool
         self._rec = rec
         self._server = server
-        self._owns_server = server.cfg.scope == "episode"
+        self._owns_server = server.cfg.scope != "worker"
         self.workspace = workspace
+        self.calls: list[ToolCall] = []  # the calls sent to the server (a url episode's fork replays them)
         self._subset = set(rec.data["tools"])
         self._turns = [t["user"] for t in rec.data.get("turns", [])]
         self.replies: list[str] = []
@@ -617,7 +708,7 @@ class MCPEpisode(Episode):
         return [t["function"]["name"] for t in self.spec.tools]
 
     def _arguments(self, call: ToolCall) -> dict[str, Any]:
-        bound = {k: v.replace("{workspace}", self.workspace).replace("{root}", self._server.root)
+        bound = {k: v.replace("{workspace}", self.workspace or "").replace("{root}", self._server.root)
                  for k, v in self._server.cfg.bind.items()}
         return {**call.arguments, **bound}
 
@@ -626,6 +717,7 @@ class MCPEpisode(Episode):
         if refusal is not None or checked is None:
             return refusal or ""
         timeout = self._pool.call_timeout_s
+        self.calls.append(checked)
         try:
             return run_sync(_call_tool(self._server, checked.name, self._arguments(checked), timeout), timeout)
         except EnvironmentUnavailable:
@@ -637,6 +729,7 @@ class MCPEpisode(Episode):
         if refusal is not None or checked is None:
             return refusal or ""
         timeout = self._pool.call_timeout_s
+        self.calls.append(checked)
         try:
             return await run_async(_call_tool(self._server, checked.name, self._arguments(checked), timeout),
                                    timeout)
@@ -661,6 +754,7 @@ class MCPEpisode(Episode):
             raise RuntimeError("verify after close: the workspace is gone")
         verifier = self._rec.data["verifier"]
         if verifier["kind"] == "git":
+            assert self.workspace is not None  # the pool allows git verifiers only on workspace servers
             results = git_checks(self.workspace, verifier["checks"], self.replies)
         else:
             results = [self._tool_check(c) for c in verifier["checks"]]
@@ -676,9 +770,12 @@ class MCPEpisode(Episode):
     # -- fork, close ---------------------------------------------------------------------------------------------
 
     def fork(self) -> MCPEpisode:
-        """An independent copy: the workspace copied (``cp -a``), the same worker server (or a new episode server)."""
+        """An independent copy: the workspace copied (``cp -a``), the same worker server (or a new episode server);
+        on a url server, a new session and a replay of this episode's calls (one session plus n calls)."""
         if self.closed:
             raise RuntimeError("fork after close")
+        if self.workspace is None:
+            return self._fork_by_replay()
         workspace = self._pool._proc().new_dir("fork")
         shutil.copytree(self.workspace, workspace, symlinks=True)
         try:
@@ -688,6 +785,17 @@ class MCPEpisode(Episode):
             shutil.rmtree(workspace, ignore_errors=True)
             raise
         ep = MCPEpisode(self._pool, self._rec, self.spec, server, workspace)
+        ep.replies, ep._turn, ep._done, ep.calls = list(self.replies), self._turn, self._done, list(self.calls)
+        return ep
+
+    def _fork_by_replay(self) -> MCPEpisode:
+        ep = MCPEpisode(self._pool, self._rec, self.spec, self._pool._session_server(self._server.cfg), None)
+        try:
+            for call in self.calls:
+                ep.execute(call)
+        except BaseException:
+            ep.close()
+            raise
         ep.replies, ep._turn, ep._done = list(self.replies), self._turn, self._done
         return ep
 
@@ -698,7 +806,8 @@ class MCPEpisode(Episode):
         self.closed = True
         if self._owns_server:
             self._server.close()
-        shutil.rmtree(self.workspace, ignore_errors=True)
+        if self.workspace is not None:
+            shutil.rmtree(self.workspace, ignore_errors=True)
 
     async def aclose(self) -> None:
         if self.closed:
@@ -706,4 +815,5 @@ class MCPEpisode(Episode):
         self.closed = True
         if self._owns_server:
             await self._server.aclose()
-        await asyncio.to_thread(shutil.rmtree, self.workspace, True)
+        if self.workspace is not None:
+            await asyncio.to_thread(shutil.rmtree, self.workspace, True)

@@ -348,3 +348,126 @@ def test_any_line_parses_or_fails_in_one_line(tmp_path_factory: pytest.TempPathF
         load_tasks([path], {"git"})
     except ValueError as exc:
         assert str(exc).startswith(f"{path}:1: ") and "\n" not in str(exc)
+
+
+# -- a url server (streamable HTTP, a session per episode) -----------------------------------------------------------
+
+KV_SERVER = '''
+import os, sys
+import uvicorn
+from mcp.server.mcpserver import Context, MCPServer
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.responses import JSONResponse
+
+srv = MCPServer(name="kv")
+STATE = {}
+
+def sid(ctx):
+    return ctx.request_context.request.headers.get("mcp-session-id", "")
+
+@srv.tool(description="Store value under key")
+async def put(key: str, value: str, ctx: Context) -> str:
+    STATE.setdefault(sid(ctx), {})[key] = value
+    return f"stored {key}"
+
+@srv.tool(description="Read key")
+async def get(key: str, ctx: Context) -> str:
+    return STATE.get(sid(ctx), {}).get(key, "<missing>")
+
+class Bearer(BaseHTTPMiddleware):
+    async def dispatch(self, request, call_next):
+        if request.headers.get("authorization") != "Bearer " + os.environ["KV_TOKEN"]:
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        return await call_next(request)
+
+app = srv.streamable_http_app()
+app.add_middleware(Bearer)
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+'''
+KV_TASK = {"task_id": "kv/put-01", "split": "train", "category": "kv", "server": "kv",
+           "instruction": "Store 'blue' under the key 'color'.", "tools": ["put", "get"],
+           "verifier": {"kind": "tool", "checks": [{"call": {"name": "get", "arguments": {"key": "color"}},
+                                                    "contains": "blue"}]},
+           "gold": [[{"name": "put", "arguments": {"key": "color", "value": "blue"}}]]}
+
+
+@pytest.fixture(scope="module")
+def kv_url(tmp_path_factory: pytest.TempPathFactory):
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from envace.eval.server import free_port
+
+    folder = tmp_path_factory.mktemp("kv")
+    (folder / "kv_server.py").write_text(KV_SERVER)
+    port = free_port()
+    env = {**os.environ, "KV_TOKEN": "s3cret"}
+    proc = subprocess.Popen([sys.executable, str(folder / "kv_server.py"), str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/mcp"
+    deadline = time.monotonic() + 300
+    while True:  # ready once it answers HTTP at all (401 without the token)
+        try:
+            urllib.request.urlopen(url, timeout=5)
+            break
+        except urllib.error.HTTPError:
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the kv server did not start") from None
+            time.sleep(0.2)
+    yield url, proc
+    proc.kill()
+    proc.wait()
+
+
+def _kv_pool(tmp_path: Path, url: str, token: str = "${KV_TOKEN_TEST}") -> MCPPool:
+    (tmp_path / "kv.jsonl").write_text(json.dumps(KV_TASK) + "\n")
+    servers = {"kv": {"url": url, "headers": {"Authorization": f"Bearer {token}"}}}
+    return MCPPool(tasks=str(tmp_path / "kv.jsonl"), servers=servers, **SLOW)
+
+
+def test_url_server_sessions(kv_url, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = kv_url
+    monkeypatch.setenv("KV_TOKEN_TEST", "s3cret")
+    before = runtime.open_sessions()
+    pool = _kv_pool(tmp_path, url)
+    try:
+        assert pool.replay("kv/put-01", pool.gold_actions("kv/put-01")).passed
+        assert not pool.replay("kv/put-01", [[ToolCall("put", {"key": "color", "value": "red"})]]).passed
+        a, b = pool.start("kv/put-01"), pool.start("kv/put-01")
+        a.execute(ToolCall("put", {"key": "color", "value": "blue"}))
+        assert b.execute(ToolCall("get", {"key": "color"})) == "<missing>"  # sessions are isolated
+        twin = a.fork()  # a new session and a replay of a's calls
+        twin.execute(ToolCall("put", {"key": "color", "value": "green"}))
+        assert a.verify().passed and not twin.verify().passed
+        for ep in (a, b, twin):
+            ep.close()
+    finally:
+        pool.close()
+    assert runtime.open_sessions() == before
+
+
+def test_url_server_refusal_and_loss(kv_url, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trace2env.llmcore import ConfigurationError
+
+    url, proc = kv_url
+    mcp_pool._TOOL_CACHE.clear()  # list the tools again, with the wrong token
+    with pytest.raises(ConfigurationError, match="HTTP 401"):
+        _kv_pool(tmp_path, url, token="wrong")
+    with pytest.raises(ValueError, match="^servers.kv.headers.Authorization: environment variable KV_UNSET"):
+        _kv_pool(tmp_path, url, token="${KV_UNSET}")
+    monkeypatch.setenv("KV_TOKEN_TEST", "s3cret")
+    pool = _kv_pool(tmp_path, url)
+    try:
+        ep = pool.start("kv/put-01")
+        proc.kill()
+        proc.wait()
+        with pytest.raises(EnvironmentUnavailable):
+            ep.execute(ToolCall("put", {"key": "color", "value": "blue"}))
+        ep.close()
+    finally:
+        pool.close()
