@@ -10,7 +10,7 @@ destroyed when the socket closes), opened by an owner task on the process's remo
       urls: [http://127.0.0.1:8001, http://127.0.0.1:8002]   # or: launch: {command: [python, -m, srv, --port, "{port}"],
       headers: {Authorization: "Bearer TOKEN"}               #                  replicas: 2}
       tasks: server            # an envace-served server's task list, or a JSONL task file (generic servers)
-      action: envace           # how a tool call becomes an action: envace | mcp
+      action: envace           # how a tool call becomes an action: envace | mcp | {template: {...}}
       call_timeout_s: 60
       connect_timeout_s: 10
 
@@ -30,6 +30,9 @@ Two kinds of server:
   step rewards), ``require_done`` (default true), ``pass_reward`` (default 1.0) and ``gold`` (turns of calls).
   Generic episodes are single-turn: ``end_turn`` gives ``None``. With ``action: mcp`` (an OpenEnv
   ``MCPEnvironment``) a call is a ``call_tool`` action, and a name outside the task's tools is answered here.
+  With ``action: {template: T}`` (a classic single-action environment: a shell, a coding or an echo env) a call is
+  ``T`` with ``"{name}"`` and ``"{arguments.X}"`` filled in (a placeholder that is a whole string keeps the
+  argument's JSON type), and the observation text is its ``text`` field, else the observation as JSON.
 
 Failures follow the taxonomy: a refused, dropped or timed-out connection raises
 :class:`~envace.envs.base.EnvironmentUnavailable` (connect and reset are retried on another replica, a step never:
@@ -136,6 +139,29 @@ def _call_error(exc: BaseException) -> str | None:
     if frame and frame["code"] in ("EXECUTION_ERROR", "VALIDATION_ERROR"):
         return f"Error: {frame['message']}"
     return None
+
+
+_PLACEHOLDER = re.compile(r"\{(name|arguments\.[^{}]+)\}")
+
+
+def _placeholder(match: re.Match[str], call: ToolCall) -> Any:
+    key = match.group(1)
+    return call.name if key == "name" else call.arguments.get(key.partition(".")[2])
+
+
+def fill_template(template: Any, call: ToolCall) -> Any:
+    """``template`` with ``{name}`` / ``{arguments.X}`` replaced from ``call`` (recursively; a placeholder that is
+    the whole string keeps the value's type, one inside a longer string is formatted into it)."""
+    if isinstance(template, str):
+        whole = _PLACEHOLDER.fullmatch(template)
+        if whole:
+            return _placeholder(whole, call)
+        return _PLACEHOLDER.sub(lambda m: str(_placeholder(m, call)), template)
+    if isinstance(template, dict):
+        return {k: fill_template(v, call) for k, v in template.items()}
+    if isinstance(template, list):
+        return [fill_template(v, call) for v in template]
+    return template
 
 
 # -- replicas and local servers ----------------------------------------------------------------------------------
@@ -439,6 +465,17 @@ def _mcp_text(obs: Mapping[str, Any]) -> str:
     return text
 
 
+def _plain_text(obs: Mapping[str, Any]) -> str:
+    """A classic environment's observation as text: its ``text`` field, else the fields (no metadata) as JSON."""
+    text = obs.get("text")
+    if isinstance(text, str):
+        return text
+    try:
+        return json.dumps({k: v for k, v in obs.items() if k != "metadata"}, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise EnvironmentFault(f"the observation is not JSON: {exc}") from None
+
+
 # -- the episode -------------------------------------------------------------------------------------------------
 
 
@@ -465,6 +502,7 @@ class OpenEnvEpisode(Episode):
         self._session: runtime.Session[Any] | None = None
         self._lost: str | None = None
         self._closed = False
+        self._release: weakref.finalize | None = None
 
     # -- the session on the I/O loop ---------------------------------------------------------------------------
 
@@ -496,6 +534,8 @@ class OpenEnvEpisode(Episode):
                 replicas.cool(url)
                 continue
             self._url, self._session = url, session
+            # an episode dropped without close still gives its replica slot back (its session closes at exit)
+            self._release = weakref.finalize(self, replicas.release, url)
             self._take_reset(result)
             return
         assert error is not None
@@ -540,6 +580,8 @@ class OpenEnvEpisode(Episode):
         self._history.append(("call", call))
         if self.pool.action == "mcp":
             action = {"type": "call_tool", "tool_name": call.name, "arguments": dict(call.arguments)}
+        elif self.pool.action == "template":
+            action = fill_template(self.pool.template, call)
         else:
             action = {"kind": "call", "name": call.name, "arguments": dict(call.arguments)}
         result = await self._step(action, call=True)
@@ -548,6 +590,8 @@ class OpenEnvEpisode(Episode):
         obs = _observation(result)
         if self.pool.action == "mcp":
             text = _mcp_text(obs)
+        elif self.pool.action == "template":
+            text = _plain_text(obs)
         else:
             text = obs.get("text")
             if not isinstance(text, str):
@@ -620,8 +664,8 @@ class OpenEnvEpisode(Episode):
         session, self._session = self._session, None
         if session is not None:
             await session.aclose()
-        if self._url is not None:
-            self.pool.replicas.release(self._url)
+        if self._release is not None:
+            self._release()
 
     # -- the Episode protocol ----------------------------------------------------------------------------------
 
@@ -682,7 +726,8 @@ class OpenEnvPool(EnvironmentPool):
             (``{port}`` in the command), stopped by :meth:`close` and at exit.
         headers: HTTP headers of every connection and request (e.g. ``Authorization: Bearer ...``).
         tasks: ``"server"`` (an envace-served server's task list) or the path of a JSONL task file.
-        action: ``"envace"`` (``{"kind": "call", ...}`` actions) or ``"mcp"`` (an OpenEnv ``MCPEnvironment``).
+        action: ``"envace"`` (``{"kind": "call", ...}`` actions), ``"mcp"`` (an OpenEnv ``MCPEnvironment``) or
+            ``{"template": {...}}`` (the action object with ``{name}`` / ``{arguments.X}`` placeholders).
         call_timeout_s: the time-out of one step (a lost answer: :class:`EnvironmentUnavailable`).
         connect_timeout_s: the WebSocket handshake's time-out.
     """
@@ -690,15 +735,20 @@ class OpenEnvPool(EnvironmentPool):
     name = POOL_NAME
 
     def __init__(self, urls: Sequence[str] | str | None = None, launch: Mapping[str, Any] | None = None,
-                 headers: Mapping[str, str] | None = None, tasks: str = "server", action: str = "envace",
+                 headers: Mapping[str, str] | None = None, tasks: str = "server",
+                 action: str | Mapping[str, Any] = "envace",
                  call_timeout_s: float = 60.0, connect_timeout_s: float = 10.0) -> None:
         self._check_kwargs(urls, launch, headers, tasks, action, call_timeout_s, connect_timeout_s)
         _import_client()
         self.headers = {str(k): str(v) for k, v in (headers or {}).items()}
-        self.action, self.server_tasks = action, tasks == "server"
+        self.template = action.get("template") if isinstance(action, Mapping) else None
+        self.action: str = "template" if isinstance(action, Mapping) else action
+        self.server_tasks = tasks == "server"
         self.call_timeout_s, self.connect_timeout_s = float(call_timeout_s), float(connect_timeout_s)
         self.servers: LocalServers | None = None
-        self._file_tasks: dict[str, FileTask] | None = None if self.server_tasks else load_task_file(tasks, action)
+        self._file_tasks: dict[str, FileTask] | None = None
+        if not self.server_tasks:
+            self._file_tasks = load_task_file(tasks, self.action)
         if launch is not None:
             self.servers = LocalServers(launch["command"], int(launch.get("replicas", 1)), self.headers,
                                         float(launch.get("timeout_s", 60.0)))
@@ -734,8 +784,12 @@ class OpenEnvPool(EnvironmentPool):
             raise ValueError("openenv: 'headers' must be a mapping of header names to values")
         if not isinstance(tasks, str) or not tasks:
             raise ValueError("openenv: 'tasks' must be 'server' or the path of a JSONL task file")
-        if action not in ACTION_STYLES:
-            raise ValueError(f"openenv: 'action' must be one of {', '.join(ACTION_STYLES)}, got {action!r}")
+        if isinstance(action, Mapping):
+            if set(action) != {"template"} or not isinstance(action["template"], (dict, list)):
+                raise ValueError("openenv: 'action' as a mapping is {template: <the action object>}")
+        elif action not in ACTION_STYLES:
+            raise ValueError(f"openenv: 'action' must be one of {', '.join(ACTION_STYLES)} or {{template: ...}}, "
+                             f"got {action!r}")
         if tasks == "server" and action != "envace":
             raise ValueError("openenv: tasks 'server' (an envace-served server) needs action 'envace'")
         for key, value in (("call_timeout_s", call_timeout_s), ("connect_timeout_s", connect_timeout_s)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from envace.agents.engine import LoopLimits, Reply, TurnEngine
 from envace.agents.sources import RealSource
 from envace.envs.base import EnvironmentFault, EnvironmentUnavailable, ToolCall, get_pool
 from envace.envs.remote import runtime
-from envace.envs.remote.openenv_pool import OpenEnvPool, Replicas, _translate
+from envace.envs.remote.openenv_pool import OpenEnvPool, Replicas, _translate, fill_template
 from envace.eval.server import free_port
 from envace.toolcall import parse_tool_calls, render_tool_call
 from trace2env.llmcore import ConfigurationError
@@ -215,8 +216,11 @@ def test_replicas_share_the_episodes_and_a_dead_one_is_passed_over(servers, no_l
         assert sorted(pool.replicas.in_flight().values()) == [2, 2]
         assert {ep._url for ep in episodes} == {servers["a"].url, servers["b"].url}
     finally:
-        for ep in episodes:
+        for ep in episodes[:3]:
             ep.close()
+    episodes[3]._session.close()
+    del episodes  # dropped without close: its replica slot comes back when it is collected
+    gc.collect()
     assert sorted(pool.replicas.in_flight().values()) == [0, 0]
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     pool = OpenEnvPool(urls=[servers["a"].url, dead], tasks="server")
@@ -335,6 +339,26 @@ def test_step_rewards_scored_by_the_task_file(servers, tmp_path, no_leak):
     assert not results["done"].passed and results["done"].reward == 0.0  # the server never said done
 
 
+def test_template_actions_for_a_classic_environment(servers, tmp_path, no_leak):
+    store = {"type": "function", "function": {"name": "store", "description": "Store v under k.", "parameters": {
+        "type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "string"}}}}}
+    tasks = write_tasks(tmp_path / "t.jsonl", {"task_id": "kv/t0", "split": "train", "instruction": "Store colour.",
+                                              "tools": [store], "require_done": False,
+                                              "gold": [[{"name": "store", "arguments": {"k": "colour", "v": "blue"}}]]})
+    template = {"kind": "call", "name": "put", "arguments": {"key": "{arguments.k}", "value": "{arguments.v}"}}
+    pool = OpenEnvPool(urls=[servers["a"].url], tasks=tasks, action={"template": template})
+    assert pool.replay("kv/t0", pool.gold_actions("kv/t0")).passed
+    assert not pool.replay("kv/t0", [[ToolCall("store", {"k": "colour", "v": "red"})]]).passed
+
+
+def test_fill_template_keeps_types_and_formats_inside_strings():
+    call = ToolCall("run", {"cmd": "ls", "n": 3, "opts": {"a": [1]}})
+    template = {"command": "{arguments.cmd}", "count": "{arguments.n}", "opts": ["{arguments.opts}"],
+                "label": "{name}:{arguments.n}", "port": "{port}", "missing": "{arguments.nope}"}
+    assert fill_template(template, call) == {"command": "ls", "count": 3, "opts": [{"a": [1]}], "label": "run:3",
+                                              "port": "{port}", "missing": None}
+
+
 # -- auth, launch, configuration ------------------------------------------------------------------------------------
 
 
@@ -364,6 +388,12 @@ def test_launch_starts_servers_and_close_stops_them(no_leak):
     finally:
         pool.close()
     assert proc.poll() is not None
+    code = ("import sys; from envace.envs.remote.openenv_pool import OpenEnvPool\n"
+            f"pool = OpenEnvPool(launch={{'command': {command!r}, 'timeout_s': {READY_S}}})\n"
+            "print(pool.servers.procs[0].pid, flush=True)")  # exits without close
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=READY_S)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(int(out.stdout), 0)  # the server's process group is gone: stopped at exit
     with pytest.raises(ConfigurationError, match="exited with 3"):
         OpenEnvPool(launch={"command": [sys.executable, "-c", "raise SystemExit(3)", "{port}"]})
 
@@ -375,6 +405,7 @@ def test_launch_starts_servers_and_close_stops_them(no_leak):
     ({"launch": {"command": []}}, "'launch.command'"),
     ({"launch": {"command": ["x"], "replicas": 0}}, "'launch.replicas'"),
     ({"urls": ["http://x"], "action": "template"}, "'action' must be one of envace, mcp"),
+    ({"urls": ["http://x"], "action": {"template": "x"}}, "'action' as a mapping is"),
     ({"urls": ["http://x"], "action": "mcp"}, "tasks 'server'"),
     ({"urls": ["http://x"], "call_timeout_s": 0}, "'call_timeout_s'"),
 ])
