@@ -2,3 +2,5 @@
 ``openenv`` pool), consumed through the ecosystem's own clients (``mcp``, ``openenv``) on one background I/O loop
 per process (:mod:`envace.envs.remote.runtime`). Importing this package registers the pools; the client libraries
 are imported only when a pool is built."""
+
+from envace.envs.remote import mcp_pool  # noqa: F401  (registers the `mcp` pool)
