@@ -533,10 +533,15 @@ class OpenEnvEpisode(Episode):
                     raise error from exc
                 replicas.cool(url)
                 continue
+            try:
+                self._take_reset(result)
+            except EnvironmentFault:
+                await session.aclose()
+                replicas.release(url)
+                raise
             self._url, self._session = url, session
             # an episode dropped without close still gives its replica slot back (its session closes at exit)
             self._release = weakref.finalize(self, replicas.release, url)
-            self._take_reset(result)
             return
         assert error is not None
         raise error
@@ -799,12 +804,11 @@ class OpenEnvPool(EnvironmentPool):
     # -- construction ------------------------------------------------------------------------------------------
 
     def _opener(self, url: str) -> Any:
-        """The session opener of one episode: OpenEnv's ``GenericEnvClient`` entered on the owner's stack."""
+        """The session opener of one episode: OpenEnv's ``GenericEnvClient`` (connecting once) entered on the
+        owner's stack."""
 
         async def open_client(stack: contextlib.AsyncExitStack) -> Any:
-            from openenv.core import GenericEnvClient
-
-            client = GenericEnvClient(base_url=url, connect_timeout_s=self.connect_timeout_s,
+            client = _client_class()(base_url=url, connect_timeout_s=self.connect_timeout_s,
                                       message_timeout_s=self.call_timeout_s, max_message_size_mb=MAX_MESSAGE_MB,
                                       headers=self.headers or None)
             try:
@@ -925,6 +929,30 @@ class OpenEnvPool(EnvironmentPool):
         """Stop the servers this pool launched (episodes still open lose their server)."""
         if self.servers is not None:
             self.servers.stop()
+
+
+_CLIENT: type | None = None
+
+
+def _client_class() -> type:
+    """``GenericEnvClient`` that never reconnects. Its ``_send`` reconnects a closed socket, and a new socket is a
+    new server-side environment, not reset: after a server restart between two calls, the episode's next call would
+    run on a fresh environment and come back as the model's error. Here a closed socket raises ``ConnectionError``
+    (:class:`EnvironmentUnavailable`) instead."""
+    global _CLIENT
+    if _CLIENT is None:
+        from openenv.core import GenericEnvClient
+        from websockets.protocol import State
+
+        class OneSessionClient(GenericEnvClient):
+            async def _ensure_connected(self) -> None:
+                if self._ws is None or self._ws.state is not State.OPEN:
+                    raise ConnectionError("the episode's WebSocket session is closed (a new one would be a fresh, "
+                                          "un-reset environment)")
+                await super()._ensure_connected()
+
+        _CLIENT = OneSessionClient
+    return _CLIENT
 
 
 def _import_client() -> None:

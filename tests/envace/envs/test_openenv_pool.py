@@ -268,6 +268,8 @@ def test_a_killed_server_masks_the_rollout_and_a_restarted_one_serves(servers):
         ep = await pool.astart("kv/t0")
         return await TurnEngine(LoopLimits()).run(ep, KillingPolicy(server.kill), RealSource()), ep
 
+    idle = pool.start("kv/t0")  # makes no call while the server is down
+    assert idle.execute(ToolCall(**PUT)) == "stored colour"
     try:
         t, lost = asyncio.run(rollout())
         assert t.masked and t.counters()["env_unavailable"] == 1 and t.counters()["env_errors"] == 0
@@ -278,7 +280,10 @@ def test_a_killed_server_masks_the_rollout_and_a_restarted_one_serves(servers):
         server.start().wait_ready()
     with pytest.raises(EnvironmentUnavailable, match="lost earlier"):
         lost.execute(ToolCall(**PUT))  # no silent reconnect to a fresh, un-reset session on the restarted server
+    with pytest.raises(EnvironmentUnavailable, match="session is closed"):
+        idle.execute(ToolCall(**PUT))  # nor for an episode that was between calls when the server died
     lost.close()
+    idle.close()
     assert runtime.open_sessions() == 0
     ep = pool.start("kv/t0")
     try:
