@@ -3,4 +3,4 @@
 per process (:mod:`envace.envs.remote.runtime`). Importing this package registers the pools; the client libraries
 are imported only when a pool is built."""
 
-from envace.envs.remote import mcp_pool  # noqa: F401  (registers the `mcp` pool)
+from envace.envs.remote import mcp_pool, openenv_pool  # noqa: F401  (register the `mcp` and `openenv` pools)
