@@ -78,3 +78,18 @@ def test_openenv_serves_a_plain_and_an_mcp_environment_on_fastmcp_4():
     session each, in a fresh interpreter: the undeclared combination works end to end, still without gradio."""
     assert run_python(SERVE).split("\n")[:5] == ["Store colour=blue.", "stored colour", "put,get,submit",
                                                  "stored k", "False"]
+
+
+def test_the_private_openenv_methods_the_pool_overrides_are_the_pinned_ones():
+    """envace.envs.remote.openenv_pool's client overrides openenv 0.10.0's private ``EnvClient._ensure_connected`` (it
+    reconnects a closed socket before every send: a fresh, un-reset server environment) and reads ``_ws.state``.
+    Pinned here, version and lines, so an upgrade that moves them fails fast rather than in the kill test."""
+    import inspect
+    from importlib.metadata import version
+
+    from openenv.core.env_client import EnvClient
+
+    assert version("openenv") == "0.10.0"
+    send = inspect.getsource(EnvClient._send)
+    assert "await self._ensure_connected()" in send and "self._ws.send(" in send
+    assert "await self._connect_async()" in inspect.getsource(EnvClient._ensure_connected)
