@@ -513,9 +513,16 @@ class OpenEnvEpisode(Episode):
         return kwargs
 
     async def _open(self) -> None:
-        """Connect and reset, up to :data:`CONNECT_TRIES` times, on another replica after an unavailable one."""
+        """Connect and reset, on another replica after an unavailable one: at least :data:`CONNECT_TRIES` times,
+        and while every replica is unavailable, for up to ``connect_timeout_s`` more with a growing pause (a
+        server that restarts takes seconds: the episodes that start meanwhile wait for it instead of failing)."""
         replicas, error = self.pool.replicas, None
-        for _ in range(CONNECT_TRIES):
+        deadline, pause, tries = time.monotonic() + self.pool.connect_timeout_s, 0.2, 0
+        while tries < CONNECT_TRIES or time.monotonic() < deadline:
+            if tries >= CONNECT_TRIES:
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 2.0)
+            tries += 1
             url = replicas.acquire()
             session = runtime.Session(self.pool._opener(url), name=f"openenv {self.spec.task_id}")
             try:
@@ -734,7 +741,8 @@ class OpenEnvPool(EnvironmentPool):
         action: ``"envace"`` (``{"kind": "call", ...}`` actions), ``"mcp"`` (an OpenEnv ``MCPEnvironment``) or
             ``{"template": {...}}`` (the action object with ``{name}`` / ``{arguments.X}`` placeholders).
         call_timeout_s: the time-out of one step (a lost answer: :class:`EnvironmentUnavailable`).
-        connect_timeout_s: the WebSocket handshake's time-out.
+        connect_timeout_s: the WebSocket handshake's time-out, and how long an episode's start waits for an
+            unavailable server to come back (a restart).
     """
 
     name = POOL_NAME
@@ -825,7 +833,8 @@ class OpenEnvPool(EnvironmentPool):
 
     @property
     def open_budget_s(self) -> float:
-        return CONNECT_TRIES * (self.connect_timeout_s + self.call_timeout_s + 5.0)
+        """The bound on an episode's start: its tries, and the wait for an unavailable server to come back."""
+        return CONNECT_TRIES * (self.connect_timeout_s + self.call_timeout_s + 5.0) + self.connect_timeout_s
 
     def _server_specs(self) -> dict[str, TaskSpec]:
         url = self.replicas.urls[0]

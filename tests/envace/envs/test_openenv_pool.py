@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -262,7 +263,8 @@ class KillingPolicy:
 
 def test_a_killed_server_masks_the_rollout_and_a_restarted_one_serves(servers):
     server = servers["b"]
-    pool = OpenEnvPool(urls=[server.url])
+    pool = OpenEnvPool(urls=[server.url], connect_timeout_s=1.0)
+    waiting = OpenEnvPool(urls=[server.url], connect_timeout_s=READY_S)  # its task list read while the server is up
 
     async def rollout():
         ep = await pool.astart("kv/t0")
@@ -275,9 +277,18 @@ def test_a_killed_server_masks_the_rollout_and_a_restarted_one_serves(servers):
         assert t.masked and t.counters()["env_unavailable"] == 1 and t.counters()["env_errors"] == 0
         assert t.stop_reason != "completed"
         with pytest.raises(EnvironmentUnavailable):
-            pool.start("kv/t0")  # still down: connect refused, retried, raised
+            pool.start("kv/t0")  # still down: connect refused, retried for connect_timeout_s, raised
     finally:
-        server.start().wait_ready()
+        # an episode that starts while the server restarts waits for it (up to connect_timeout_s) instead of failing
+        restart = threading.Timer(0.5, server.start)
+        restart.start()
+        try:
+            ep = waiting.start("kv/t0")
+        finally:
+            restart.join()
+            server.wait_ready()
+        assert ep.execute(ToolCall(**PUT)) == "stored colour"
+        ep.close()
     with pytest.raises(EnvironmentUnavailable, match="lost earlier"):
         lost.execute(ToolCall(**PUT))  # no silent reconnect to a fresh, un-reset session on the restarted server
     with pytest.raises(EnvironmentUnavailable, match="session is closed"):
