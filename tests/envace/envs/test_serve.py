@@ -619,3 +619,20 @@ def test_mcp_resources(synthetic: EnvironmentPool, cli_servers: dict[str, CliSer
     assert uris == {"envace://task", "envace://metadata"}
     assert task["task_id"] == tid and task["initial_messages"] == synthetic.start(tid).initial_messages()
     assert meta["pool"] == "synthetic" and sum(meta["tasks"].values()) == len(synthetic.task_ids())
+
+
+def test_openenv_mistakes_are_one_line_server_errors(synthetic: EnvironmentPool,
+                                                     cli_servers: dict[str, CliServer]) -> None:
+    url, tid = cli_servers["openenv"].url, synthetic.task_ids()[0]
+
+    async def run() -> None:
+        with pytest.raises(RuntimeError, match="unknown synthetic task 'no-such-task'"):
+            async with openenv_session(url, "no-such-task", TOKEN):
+                pass
+        async with openenv_session(url, tid, TOKEN) as (env, _):
+            with pytest.raises(RuntimeError, match="turn 0, call 0"):
+                await env.step({"kind": "replay", "actions": [[{"nam": 1}]]})
+            result = await env.step({"kind": "call", "name": "x"})  # the session survives the mistake
+            assert result.observation["text"] == synthetic.start(tid).execute(ToolCall("x"))
+
+    asyncio.run(run())
