@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 #: envace's columns in the per-step rollout dump, from each row's rollout contract
 DUMP_COLUMNS = ("role", "trajectory_id", "advantage", "env_id", "observation_source", "simulated_calls",
-                "rollout_probs_diff_max")
+                "rollout_probs_diff_max", "task_id")
 #: what the per-row ``rollout_probs_diff_max`` is computed from (present when verl recomputes the old log-probs)
 SYNC_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask")
 
@@ -308,7 +308,7 @@ def _register() -> type:
             self._step_data = data  # for the subclass's step (STEP_FIELDS)
             self._step_rows = {
                 key: (row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id,
-                      row.observation_source, row.counters.get("simulated_calls", 0.0), diff)
+                      row.observation_source, row.counters.get("simulated_calls", 0.0), diff, row.task_id)
                 for key, row, adv, diff in zip(batch.keys, rows, first, diffs, strict=True)
             }
             return batch
@@ -349,7 +349,7 @@ def _register() -> type:
             keys = reward_extra_infos_dict.get("uid")
             if labels and keys:
                 reward_extra_infos_dict = dict(reward_extra_infos_dict)
-                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0, "", "", 0.0, None)) for k in keys]
+                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0, "", "", 0.0, None, "")) for k in keys]
                 for i, name in enumerate(DUMP_COLUMNS):
                     reward_extra_infos_dict[name] = [r[i] for r in rows]
             return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)

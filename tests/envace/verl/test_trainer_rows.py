@@ -124,9 +124,9 @@ def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimato
     assert metrics["envace/rehearse/empty_rate"] == 1.0 and metrics["envace/masked_rate"] == 0.25
     assert metrics["envace/act/calls_per_trajectory"] == 1.5  # (1 + 3 + 1 + 1) / 4 trajectories
     assert metrics["envace/act/advantage_mean"] == pytest.approx(np.mean([0.0, 1.0, 2.0]))  # u2_0 masked
-    # the rollout dump's labels (DUMP_COLUMNS): role, trajectory, advantage, environment, source, simulated calls
-    # the last column, the row's rollout-vs-actor difference, exists only when verl recomputed the old log-probs
-    assert trainer._step_rows["u1_0_1"] == ("rehearse", "u1_0", 0.5, "e", "rehearse", 0.0, None)
+    # the rollout dump's labels (DUMP_COLUMNS): role, trajectory, advantage, environment, source, simulated calls,
+    # the row's rollout-vs-actor difference (only when verl recomputed the old log-probs), the task
+    assert trainer._step_rows["u1_0_1"] == ("rehearse", "u1_0", 0.5, "e", "rehearse", 0.0, None, "t1")
     assert batch.keys == SUB_BATCHES[0] + SUB_BATCHES[1]
 
 
