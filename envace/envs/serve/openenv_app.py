@@ -143,7 +143,28 @@ def _description(pool: EnvironmentPool) -> str:
         split = pool.task(tid).split
         counts[split] = counts.get(split, 0) + 1
     shown = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    return f"envace pool {pool.name!r} ({shown} tasks): tool calls, user turns and the official verifier"
+    text = f"envace pool {pool.name!r} ({shown} tasks): tool calls, user turns and the official verifier"
+    return text + _fidelity_text(getattr(pool, "fidelity", None))
+
+
+def _fidelity_text(fidelity: dict[str, Any] | None) -> str:
+    """The worldbook pool's fidelity figures in words (openenv's metadata has no field for them)."""
+    if not fidelity:
+        return ""
+    parts = []
+    for env_id, f in sorted(fidelity.items()):
+        if not f:
+            parts.append(f"{env_id}: no held-out recording")
+            continue
+        lo, hi = f.get("exact_ci95") or (None, None)
+        ci = f" [{_num(lo)}, {_num(hi)}]" if lo is not None else ""
+        parts.append(f"{env_id}: exact {_num(f.get('exact'))}{ci}, answered {_num(f.get('answered'))} over "
+                     f"{f.get('steps', 0)} steps")
+    return "; worldbook fidelity (evidence mode, held-out gold replays): " + "; ".join(parts)
+
+
+def _num(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
 
 
 def _add_catalogue_routes(app: Any, pool: EnvironmentPool) -> None:

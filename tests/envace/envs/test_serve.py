@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -37,8 +38,8 @@ TOKEN = "s3cret-token"
 PROTOCOLS = ("openenv", "mcp")
 #: tasks sampled per pool, and how each turn of stepwise play is ended (None: turns are not ended; τ² served without
 #: a user simulator cannot answer, and its replay ends the conversation itself)
-SAMPLES = {"synthetic": 16, "bfcl_multi_turn": 4, "tau2": 2}
-CLOSING = {"synthetic": "observations", "bfcl_multi_turn": "", "tau2": None}
+SAMPLES = {"synthetic": 16, "bfcl_multi_turn": 4, "tau2": 2, "worldbook": 6}
+CLOSING = {"synthetic": "observations", "bfcl_multi_turn": "", "tau2": None, "worldbook": "observations"}
 POOL_KWARGS: dict[str, dict[str, Any]] = {"synthetic": {}, "bfcl_multi_turn": {}, "tau2": {"domains": ["airline"]}}
 
 
@@ -636,3 +637,72 @@ def test_openenv_mistakes_are_one_line_server_errors(synthetic: EnvironmentPool,
             assert result.observation["text"] == synthetic.start(tid).execute(ToolCall("x"))
 
     asyncio.run(run())
+
+
+# --------------------------------------------------------------------------------------------------
+# worldbook:DIR, a pool answered by Trace2Env worldbooks, served like any other
+# --------------------------------------------------------------------------------------------------
+
+BOOK_KW = {"n_envs": 2, "tasks_per_env": 40, "seed": 3}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _worldbook_registered() -> None:
+    """Registers ``worldbook:DIR`` (``envace.envs.base._import_builtin_pools`` does not import it yet)."""
+    importlib.import_module("envace.envs.worldbook_pool")
+
+
+@pytest.fixture(scope="module")
+def worldbook(tmp_path_factory: pytest.TempPathFactory) -> EnvironmentPool:
+    """``worldbook:DIR`` over one book built from gold replays of one synthetic environment's train tasks."""
+    from envace.envs.synthetic import SyntheticPool
+    from envace.envs.traces import main as traces_main
+    from trace2env import build_worldbook, load_traces
+
+    env_id = SyntheticPool(**BOOK_KW).environments()[0]
+    d = tmp_path_factory.mktemp("book")
+    assert traces_main(["--pool", "synthetic", "--pool-kwargs", json.dumps(BOOK_KW), "--split", "train",
+                        "--env-id", env_id, "--out", str(d / "train.jsonl")]) == 0
+    build_worldbook(load_traces([d / "train.jsonl"]), d / "books" / "env0", environment_id=env_id)
+    return get_pool(f"worldbook:{d / 'books'}", pool_kwargs=BOOK_KW)
+
+
+def test_worldbook_pool(worldbook: EnvironmentPool) -> None:
+    base = worldbook.base  # type: ignore[attr-defined]
+    env_id = next(iter(worldbook.books))  # type: ignore[attr-defined]
+    assert worldbook.task_ids() == [t for t in base.task_ids() if base.task(t).env_id == env_id]
+    tid = worldbook.task_ids("test")[0]
+    episode, real = worldbook.start(tid), base.start(tid)
+    calls = worldbook.gold_actions(tid)[0]
+    for call in calls:
+        episode.execute(call)
+        real.execute(call)
+    assert sum(episode.routes.values()) == len(calls)  # type: ignore[attr-defined] - the simulator answered each
+    verdict, shadow = episode.verify(), real.verify()  # the verdict is the real environment's (W2R)
+    assert (verdict.reward, verdict.passed) == (shadow.reward, shadow.passed)
+    fidelity = worldbook.fidelity[env_id]  # type: ignore[attr-defined]
+    assert fidelity["traces"] > 0 and 0 <= fidelity["exact"] <= 1 and len(fidelity["exact_ci95"]) == 2
+    with pytest.raises(KeyError):
+        worldbook.task(next(t for t in base.task_ids() if base.task(t).env_id != env_id))
+
+
+def test_roundtrip_worldbook(worldbook: EnvironmentPool) -> None:
+    cases = Cases(worldbook)
+    for protocol in PROTOCOLS:
+        with served_in_thread(worldbook, protocol) as url:
+            agree, total, bad = cases.roundtrip(protocol, url)
+            if protocol == "openenv":
+                meta = _http_get(f"{url}/metadata")[1]
+                assert "worldbook fidelity" in meta["description"], meta
+            else:
+                async def metadata() -> Any:
+                    async with mcp_session(url, cases.task_ids[0], control=False) as session:
+                        return json.loads((await session.read_resource("envace://metadata")).contents[0].text)
+
+                assert asyncio.run(metadata())["fidelity"] == worldbook.fidelity  # type: ignore[attr-defined]
+        assert agree == total, bad[:3]
+
+
+def test_worldbook_without_books(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such worldbook"):
+        get_pool(f"worldbook:{tmp_path / 'none'}")
