@@ -357,7 +357,8 @@ def _import_builtin_pools() -> None:
     # Imported lazily: each pool pulls in its benchmark package.
     import importlib
 
-    for mod in ("envace.envs.bfcl", "envace.envs.tau2", "envace.envs.synthetic", "envace.envs.remote"):
+    for mod in ("envace.envs.bfcl", "envace.envs.tau2", "envace.envs.synthetic", "envace.envs.remote",
+                "envace.envs.worldbook_pool"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:  # pool module not written yet / package absent

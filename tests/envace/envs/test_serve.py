@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import random
@@ -646,12 +645,6 @@ def test_openenv_mistakes_are_one_line_server_errors(synthetic: EnvironmentPool,
 BOOK_KW = {"n_envs": 2, "tasks_per_env": 40, "seed": 3}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _worldbook_registered() -> None:
-    """Registers ``worldbook:DIR`` (``envace.envs.base._import_builtin_pools`` does not import it yet)."""
-    importlib.import_module("envace.envs.worldbook_pool")
-
-
 @pytest.fixture(scope="module")
 def worldbook(tmp_path_factory: pytest.TempPathFactory) -> EnvironmentPool:
     """``worldbook:DIR`` over one book built from gold replays of one synthetic environment's train tasks."""
@@ -703,6 +696,6 @@ def test_roundtrip_worldbook(worldbook: EnvironmentPool) -> None:
         assert agree == total, bad[:3]
 
 
-def test_worldbook_without_books(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no such worldbook"):
-        get_pool(f"worldbook:{tmp_path / 'none'}")
+def test_cli_worldbook_without_books(tmp_path: Path) -> None:
+    line = _usage_error(_cli("serve", "--pool", f"worldbook:{tmp_path / 'none'}", "--protocol", "mcp", "--port", "0"))
+    assert "no such worldbook" in line
