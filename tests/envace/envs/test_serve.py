@@ -699,3 +699,23 @@ def test_roundtrip_worldbook(worldbook: EnvironmentPool) -> None:
 def test_cli_worldbook_without_books(tmp_path: Path) -> None:
     line = _usage_error(_cli("serve", "--pool", f"worldbook:{tmp_path / 'none'}", "--protocol", "mcp", "--port", "0"))
     assert "no such worldbook" in line
+
+
+def test_consumed_through_the_openenv_pool(synthetic_cases: Cases) -> None:
+    """The ``openenv`` client pool (``tasks: server``) reads the served catalogue and gold and replays with the same
+    verdicts as in process."""
+    pool = synthetic_cases.pool
+    with served_in_thread(pool, "openenv") as url:
+        client = get_pool("openenv", urls=[url], tasks="server")
+        try:
+            assert client.task_ids() == pool.task_ids()
+            for (tid, _, turns), want in zip(synthetic_cases.cases, synthetic_cases.expected, strict=True):
+                mine, theirs = client.task(tid), pool.task(tid)
+                for name in ("task_id", "split", "category", "env_id", "system_prompt", "first_user_message", "tools"):
+                    assert getattr(mine, name) == getattr(theirs, name), name
+                assert [[c.to_dict() for c in t] for t in client.gold_actions(tid)] == gold_turns(pool, tid)
+                got = client.replay(tid, parse_turns(turns))
+                assert (got.reward, got.passed, got.details) == (want["replay"]["reward"], want["replay"]["passed"],
+                                                                 want["replay"]["details"])
+        finally:
+            client.close()
