@@ -36,6 +36,7 @@ __all__ = ["CONTROL_HEADER", "EpisodeRegistry", "create_pool_app"]
 #: the request header that opens a session with the control tools (value "1")
 CONTROL_HEADER = "x-envace-control"
 TASK_URI, METADATA_URI = "envace://task", "envace://metadata"
+_ENDED_KEPT = 65536
 
 _ACTIONS_SCHEMA = {
     "type": "array",
@@ -69,7 +70,9 @@ class EpisodeRegistry:
         self.idle_timeout_s = idle_timeout_s
         self._entries: dict[str, _Entry] = {}
         self._opening: dict[str, asyncio.Lock] = {}
-        self._ended: set[str] = set()  # sessions whose episode was closed: never silently restarted
+        # sessions whose episode was closed (the most recent ones): a late request is refused, never given a fresh
+        # episode that would silently lose the state (the reaper may close one moments before the SDK ends it)
+        self._ended: dict[str, None] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,7 +109,9 @@ class EpisodeRegistry:
         entry = self._entries.pop(sid, None)
         if entry is None:
             return
-        self._ended.add(sid)
+        self._ended[sid] = None
+        if len(self._ended) > _ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
         async with entry.lock:
             await _in_thread(entry.episode.close)
 
