@@ -47,6 +47,7 @@ DEFAULT_SESSION_TIMEOUT_S = 1800.0  # the MCP SDK's own idle default (30 minutes
 
 
 def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (binding anywhere else without a token is warned)."""
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
@@ -62,7 +63,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 

@@ -60,6 +60,7 @@ class _Entry:
     control: bool
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    closed: bool = False
 
 
 class EpisodeRegistry:
@@ -95,13 +96,29 @@ class EpisodeRegistry:
                     if not task_id:
                         raise KeyError(f"open the session on /mcp?task_id=<a task of {self.pool.name}>")
                     episode = await _in_thread(self.pool.start, task_id)
-                except KeyError as exc:
+                except BaseException as exc:
                     self._opening.pop(sid, None)
-                    raise MCPError(INVALID_PARAMS, str(exc.args[0] if exc.args else exc)) from None
+                    if isinstance(exc, KeyError):
+                        raise MCPError(INVALID_PARAMS, str(exc.args[0] if exc.args else exc)) from None
+                    raise
                 control = request.headers.get(CONTROL_HEADER, "") == "1"
                 entry = self._entries[sid] = _Entry(episode, task_id, control)
         entry.last_used = time.monotonic()
         return entry
+
+    @contextlib.asynccontextmanager
+    async def use(self, entry: _Entry) -> AsyncIterator[Episode]:
+        """The entry's episode, for one operation at a time; refused once the episode was closed meanwhile."""
+        from mcp.shared.exceptions import MCPError
+        from mcp.types import INVALID_REQUEST
+
+        async with entry.lock:
+            if entry.closed:
+                raise MCPError(INVALID_REQUEST, "this session's episode has ended; open a new session")
+            try:
+                yield entry.episode
+            finally:
+                entry.last_used = time.monotonic()
 
     async def drop(self, sid: str) -> None:
         """Close the session's episode (after its call in flight, if any)."""
@@ -113,6 +130,7 @@ class EpisodeRegistry:
         if len(self._ended) > _ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
         async with entry.lock:
+            entry.closed = True
             await _in_thread(entry.episode.close)
 
     async def reap_idle(self) -> None:
@@ -136,10 +154,11 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-def _text_result(text: str, structured: dict[str, Any] | None = None) -> Any:
+def _text_result(text: str, structured: dict[str, Any] | None = None, *, is_error: bool = False) -> Any:
     import mcp.types as T
 
-    return T.CallToolResult(content=[T.TextContent(type="text", text=text)], structured_content=structured)
+    return T.CallToolResult(content=[T.TextContent(type="text", text=text)], structured_content=structured,
+                            is_error=is_error)
 
 
 def _json_result(obj: dict[str, Any]) -> Any:
@@ -166,39 +185,34 @@ class _Handlers:
     def __init__(self, registry: EpisodeRegistry) -> None:
         self.reg = registry
         self.pool = registry.pool
+        self.metadata = pool_metadata(self.pool)  # the catalogue does not change while served
 
     async def list_tools(self, ctx: Any, params: Any) -> Any:
         import mcp.types as T
 
         entry = await self.reg.entry(ctx.request)
-        async with entry.lock:
-            tools = [_mcp_tool(t) for t in entry.episode.tools()]
+        async with self.reg.use(entry) as episode:
+            tools = [_mcp_tool(t) for t in episode.tools()]
         return T.ListToolsResult(tools=tools + (_control_tools() if entry.control else []))
 
     async def call_tool(self, ctx: Any, params: Any) -> Any:
         entry = await self.reg.entry(ctx.request)
         args = dict(params.arguments or {})
-        async with entry.lock:
-            try:
-                if entry.control and params.name in CONTROL_TOOLS:
-                    return await self._control(entry, params.name, args)
-                text = await _in_thread(entry.episode.execute, ToolCall(params.name, args))
-            finally:
-                entry.last_used = time.monotonic()
-        return _text_result(text)
+        async with self.reg.use(entry) as episode:
+            if entry.control and params.name in CONTROL_TOOLS:
+                return await self._control(entry, episode, params.name, args)
+            return _text_result(await _in_thread(episode.execute, ToolCall(params.name, args)))
 
-    async def _control(self, entry: _Entry, name: str, args: dict[str, Any]) -> Any:
+    async def _control(self, entry: _Entry, episode: Episode, name: str, args: dict[str, Any]) -> Any:
         if name == "__end_turn__":
-            nxt = await _in_thread(entry.episode.end_turn, str(args.get("text") or ""))
+            nxt = await _in_thread(episode.end_turn, str(args.get("text") or ""))
             return _json_result({"text": nxt or "", "ended": nxt is None})
         if name == "__verify__":
-            return _json_result(verdict_dict(await _in_thread(entry.episode.verify)))
+            return _json_result(verdict_dict(await _in_thread(episode.verify)))
         try:
             turns = parse_turns(args.get("actions"))
         except ValueError as exc:
-            result = _text_result(f"Error: {exc}")
-            result.is_error = True
-            return result
+            return _text_result(f"Error: {exc}", is_error=True)
         return _json_result(verdict_dict(await _in_thread(self.pool.replay, entry.task_id, turns)))
 
     async def list_resources(self, ctx: Any, params: Any) -> Any:
@@ -218,10 +232,10 @@ class _Handlers:
         uri = str(params.uri)
         if uri == TASK_URI:
             entry = await self.reg.entry(ctx.request)
-            async with entry.lock:
-                body = {**task_dict(entry.episode.spec), "initial_messages": jsonable(entry.episode.initial_messages())}
+            async with self.reg.use(entry) as episode:
+                body = {**task_dict(episode.spec), "initial_messages": jsonable(episode.initial_messages())}
         elif uri == METADATA_URI:
-            body = pool_metadata(self.pool)
+            body = self.metadata
         else:
             raise MCPError(T.INVALID_PARAMS, f"unknown resource {uri!r}; known: {[TASK_URI, METADATA_URI]}")
         return T.ReadResourceResult(contents=[T.TextResourceContents(uri=uri, mime_type="application/json",

@@ -638,6 +638,20 @@ def test_openenv_mistakes_are_one_line_server_errors(synthetic: EnvironmentPool,
     asyncio.run(run())
 
 
+def test_mcp_malformed_replay_is_a_tool_error(synthetic: EnvironmentPool, cli_servers: dict[str, CliServer]) -> None:
+    url, tid = cli_servers["mcp"].url, synthetic.task_ids()[0]
+
+    async def run() -> Any:
+        async with mcp_session(url, tid, TOKEN) as session:
+            bad = await session.call_tool("__replay__", {"actions": [[{"nam": 1}]]})
+            good = await session.call_tool("__replay__", {"actions": gold_turns(synthetic, tid)})  # session survives
+            return bad, good
+
+    bad, good = asyncio.run(run())
+    assert bad.is_error and "turn 0, call 0" in bad.content[0].text
+    assert json.loads(good.content[0].text) == verdict_dict(synthetic.replay(tid, synthetic.gold_actions(tid)))
+
+
 # --------------------------------------------------------------------------------------------------
 # worldbook:DIR, a pool answered by Trace2Env worldbooks, served like any other
 # --------------------------------------------------------------------------------------------------
