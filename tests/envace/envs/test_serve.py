@@ -733,3 +733,30 @@ def test_consumed_through_the_openenv_pool(synthetic_cases: Cases) -> None:
                                                                  want["replay"]["details"])
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_max_sessions(protocol: str, synthetic: EnvironmentPool) -> None:
+    """A session beyond --max-sessions is refused (OpenEnv: CAPACITY_REACHED; MCP: HTTP 503); an ended session
+    frees its place."""
+    tid = synthetic.task_ids()[0]
+    statuses: list[int] = []
+
+    async def second_session(url: str) -> None:
+        if protocol == "openenv":
+            async with openenv_session(url, tid):
+                pass
+        else:
+            async with mcp_session(url, tid, statuses=statuses) as session:
+                await session.list_tools()
+
+    async def run(url: str) -> None:
+        async with served(protocol, url, tid, None) as first:
+            await first.call({"name": "x"})
+            with pytest.raises(BaseException) as info:  # the MCP client raises inside exception groups
+                await second_session(url)
+            assert "CAPACITY_REACHED" in str(info.value) if protocol == "openenv" else statuses[-1] == 503
+        await second_session(url)
+
+    with served_in_thread(synthetic, protocol, max_sessions=1) as url:
+        asyncio.run(run(url))
