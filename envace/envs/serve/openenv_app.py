@@ -93,8 +93,10 @@ def _types(pool: EnvironmentPool) -> tuple[type, type, type]:
                                    metadata={"pool": pool.name, "task_id": task_id})
 
         def step(self, action: PoolAction, timeout_s: float | None = None, **kwargs: Any) -> PoolObservation:
-            if self._episode is None or self._task_id is None:
-                raise RuntimeError("no episode: reset(task_id=...) first")
+            if self._episode is None:
+                raise RuntimeError("no episode: reset(task_id=...) first" if self._task_id is None else
+                                   f"the episode of {self._task_id!r} was closed (the session was idle past the "
+                                   "server's session time-out); reset(task_id=...) starts it again")
             self._state.step_count += 1
             ep = self._episode
             if action.kind == "call":
@@ -103,7 +105,7 @@ def _types(pool: EnvironmentPool) -> tuple[type, type, type]:
             if action.kind == "end_turn":
                 nxt = ep.end_turn(action.text)
                 return PoolObservation(text=nxt or "", tools=jsonable(ep.tools()), metadata={"ended": nxt is None})
-            verdict = ep.verify() if action.kind == "verify" else pool.replay(self._task_id,
+            verdict = ep.verify() if action.kind == "verify" else pool.replay(ep.spec.task_id,
                                                                                parse_turns(action.actions))
             v = verdict_dict(verdict)
             return PoolObservation(done=True, reward=v["reward"], metadata={"verdict": v})

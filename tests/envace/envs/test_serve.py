@@ -529,6 +529,20 @@ def test_openenv_session_end_closes_the_episode(synthetic: EnvironmentPool) -> N
         assert spy.wait_closed(2), (spy.started, spy.closed)
 
 
+def test_openenv_idle_session_closes_the_episode(synthetic: EnvironmentPool) -> None:
+    spy = SpyPool(synthetic)
+    tid = synthetic.task_ids()[0]
+
+    async def idle_session() -> None:
+        async with openenv_session(url, tid) as (env, _):
+            assert await asyncio.to_thread(spy.wait_closed, 1)  # openenv's reaper ends the idle session
+            with pytest.raises(RuntimeError, match="idle past the server's session time-out"):
+                await env.step({"kind": "call", "name": "x"})
+
+    with served_in_thread(spy, "openenv", session_timeout_s=0.5) as url:
+        asyncio.run(idle_session())
+
+
 def test_mcp_session_end_and_idle_close_the_episode(synthetic: EnvironmentPool) -> None:
     spy = SpyPool(synthetic)
     tid = synthetic.task_ids()[0]
