@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from envace.envs.base import EnvironmentPool, ToolCall, available_pools, get_pool
+from envace.envs.base import EnvironmentPool, ToolCall, available_pools, configuration_needed, get_pool
 from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, read_text, run_cli
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -92,6 +92,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         names = args.pools or available_pools()
     status = EXIT_OK
     for name in names:
+        needed = None if args.pools else configuration_needed(name)
+        if needed:  # listed by name only: nothing to count without its configuration
+            print(f"{name}: needs {needed}")
+            continue
         try:
             pool = _load_pool(name, args.pool_kwargs)
         except Exception as exc:  # noqa: BLE001 - one broken pool must not hide the others

@@ -36,6 +36,7 @@ __all__ = [
     "ToolCallError",
     "Verdict",
     "available_pools",
+    "configuration_needed",
     "flatten_turns",
     "get_pool",
     "register_pool",
@@ -344,6 +345,15 @@ def get_pool(name: str, **kwargs: Any) -> EnvironmentPool:
     except KeyError:
         raise KeyError(f"unknown environment pool {name!r}; available: {sorted(_POOLS)}") from None
     return factory(**kwargs)
+
+
+def configuration_needed(name: str) -> str | None:
+    """What pool ``name`` cannot be built without (its ``NAME:ARG`` argument, or the factory's
+    ``NEEDS_CONFIGURATION``: e.g. the servers of a remote pool), in words; None when its defaults build it."""
+    _import_builtin_pools()
+    if name in _PREFIX_ARG:
+        return f"its {_PREFIX_ARG[name]}: {name}:{_PREFIX_ARG[name].upper()}"
+    return getattr(_POOLS.get(name), "NEEDS_CONFIGURATION", None)
 
 
 def chat_model_args(name: str) -> tuple[str, ...]:

@@ -746,6 +746,8 @@ class OpenEnvPool(EnvironmentPool):
     """
 
     name = POOL_NAME
+    #: ``python -m envace.envs list`` names the pool without building it (it has no default servers)
+    NEEDS_CONFIGURATION = "its servers: --pool-kwargs '{\"openenv\": {\"urls\": [URL]}}' (or \"launch\")"
 
     def __init__(self, urls: Sequence[str] | str | None = None, launch: Mapping[str, Any] | None = None,
                  headers: Mapping[str, str] | None = None, tasks: str = "server",
