@@ -387,13 +387,13 @@ class GeneratedSource:
             )
         else:
             obs = Observation(text=result, kind="tool_error" if _looks_like_error(result) else "result")
-            if real is not None:
+            if real is not None and not real.masked:
                 obs.meta["fidelity"] = fidelity(result, real.text)
         if real is not None:
             obs.real_text = real.text
             obs.executed = real.executed
-            if real.masked:  # the shadow environment timed out: the final state cannot be scored
-                obs.masked, obs.terminate = True, True
+            if real.masked:  # the shadow environment failed (time-out, unavailable, fault): the state cannot be scored
+                obs.kind, obs.masked, obs.terminate = real.kind, True, True  # named and counted as the shadow's
                 obs.meta["reason"] = real.meta.get("reason", "environment time-out")
         return obs
 

@@ -336,6 +336,17 @@ def test_an_environment_outage_or_fault_masks_the_rollout_and_is_counted(error, 
     assert t.masked and t.stop_reason == kind and t.env_errors == 0
 
 
+def test_a_rehearsed_rollout_whose_shadow_environment_is_lost_is_masked_and_named():
+    """EnvACE's rehearsal reads the policy's own response; the real environment runs the call unseen (the shadow)
+    for the reward. When the shadow's server is lost, the rollout cannot be scored: masked, its stop reason and
+    counter name the outage (not the rehearsal's result), and no fidelity is computed against an error text."""
+    ep = RemoteEpisode(fail=EnvironmentUnavailable("server gone"), after=0)
+    policy = ScriptedPolicy([ECHO, "done"], [render_rehearsal('{"echo": "imagined"}')])
+    t, _ = run(policy, ep, RehearseSource(policy, shadow=RealSource()))
+    assert t.masked and t.stop_reason == "env_unavailable" and t.counters()["env_unavailable"] == 1
+    assert "fidelity" not in t.steps[0].observations[0].meta and ep.executed == []
+
+
 def test_a_remote_call_past_the_environment_timeout_masks_the_rollout():
     t, _ = run(ScriptedPolicy([ECHO, ECHO]), RemoteEpisode(delay=0.5), RealSource(timeout_s=0.05))
     assert t.masked and t.stop_reason == "timeout"
