@@ -209,12 +209,6 @@ def resolve_model_path(path: str, build: bool = True) -> str | None:
         if name not in ("tiny-qwen3", "tiny-qwen3-warm"):
             raise ConfigError(f"unknown builtin model {name!r}; available: tiny-qwen3, tiny-qwen3-warm")
         if not build:
-            if name == "tiny-qwen3-warm":  # a CPU that cannot build it is refused now, not after the data build
-                from envace.models.warmstart.build import default_warm_dir, is_warm_complete, kernel_path_problem
-
-                problem = not is_warm_complete(default_warm_dir()) and kernel_path_problem(default_warm_dir())
-                if problem:
-                    raise ConfigError(f"actor_rollout_ref.model.path={path}: {problem}")
             return None
         if name == "tiny-qwen3":
             from envace.models import ensure_tiny_model

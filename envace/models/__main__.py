@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from envace.models.export import ExportError, export
-from envace.models.warmstart.build import UnsupportedCPU
 from trace2env.cliargs import ArgumentParser, UsageError, run_cli
 
 PROG = "python -m envace.models"
@@ -74,8 +73,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI; a usage mistake exits 2 with one line, a damaged checkpoint shard 3 (``cliargs.run_cli``)."""
-    return run_cli(PROG, _main, argv, user_errors=(PermissionError, NotADirectoryError, ExportError,
-                                                       UnsupportedCPU))
+    return run_cli(PROG, _main, argv, user_errors=(PermissionError, NotADirectoryError, ExportError))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -280,63 +278,66 @@ def test_the_manifest_names_the_kernel_path_and_an_unformed_drill_warns(tmp_path
     assert "0.064 after 4500 steps" in warning and kernels["capability"] in warning and "README" in warning
 
 
-def test_the_scalar_kernel_path_is_refused_before_anything_is_built(tmp_path):
-    """On x86-64 without AVX2 (forced here with ATEN_CPU_CAPABILITY=default) the build would take 19 minutes and
-    end with held-out success 0.0: ``build --warm-start`` and a training launch on the default model both stop with
-    one line, exit 2, naming the way out, and write nothing. A complete warm start built elsewhere is not refused."""
-    import platform
-    import subprocess
-    import sys
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the refusal is for x86-64 CPUs without AVX2")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", ENVACE_CACHE=str(tmp_path / "cache"))
-    repo = Path(__file__).resolve().parents[3]
-    runs = {
-        "python -m envace.models: error: ATEN_CPU_CAPABILITY=default forces the scalar kernel path": [
-            "-m", "envace.models", "build", "--warm-start", "--out", str(tmp_path / "warm")],
-        "envace: config error: actor_rollout_ref.model.path=builtin:tiny-qwen3-warm: ATEN_CPU_CAPABILITY=default": [
-            "-m", "envace.train", "--preflight-only", f"trainer.default_local_dir={tmp_path / 'run'}"],
-    }
-    for start, args in runs.items():
-        proc = subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-        lines = proc.stderr.splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), proc.stdout + proc.stderr
-        assert "AVX2" in lines[0] and "actor_rollout_ref.model.path=DIR" in lines[0]
-    assert not [p for p in tmp_path.iterdir()]  # nothing built, no cache, no run directory
-
-
-def test_kernel_path_problem_names_only_x86_without_avx2(monkeypatch, tmp_path):
+def test_the_scalar_kernel_path_gets_a_notice_of_its_build_time(monkeypatch, tmp_path, capsys):
+    """On x86-64 without AVX2 the build is told to take about 25 minutes (its scalar kernels; the second phase-2
+    pass), before it starts; other paths and architectures build without a notice. Nothing is refused any more."""
     import platform
 
     import torch
 
-    from envace.models.warmstart.build import kernel_path_problem
+    from envace.models.warmstart import build
 
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    for machine, capability, refused in [("x86_64", "DEFAULT", True), ("x86_64", "AVX2", False),
+    for machine, capability, noticed in [("x86_64", "DEFAULT", True), ("x86_64", "AVX2", False),
                                          ("x86_64", "AVX512", False), ("aarch64", "DEFAULT", False)]:
         monkeypatch.setattr(platform, "machine", lambda m=machine: m)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        problem = kernel_path_problem(tmp_path / "warm")
-        assert bool(problem) == refused, (machine, capability, problem)
-        if problem:
-            assert problem.startswith("this CPU has no AVX2") and str(tmp_path / "warm") in problem
-    # the launch's pre-flight refuses only a build: a complete warm start (built on another machine) trains here
-    from envace.config import ConfigError
-    from envace.models.warmstart import build
+        notice = build.kernel_path_notice()
+        assert bool(notice) == noticed, (machine, capability, notice)
+        if notice:
+            assert notice.startswith("this CPU has no AVX2") and "25 minutes" in notice and "\n" not in notice
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert build.kernel_path_notice().startswith("ATEN_CPU_CAPABILITY=default forces its scalar kernels")
+
+    class Built(Exception):
+        pass
+
+    def stop(out, cfg):  # the notice comes before the build starts
+        assert "warm start: ATEN_CPU_CAPABILITY=default forces" in capsys.readouterr().err
+        raise Built
+
+    monkeypatch.setattr(build, "_build_into", stop)
+    with pytest.raises(Built):
+        build.ensure_warm(tmp_path / "warm")
+    # the launch's pre-flight no longer refuses the default model on this path
     from envace.train import resolve_model_path
 
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    for complete in (True, False):
-        monkeypatch.setattr(build, "is_warm_complete", lambda path, complete=complete: complete)
-        if complete:
-            assert resolve_model_path("builtin:tiny-qwen3-warm", build=False) is None
-        else:
-            with pytest.raises(ConfigError, match="no AVX2"):
-                resolve_model_path("builtin:tiny-qwen3-warm", build=False)
+    assert resolve_model_path("builtin:tiny-qwen3-warm", build=False) is None
+
+
+@pytest.mark.parametrize(("finals", "passes"), [([0.21], 1), ([0.28, 0.15], 2), ([0.28, 0.26], 2)])
+def test_phase_2_runs_again_only_while_its_loss_is_above_the_target(monkeypatch, finals, passes):
+    """The scalar kernel path's phase 2 ends at 0.281 after one pass (held-out 0.0) and a second pass reaches 0.155
+    (docs/results/cpu_default.md): a pass ending above phase2_target_loss is repeated with a fresh schedule and seed
+    + 7·k, at most phase2_repeats times; one at or below the target (0.205-0.223 on AVX-512 and AVX2) is not."""
+    from envace.models.warmstart import build
+
+    seeds: list[int] = []
+
+    def fake_train(model, examples, *, seed, max_steps, **kw):
+        seeds.append(seed)
+        # a pass whose last tenth averages finals[k] (the first steps are higher)
+        return [1.0] * (max_steps - max_steps // 10) + [finals[len(seeds) - 1]] * (max_steps // 10)
+
+    monkeypatch.setattr(build, "train_sft", fake_train)
+    cfg = dataclasses.replace(W.DEFAULT_CONFIG, max_steps=100, phase2_target_loss=0.25, phase2_repeats=1)
+    runs = build._phase2(None, [], cfg, {})
+    assert len(runs) == passes and seeds == [cfg.seed + 7 * k for k in range(passes)]
+    assert [build._tail_mean(r) for r in runs] == pytest.approx(finals[:passes])
+    seeds.clear()  # with no repeats allowed, one pass whatever its loss
+    assert len(build._phase2(None, [], dataclasses.replace(cfg, phase2_repeats=0), {})) == 1 and len(seeds) == 1
 
 
 def test_constant_rate_differs_from_decay_only_after_warmup(pool, tok, sample_tasks):
