@@ -28,7 +28,8 @@ Each served replica count first runs one untimed batch of ``--concurrency`` epis
 sessions). Every episode's verdict (reward, passed) is compared with the in-process ``pool.replay`` of the same
 actions: the ``agree`` column. ``ideal/s`` is the latency bound: episodes of ``calls x delay`` each, scheduled on
 ``--concurrency`` slots in order (:func:`ideal_wall`). CPU ms per episode: this process (``time.process_time``:
-the event loop, the remote-I/O loop and the worker threads) and the replicas together (``/proc/PID/stat``).
+the event loop, the remote-I/O loop and the worker threads) and the replicas together (``/proc/PID/stat``);
+``CPUs busy`` is both together per wall second: on a shared machine, how much CPU the row actually got.
 Memory: each replica's resident set (VmRSS) after start and its peak (VmHWM) after the runs. Prints markdown
 tables; ``--out`` writes them as JSON with every episode's verdict. Exits 1 when a verdict disagrees.
 """
@@ -279,15 +280,15 @@ def throughput_table(result: dict[str, Any]) -> str:
     cells: list[Cell] = result["cells"]
     base = {c.delay_ms: c.episodes_per_s for c in cells if c.mode == "in-process"}
     rows = [("| mode | replicas | delay ms | episodes/s | calls/s | vs in-process | ideal/s | wall s "
-             "| CPU ms/episode: client | servers | agree |"),
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| CPU ms/episode: client | servers | CPUs busy | agree |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         ideal = f"{c.ideal_per_s:.1f}" if c.ideal_per_s else "-"
         server = f"{1000 * c.server_cpu_s / c.episodes:.1f}" if c.mode == "served" else "-"
         rows.append(f"| {c.mode} | {c.replicas or '-'} | {c.delay_ms:g} | {c.episodes_per_s:.1f} | "
                     f"{c.calls / c.wall_s:.1f} | {c.episodes_per_s / base[c.delay_ms]:.2f} | {ideal} | "
                     f"{c.wall_s:.2f} | {1000 * c.client_cpu_s / c.episodes:.1f} | {server} | "
-                    f"{c.agree}/{c.episodes} |")
+                    f"{(c.client_cpu_s + c.server_cpu_s) / c.wall_s:.2f} | {c.agree}/{c.episodes} |")
     return "\n".join(rows)
 
 
