@@ -140,8 +140,8 @@ def validation_success(series: dict[str, dict[int, float]], source: str = HELDOU
     category (``synthetic/act``, ``bfcl_multi_turn/base``), so that is the macro average over categories.
     """
     own = validation_keys(series, source)
-    if own:
-        return dict(series[own[0]])
+    if own:  # one key per samples-per-task N: a validation that sampled fewer (a task's rows cut) logs another N
+        return {step: value for key in own for step, value in series[key].items()}
     if source != HELDOUT:
         return {}
     keys = validation_keys(series)
@@ -150,8 +150,8 @@ def validation_success(series: dict[str, dict[int, float]], source: str = HELDOU
 
 
 def _sem(series: dict[str, dict[int, float]], source: str, step: int) -> float | None:
-    key = next((k.replace("/mean@", "/sem@") for k in validation_keys(series, source)), None)
-    return series.get(key, {}).get(step) if key else None
+    keys = [k.replace("/mean@", "/sem@") for k in validation_keys(series, source)]
+    return next((series[k][step] for k in keys if step in series.get(k, {})), None)
 
 
 def learning_summary(series: dict[str, dict[int, float]], window: int = 5) -> dict[str, Any] | None:

@@ -50,6 +50,21 @@ def test_learning_summary_averages_the_first_and_last_training_steps():
     assert learning_summary({"critic/score/mean": reward}) is None  # no validation: nothing to report
 
 
+def test_validations_that_sampled_a_different_n_are_one_series():
+    """The first validation of a cpu_mcp_git run scored one sample of one task (``mean@1``), the last two of each of
+    three (``mean@2``): the run's closing line read 'step 0 -> step 0'. Each validation's N is its own; the held-out
+    series is every step of every N, with each step's own standard error."""
+    from envace.metrics import learning_summary, validation_success
+
+    series = {"val-core/heldout/success/mean@1": {0: 0.0}, "val-core/heldout/success/sem@1": {0: 0.1},
+              "val-core/heldout/success/mean@2": {2: 0.5}, "val-core/heldout/success/sem@2": {2: 0.2},
+              "critic/score/mean": {1: 0.0, 2: 0.5}}
+    assert validation_success(series) == {0: 0.0, 2: 0.5}
+    out = learning_summary(series)
+    assert (out["first_step"], out["last_step"], out["first"], out["last"]) == (0, 2, 0.0, 0.5)
+    assert (out["first_sem"], out["last_sem"]) == (0.1, 0.2)
+
+
 def test_heldout_estimate_is_the_mean_of_task_means_with_the_error_of_that_mean():
     from envace.metrics import heldout_estimate
 
