@@ -40,6 +40,7 @@ __all__ = [
     "flatten_turns",
     "get_pool",
     "register_pool",
+    "replay_replying",
     "scrub_surrogates",
     "split_turns",
 ]
@@ -307,6 +308,22 @@ class EnvironmentPool(abc.ABC):
     def tasks(self, split: str | None = None) -> Iterable[TaskSpec]:
         for tid in self.task_ids(split):
             yield self.task(tid)
+
+
+def replay_replying(episode: Episode, actions: Sequence[Sequence[ToolCall]],
+                    replies: Sequence[str] | None = None) -> Verdict:
+    """Execute ``actions`` in a started ``episode``, one list per user turn, end turn ``t`` with ``replies[t]`` (by
+    default the turn's observations joined by newlines, so that a check of the reply passes iff the turn's calls
+    retrieved what was asked), verify, and close the episode: the replay of pools whose verifier reads replies."""
+    try:
+        for t, turn in enumerate(actions):
+            observations = [episode.execute(call) for call in turn]
+            reply = replies[t] if replies is not None and t < len(replies) else "\n".join(observations)
+            if episode.end_turn(reply) is None:
+                break
+        return episode.verify()
+    finally:
+        episode.close()
 
 
 _POOLS: dict[str, Callable[..., EnvironmentPool]] = {}

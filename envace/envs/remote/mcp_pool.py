@@ -51,6 +51,7 @@ from envace.envs.base import (
     ToolCall,
     Verdict,
     register_pool,
+    replay_replying,
 )
 from envace.envs.remote.runtime import Session, run_async, run_sync
 from envace.envs.remote.taskfile import TaskRecord, check_tools, describe_check, load_tasks, task_files
@@ -634,16 +635,7 @@ class MCPPool(EnvironmentPool):
 
         ``replies[t]`` ends turn ``t``; by default it is the turn's observations joined by newlines, so a reply check
         passes iff the turn's calls retrieved what was asked."""
-        ep = self.start(task_id)
-        try:
-            for t, turn in enumerate(actions):
-                observations = [ep.execute(call) for call in turn]
-                reply = replies[t] if replies is not None and t < len(replies) else "\n".join(observations)
-                if ep.end_turn(reply) is None:
-                    break
-            return ep.verify()
-        finally:
-            ep.close()
+        return replay_replying(self.start(task_id), actions, replies)
 
     def close(self) -> None:
         """Stop this process's servers of the pool and remove its workspaces."""
@@ -712,30 +704,36 @@ class MCPEpisode(Episode):
                  for k, v in self._server.cfg.bind.items()}
         return {**call.arguments, **bound}
 
-    def execute(self, call: ToolCall | Mapping[str, Any]) -> str:
+    def _call(self, call: ToolCall | Mapping[str, Any]) -> tuple[Any, str]:
+        """The server call for ``call`` (a coroutine, recorded as executed), or None and the refusal's text."""
         checked, refusal = self._refusal(call)
         if refusal is not None or checked is None:
-            return refusal or ""
-        timeout = self._pool.call_timeout_s
+            return None, refusal or ""
         self.calls.append(checked)
+        timeout = self._pool.call_timeout_s
+        return _call_tool(self._server, checked.name, self._arguments(checked), timeout), ""
+
+    @contextlib.contextmanager
+    def _marking_a_lost_server(self) -> Any:
         try:
-            return run_sync(_call_tool(self._server, checked.name, self._arguments(checked), timeout), timeout)
-        except EnvironmentUnavailable:
+            yield
+        except EnvironmentUnavailable:  # the next episode starts a new server
             self._server.broken = True
             raise
 
+    def execute(self, call: ToolCall | Mapping[str, Any]) -> str:
+        coro, refusal = self._call(call)
+        if coro is None:
+            return refusal
+        with self._marking_a_lost_server():
+            return run_sync(coro, self._pool.call_timeout_s)
+
     async def aexecute(self, call: ToolCall | Mapping[str, Any]) -> str:
-        checked, refusal = self._refusal(call)
-        if refusal is not None or checked is None:
-            return refusal or ""
-        timeout = self._pool.call_timeout_s
-        self.calls.append(checked)
-        try:
-            return await run_async(_call_tool(self._server, checked.name, self._arguments(checked), timeout),
-                                   timeout)
-        except EnvironmentUnavailable:
-            self._server.broken = True
-            raise
+        coro, refusal = self._call(call)
+        if coro is None:
+            return refusal
+        with self._marking_a_lost_server():
+            return await run_async(coro, self._pool.call_timeout_s)
 
     # -- turns, verifier -----------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall, Verdict, register_pool
+from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall, Verdict, register_pool, replay_replying
 from envace.envs.synthetic.domains import DOMAINS, SHAPES
 from envace.envs.synthetic.episode import SyntheticEpisode
 from envace.envs.synthetic.tasks import Task
@@ -132,13 +132,7 @@ class SyntheticPool(EnvironmentPool):
         not cover) it is the turn's observations joined by newlines, so answer checks pass iff the
         turn's calls retrieved the asked value. Turns beyond the task's are ignored.
         """
-        ep = self.start(task_id)
-        for t, turn in enumerate(actions):
-            observations = [ep.execute(call) for call in turn]
-            reply = replies[t] if replies is not None and t < len(replies) else "\n".join(observations)
-            if ep.end_turn(reply) is None:
-                break
-        return ep.verify()
+        return replay_replying(self.start(task_id), actions, replies)
 
     # -- extras -----------------------------------------------------------------------------------------
 
