@@ -92,8 +92,7 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
     t_train = time.time() - t0 - t_data
     with _tiny._no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
-    tenth = max(1, len(passes[0]) // 10)
-    head, tail = passes[0][:tenth], passes[-1][-tenth:]  # the first pass's first tenth, the last pass's last
+    head = passes[0][: max(1, len(passes[0]) // 10)]  # the first pass's first tenth
     files = {}
     for f in sorted(out.iterdir()):
         if f.is_file() and f.name != _tiny.MANIFEST_NAME:
@@ -119,7 +118,7 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
             "steps": len(losses),
             "phase2_passes": [round(_tail_mean(p), 4) for p in passes if p],
             "first_loss": round(sum(head) / len(head), 4) if losses else None,
-            "final_loss": round(sum(tail) / len(tail), 4) if losses else None,
+            "final_loss": round(_tail_mean(passes[-1]), 4) if losses else None,  # the last pass's last tenth
             "data_seconds": round(t_data, 1),
             "train_seconds": round(t_train, 1),
         },
@@ -131,8 +130,7 @@ def _build_into(out: Path, cfg: WarmStartConfig, log_every: int = 25) -> dict[st
 
 def _tail_mean(losses: list[float]) -> float:
     """A phase-2 pass's final loss: the mean of its last tenth of steps."""
-    tail = losses[-max(1, len(losses) // 10):]
-    return sum(tail) / len(tail)
+    return window_mean(losses, max(1, len(losses) // 10))
 
 
 def _phase2(model: Any, examples: list[Any], cfg: WarmStartConfig, common: dict[str, Any]) -> list[list[float]]:
