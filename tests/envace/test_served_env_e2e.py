@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from omegaconf import OmegaConf
 
 from envace.envs.base import ToolCall, get_pool
 from envace.eval.server import free_port
+from envace.launch import STEP_LINE
+from envace.metrics import load_metrics
 from envace.toolcall import parse_tool_calls
 from envace.verl.config import compose
 
@@ -66,11 +67,6 @@ class Server:
             self.proc.wait()
 
 
-def step_metrics(out: str, step: int) -> dict[str, float]:
-    line = next(ln for ln in out.splitlines() if re.search(rf"\bstep:{step} - ", ln))
-    return {k: float(v) for k, v in re.findall(r"([\w/@.-]+):(-?[\d.]+(?:e-?\d+)?)(?= - |$)", line)}
-
-
 def replayed_rewards(run_dir: Path, step: int, pool, max_calls: int) -> list[tuple[str, float, float]]:
     """(task, the run's reward, the in-process replay's reward) of every trajectory of ``step``'s rollout dump: the
     acting outputs' tool calls in order (at most ``max_calls`` a message, as the turn engine answers them)."""
@@ -99,7 +95,7 @@ def test_the_default_recipe_trains_on_a_served_pool_through_a_server_restart(tmp
            "envace.data.pools=[openenv]",
            f"+envace.agent.pool_kwargs.openenv={{urls:['http://127.0.0.1:{server.port}'],connect_timeout_s:300}}",
            f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1", f"trainer.test_freq={STEPS}",
-           "trainer.val_before_train=false", "data.val_max_samples=4", "trainer.logger=[console]"]
+           "trainer.val_before_train=false", "data.val_max_samples=4", "trainer.logger=[console,file]"]
     env = dict(os.environ, RAY_DEDUP_LOGS="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -111,7 +107,7 @@ def test_the_default_recipe_trains_on_a_served_pool_through_a_server_restart(tmp
     try:
         # once step 1 is logged, step 2's rollouts open their sessions: kill the server while some are open
         deadline = time.monotonic() + 1800
-        while not any(re.search(rf"\bstep:{KILL_STEP - 1} - ", ln) for ln in list(lines)):
+        while str(KILL_STEP - 1) not in {s for ln in list(lines) for s in STEP_LINE.findall(ln)}:
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-6000:]
             time.sleep(0.5)
         while not killed_with:
@@ -130,7 +126,8 @@ def test_the_default_recipe_trains_on_a_served_pool_through_a_server_restart(tmp
         server.kill()
     out = "".join(lines)
     assert proc.returncode == 0 and "envace: training finished" in out, out[-8000:]
-    metrics = {s: step_metrics(out, s) for s in range(1, STEPS + 1)}
+    series = load_metrics(run)  # the run's metrics/*.jsonl, per step
+    metrics = {s: {k: v[s] for k, v in series.items() if s in v} for s in range(1, STEPS + 1)}
     # the rollouts in flight at the kill were masked and counted as the environment's outage, never the model's
     hit = metrics[KILL_STEP]  # a lost call stops its rollout (env_unavailable); a lost verification masks it too
     assert hit["envace/masked_rate"] > 0, hit
