@@ -501,15 +501,17 @@ def run_training(report: Report, name: str, overrides: list[str], log: Path, tim
     return out
 
 
-def check_saved(report: Report, run_dir: Path, step: int = STEPS, envsched: bool = False) -> bool:
+def check_saved(report: Report, run_dir: Path, step: int = STEPS, trainer_mode: str = "envace_sync") -> bool:
     """The checkpoint row: ``run_dir/global_step_{step}`` is complete by the check a relaunch makes before it
     resumes (:func:`envace.verl.resume.checkpoint_problems`: every rank's shards and the dataloader's state intact
-    ``torch.save`` archives, EnvSched's state with the EnvSched trainer), and verl's tracker
+    ``torch.save`` archives, EnvSched's state with an EnvSched trainer, TransferQueue's with an async one), and verl's
+    tracker
     (``latest_checkpointed_iteration.txt``, written last) names ``step``, so the resumed launch loads it."""
-    from envace.verl.resume import TRACKER, checkpoint_problems
+    from envace.verl.resume import TRACKER, checkpoint_problems, trainer_kind
 
     folder = run_dir / f"global_step_{step}"
-    problems = checkpoint_problems(folder, envsched=envsched)
+    envsched, asynchronous = trainer_kind(trainer_mode)
+    problems = checkpoint_problems(folder, envsched=envsched, asynchronous=asynchronous)
     try:
         tracked = (run_dir / TRACKER).read_text().strip()
     except OSError:
@@ -1058,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     run_training(report, f"train {STEPS} steps, validate and save at {STEPS}", smoke.overrides, out / "train_1.log",
                  timeout=STAGE_TIMEOUTS["train"])
-    check_saved(report, run_dir, envsched=str(cfg.trainer.v1.trainer_mode) == "envsched_sync")
+    check_saved(report, run_dir, trainer_mode=str(cfg.trainer.v1.trainer_mode))
     resume = [o for o in smoke.overrides if not o.startswith("trainer.total_training_steps=")]
     log2 = run_training(report, f"resume to step {RESUME_STEPS}", [*resume,
                         f"trainer.total_training_steps={RESUME_STEPS}"], out / "train_2.log",

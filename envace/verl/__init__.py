@@ -6,8 +6,11 @@ module                     what it plugs in, and where in verl
 :mod:`.plugin`             the ``verl.plugins`` entry point (``pyproject.toml``): verl imports it on ``import verl``
 :mod:`.extensions`         the registrations: CPU platform (every process); ``grpo_rolewise`` estimator
                            (``register_adv_est``) and the trainers (``register_trainer``) in the TaskRunner process
-:mod:`.trainer`            ``envace_sync``: verl's V1 sync trainer + role labels, per-role metrics, role-tagged dumps
-:mod:`.sched`              ``envsched_sync``: the same trainer with EnvSched choosing every training batch
+:mod:`.trainers`           the trainers (``register_trainer``): ``envace_{sync,colocate_async,separate_async}``,
+                           verl's V1 trainers + role labels, per-role and staleness metrics, role-tagged dumps;
+                           ``envsched_*``: the same with EnvSched choosing every prompt (TaskRunner process only)
+:mod:`.trainer`            the trainers' verl-free parts: row labels, metrics, held-out validation
+:mod:`.sched`              EnvSched's verl-free parts: the scheduler from the dataset, reward groups, its state file
 :mod:`.runner`             verl's V1 TaskRunner with the registrations, ``run_ppo``, the Ray runtime environment
 :mod:`.config`             the training config verl reads (``configs/envace_trainer.yaml``) and verl's own checks
 :mod:`.resume`             which of verl's checkpoints a resumed run loads (complete ones only)

@@ -75,7 +75,7 @@ def check_registries(cfg: DictConfig) -> None:
     """The names verl looks up only inside Ray, resolved now against its registries: the rollout
     (``actor_rollout_ref.rollout.name`` and ``.mode``), the advantage estimator (``algorithm.adv_estimator``) and,
     for the V1 trainer, ``trainer.v1.trainer_mode``; envace's own entries (``hfcpu`` on CPU, ``grpo_rolewise``,
-    ``envace_sync``, ``envsched_sync``) are registered first, as in verl's TaskRunner. (The registries' locations
+    the ``envace_*`` and ``envsched_*`` trainers) are registered first, as in verl's TaskRunner. (The registries' locations
     are pinned in ``tests/envace/verl/test_verl_pins.py``.)"""
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY

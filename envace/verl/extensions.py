@@ -4,8 +4,9 @@
   in every process: the CPU platform and ``hfcpu`` rollout (only where no CUDA device exists).
 * :func:`register_trainer_extensions` — called in verl's TaskRunner process (:mod:`envace.verl.runner`) before it
   looks up the trainer: the ``grpo_rolewise`` advantage estimator (:func:`register_rolewise_estimator`, verl's
-  ``register_adv_est``) and the V1 trainers ``envace_sync`` and ``envsched_sync`` (``register_trainer``). They
-  import verl's trainer modules, which must not happen while ``verl/__init__`` is still loading plugins.
+  ``register_adv_est``) and the V1 trainers of :mod:`envace.verl.trainers` (``envace_sync``, ``envsched_sync`` and
+  their async kinds; ``register_trainer``). They import verl's trainer modules, which must not happen while
+  ``verl/__init__`` is still loading plugins.
 * Agent loops are registered through verl's agent-loop config file: ``envace/agents/agent_loops.yaml``
   (``actor_rollout_ref.rollout.agent.agent_loop_config_path``, filled in by :mod:`envace.train`).
 """
@@ -45,9 +46,6 @@ def register_rolewise_estimator() -> None:
 
 def register_trainer_extensions() -> None:
     """Register the advantage estimator and the trainers (in the TaskRunner process). Idempotent."""
-    from envace.verl.sched import register_envsched_trainer
-    from envace.verl.trainer import envace_trainer_class
+    import envace.verl.trainers  # noqa: F401 - registers the trainers on first import
 
     register_rolewise_estimator()
-    envace_trainer_class()
-    register_envsched_trainer()

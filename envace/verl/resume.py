@@ -14,7 +14,9 @@ A checkpoint ``global_step_N/`` is complete when:
   in ``actor/`` and, when present, ``critic/``) exists for every rank ``0..W-1`` and is an intact
   ``torch.save`` archive (its zip directory reads back; a truncated file does not);
 * ``data.pt`` (the dataloader state) is an intact archive;
-* with the EnvSched trainer, ``envsched.pt`` loads with ``torch.load(weights_only=True)``.
+* with an EnvSched trainer, ``envsched.pt`` loads with ``torch.load(weights_only=True)``;
+* with an async trainer, ``transfer_queue/`` (the prompts and trajectories in flight, which verl restores or
+  re-issues) holds TransferQueue's ``metadata.json`` and ``controller_state.pkl``, and the metadata reads as JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["checkpoint_problems", "select_resume_checkpoint"]
+__all__ = ["checkpoint_problems", "select_resume_checkpoint", "trainer_kind"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _SHARD = re.compile(r"^(?P<kind>[a-z_]+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
@@ -70,7 +72,31 @@ def _component_problems(folder: Path) -> list[str]:
     return problems
 
 
-def checkpoint_problems(step_dir: str | Path, *, envsched: bool = False) -> list[str]:
+#: what TransferQueue's ``save_checkpoint`` writes into ``global_step_N/transfer_queue/`` (verl's async trainers)
+TQ_FILES = ("metadata.json", "controller_state.pkl")
+
+
+def trainer_kind(trainer_mode: str) -> tuple[bool, bool]:
+    """(EnvSched, asynchronous) of an envace trainer mode: ``envsched_*`` save ``envsched.pt``; every mode other
+    than verl's ``sync`` saves TransferQueue's state (``*_colocate_async``, ``*_separate_async``)."""
+    return trainer_mode.startswith("envsched_"), not (trainer_mode == "sync" or trainer_mode.endswith("_sync"))
+
+
+def _tq_problems(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return ["transfer_queue/ is missing (an async trainer saves the prompts in flight there)"]
+    problems = [f"transfer_queue/{name} is missing" for name in TQ_FILES if not (folder / name).is_file()]
+    if not problems:
+        import json
+
+        try:
+            json.loads((folder / TQ_FILES[0]).read_text())
+        except (OSError, ValueError) as exc:
+            problems.append(f"transfer_queue/{TQ_FILES[0]} does not read as JSON ({exc})")
+    return problems
+
+
+def checkpoint_problems(step_dir: str | Path, *, envsched: bool = False, asynchronous: bool = False) -> list[str]:
     """Why ``step_dir`` is not a complete checkpoint (empty list: complete)."""
     step = Path(step_dir)
     if not step.is_dir():
@@ -91,6 +117,8 @@ def checkpoint_problems(step_dir: str | Path, *, envsched: bool = False) -> list
                 torch.load(path, weights_only=True)
             except Exception as exc:  # noqa: BLE001 - any failure means it cannot be restored safely
                 problems.append(f"envsched.pt does not load with weights_only=True ({type(exc).__name__})")
+    if asynchronous:
+        problems += _tq_problems(step / "transfer_queue")
     return problems
 
 
@@ -110,12 +138,12 @@ def select_resume_checkpoint(cfg: Any) -> str | None:
 
     trainer = cfg.trainer
     mode = str(trainer.get("resume_mode", "auto"))
-    envsched = str(trainer.get("v1", {}).get("trainer_mode", "")) == "envsched_sync"
+    envsched, asynchronous = trainer_kind(str(trainer.get("v1", {}).get("trainer_mode", "")))
     if mode == "disable":
         return None
     if mode == "resume_path":
         path = Path(str(trainer.resume_from_path)).expanduser()
-        problems = checkpoint_problems(path, envsched=envsched)
+        problems = checkpoint_problems(path, envsched=envsched, asynchronous=asynchronous)
         if problems:
             raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint: {'; '.join(problems)}")
         return str(path)
@@ -131,14 +159,14 @@ def select_resume_checkpoint(cfg: Any) -> str | None:
         (s, p) for p in run_dir.glob("global_step_*") if (s := _step_of(p)) is not None and p.is_dir()
     )
     target = run_dir / f"global_step_{latest}" if latest is not None else None
-    problems = checkpoint_problems(target, envsched=envsched) if target is not None else [f"{tracker} is unreadable"]
+    problems = checkpoint_problems(target, envsched=envsched, asynchronous=asynchronous) if target is not None else [f"{tracker} is unreadable"]
     if not problems:
         return str(target)
     newest_ok = None
     for step, path in reversed(candidates):
         if latest is not None and step >= latest:
             continue
-        if not checkpoint_problems(path, envsched=envsched):
+        if not checkpoint_problems(path, envsched=envsched, asynchronous=asynchronous):
             newest_ok = path
             break
     if newest_ok is None:

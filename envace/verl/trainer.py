@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 #: envace's columns in the per-step rollout dump, from each row's rollout contract
 DUMP_COLUMNS = ("role", "trajectory_id", "advantage", "env_id", "observation_source", "simulated_calls",
-                "rollout_probs_diff_max", "task_id")
+                "rollout_probs_diff_max", "task_id", "dispatch_step", "min_global_steps", "max_global_steps")
 #: what the per-row ``rollout_probs_diff_max`` is computed from (present when verl recomputes the old log-probs)
 SYNC_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask")
 
@@ -162,6 +162,51 @@ def role_metrics(
     return out
 
 
+
+def key_group(key: str) -> str:
+    """TransferQueue key ``{uid}_{session}_{index}`` → the prompt uid: the GRPO group the row belongs to."""
+    return key.rsplit("_", 2)[0]
+
+
+def staleness_metrics(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], global_steps: int,
+                      threshold: int | None) -> dict[str, float]:
+    """How far behind the policy being updated the trained rollouts were generated, per trajectory and per group.
+
+    At step ``N`` the trainer updates weights of version ``N - 1``; a trajectory generated across versions
+    ``[min_global_steps, max_global_steps]`` (verl's per-row tags) lags ``(N - 1) - min_global_steps`` versions at
+    worst. Each trajectory counts once, however many outputs it has (verl's own
+    ``training/off_policy/trajectory_staleness_worst`` weighs rows, so a long rollout counts many times).
+
+    * ``envace/staleness/{mean,max}``: the worst-case lag over the batch's trajectories (0 in a sync run);
+    * ``envace/staleness/bound`` and ``.../violations``: ``threshold - 1``, the most a trajectory can lag under
+      verl's ``max_off_policy_strategy=drop`` (a group dispatched at step ``t`` is generated on versions ``≥ t - 1``
+      and trained only while ``N - t + 1 ≤ threshold``), and how many trajectories lag more: always 0 unless the
+      bound is broken. Absent without a threshold.
+    * ``envace/groups/version_span_{mean,max}``: how many weight versions one GRPO group's rollouts span
+      (``max(max_global_steps) - min(min_global_steps) + 1`` over the group): role-wise GRPO's baselines are formed
+      over the whole group whatever its versions (:mod:`envace.advantage`), so this says how mixed they are.
+    """
+    lag: dict[str, int] = {}
+    span: dict[str, list[int]] = {}
+    for key, tag in zip(keys, tags, strict=True):
+        if tag.get("is_padding", False) or tag.get("min_global_steps") is None:
+            continue
+        lo, hi = int(tag["min_global_steps"]), int(tag["max_global_steps"])
+        lag[key_trajectory(key)] = (int(global_steps) - 1) - lo
+        group = span.setdefault(key_group(key), [lo, hi])
+        group[0], group[1] = min(group[0], lo), max(group[1], hi)
+    if not lag:
+        return {}
+    lags = np.asarray(list(lag.values()), dtype=np.float64)
+    spans = np.asarray([hi - lo + 1 for lo, hi in span.values()], dtype=np.float64)
+    out = {"envace/staleness/mean": float(lags.mean()), "envace/staleness/max": float(lags.max()),
+           "envace/groups/version_span_mean": float(spans.mean()),
+           "envace/groups/version_span_max": float(spans.max())}
+    if threshold is not None:
+        out["envace/staleness/bound"] = float(threshold - 1)
+        out["envace/staleness/violations"] = float(np.sum(lags > threshold - 1))
+    return out
+
 #: data-source prefix of the greedy validation pass's rows
 GREEDY_PREFIX = "greedy/"
 
@@ -243,126 +288,3 @@ class HeldoutValidation:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record, sort_keys=True))
         os.replace(tmp, path)
-
-
-def _register() -> type:
-    import transfer_queue as tq
-    from verl.trainer.ppo.v1.trainer_base import register_trainer
-    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-
-    from envace.advantage import ESTIMATOR_NAME, role_labels
-
-    @register_trainer("envace_sync")
-    class EnvaceTrainer(PPOTrainerSync):
-        """verl's sync trainer + role labels for ``grpo_rolewise``, per-role metrics, role-tagged dumps."""
-
-        def _build_replay_buffer(self):
-            # verl keys sync-only behaviour (replay buffer class, resume of in-flight prompts, dataloader
-            # refill) on the literal mode name "sync": a sync trainer registered under another name must
-            # present itself as "sync", or it silently runs the async code paths.
-            self.trainer_mode = "sync"
-            self.parameter_sync_step = self.config.trainer.v1.get("sync", {}).get("parameter_sync_step", 1)
-            buffer = super()._build_replay_buffer()
-            # the buffer's documented constructor argument, which verl's builder does not expose
-            buffer.poll_interval = float((self.config.get("envace") or {}).get("replay_poll_s", buffer.poll_interval))
-            return buffer
-
-        #: TransferQueue fields a subclass needs after each step besides ``advantages``: read in the same call
-        STEP_FIELDS: tuple[str, ...] = ()
-
-        def _rows(self, batch) -> list[RolloutFields]:
-            """The rollout contract of ``batch``'s rows, in batch order: each row's ``extra_fields`` is read from
-            TransferQueue once per step (on the first call that needs it) and kept for the rest of the step."""
-            cache = self.__dict__.setdefault("_row_cache", {})
-            missing = [k for k in batch.keys if k not in cache]
-            if missing:
-                data = tq.kv_batch_get(keys=missing, partition_id=batch.partition_id, select_fields=["extra_fields"])
-                cache.update(zip(missing, read_rows(missing, list(data["extra_fields"])), strict=True))
-            return [cache[k] for k in batch.keys]
-
-        def _compute_advantage(self, batch, metrics: dict):
-            if self.config.algorithm.adv_estimator != ESTIMATOR_NAME:
-                return super()._compute_advantage(batch, metrics)
-            labels = batch_labels(batch.keys, self._rows(batch), batch.tags)
-            opts = (self.config.get("envace", {}) or {}).get("advantage", {}) or {}
-            with role_labels(**labels, options=dict(opts)):
-                return super()._compute_advantage(batch, metrics)
-
-        def step(self, metrics: dict, timing_raw: dict):
-            self._row_cache = {}  # the rows of this step only
-            batch = super().step(metrics, timing_raw)
-            # one read after the update: the advantages, the subclass's fields, and the extra_fields of any row
-            # that _compute_advantage did not already read (all of them when the estimator is not grpo_rolewise)
-            missing = [k for k in batch.keys if k not in self._row_cache]
-            # verl reports rollout-vs-actor differences only when it recomputed the old log-probs
-            sync = "training/rollout_probs_diff_max" in metrics
-            fields = ["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else []),
-                      *(SYNC_FIELDS if sync else ())]
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-            if missing:
-                self._row_cache.update(zip(batch.keys, read_rows(batch.keys, list(data["extra_fields"])), strict=True))
-            rows = [self._row_cache[k] for k in batch.keys]
-            first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
-            diffs = row_probs_diff_max(*(data[f] for f in SYNC_FIELDS)) if sync else [None] * len(rows)
-            metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
-            self._step_data = data  # for the subclass's step (STEP_FIELDS)
-            self._step_rows = {
-                key: (row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id,
-                      row.observation_source, row.counters.get("simulated_calls", 0.0), diff, row.task_id)
-                for key, row, adv, diff in zip(batch.keys, rows, first, diffs, strict=True)
-            }
-            return batch
-
-        def _heldout(self) -> HeldoutValidation:
-            if getattr(self, "_heldout_validation", None) is None:
-                opts = ((self.config.get("envace") or {}).get("validation") or {})
-                out = Path(self.config.trainer.default_local_dir) / "validation"
-                self._heldout_validation = HeldoutValidation(out, greedy=bool(opts.get("greedy", False)))
-            return self._heldout_validation
-
-        def _validate(self) -> dict[str, float]:
-            loader = self.val_dataloader
-            self.val_dataloader = self._heldout().batches(loader)
-            try:
-                return super()._validate()
-            finally:
-                self.val_dataloader = loader
-
-        def _val_metrics_update(self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns,
-                                expected_acc_counts=None) -> dict[str, float]:
-            out = super()._val_metrics_update(data_sources, sample_uids, reward_extra_infos_dict, sample_turns,
-                                              expected_acc_counts=expected_acc_counts)
-            scores = reward_extra_infos_dict.get("acc") or reward_extra_infos_dict["reward"]
-            out.update(self._heldout().metrics(int(self.global_steps), data_sources, sample_uids, scores))
-            return out
-
-        def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
-            # called by verl's fit() right after step() for the same batch (before the rows are cleared)
-            self._dump_labels = getattr(self, "_step_rows", None)
-            try:
-                super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
-            finally:
-                self._dump_labels = self._step_rows = None
-
-        def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path):
-            labels = getattr(self, "_dump_labels", None)
-            keys = reward_extra_infos_dict.get("uid")
-            if labels and keys:
-                reward_extra_infos_dict = dict(reward_extra_infos_dict)
-                rows = [labels.get(k, (Role.ACT.value, key_trajectory(k), 0.0, "", "", 0.0, None, "")) for k in keys]
-                for i, name in enumerate(DUMP_COLUMNS):
-                    reward_extra_infos_dict[name] = [r[i] for r in rows]
-            return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)
-
-    return EnvaceTrainer
-
-
-_TRAINER: type | None = None
-
-
-def envace_trainer_class() -> type:
-    """Register ``envace_sync`` with verl's trainer registry (idempotent) and return the class."""
-    global _TRAINER
-    if _TRAINER is None:
-        _TRAINER = _register()
-    return _TRAINER

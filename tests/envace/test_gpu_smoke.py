@@ -420,10 +420,10 @@ def test_the_checkpoint_row_of_the_envsched_trainer_needs_the_schedulers_state(t
     envsched.pt fails, one with a loadable envsched.pt passes."""
     run = saved_run(tmp_path)
     report = gpu_smoke.Report()
-    assert not gpu_smoke.check_saved(report, run, envsched=True)
+    assert not gpu_smoke.check_saved(report, run, trainer_mode="envsched_sync")
     assert report.rows[-1][1:] == ("FAIL", "envsched.pt is missing")
     torch.save({"obs_count": torch.zeros(3, dtype=torch.int64)}, run / "global_step_2" / "envsched.pt")
-    assert gpu_smoke.check_saved(report, run, envsched=True), report.table()
+    assert gpu_smoke.check_saved(report, run, trainer_mode="envsched_sync"), report.table()
     assert "data.pt, envsched.pt)" in report.rows[-1][2]
 
 

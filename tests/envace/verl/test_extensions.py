@@ -60,14 +60,16 @@ def test_registration_replaces_only_its_own_estimator(monkeypatch):
         assert core_algos.ADV_ESTIMATOR_REGISTRY["grpo_rolewise"] is foreign
 
 
-def test_the_trainer_extensions_register_the_estimator_and_both_trainers():
+def test_the_trainer_extensions_register_the_estimator_and_every_trainer():
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
-    from envace.verl.sched import register_envsched_trainer
-    from envace.verl.trainer import envace_trainer_class
-
     register_trainer_extensions()
+    register_trainer_extensions()  # idempotent
+    from envace.verl import trainers
+
     assert core_algos.get_adv_estimator_fn("grpo_rolewise") is adv_mod.rolewise_adv_estimator
-    assert get_trainer_cls("envace_sync") is envace_trainer_class()
-    register_envsched_trainer()  # idempotent: the class registered first stays
-    assert issubclass(get_trainer_cls("envsched_sync"), envace_trainer_class())
+    for kind in ("sync", "colocate_async", "separate_async"):
+        envace_cls, envsched_cls = get_trainer_cls(f"envace_{kind}"), get_trainer_cls(f"envsched_{kind}")
+        assert envace_cls is trainers.TRAINERS[f"envace_{kind}"]
+        assert issubclass(envace_cls, trainers.EnvaceTrainerMixin) and issubclass(envsched_cls, trainers.EnvSchedMixin)
+        assert issubclass(envsched_cls, get_trainer_cls(kind)) and envsched_cls.VERL_MODE == kind

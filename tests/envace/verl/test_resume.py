@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,10 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from envace.config import ConfigError
-from envace.verl.resume import checkpoint_problems, select_resume_checkpoint
+from envace.verl.resume import checkpoint_problems, select_resume_checkpoint, trainer_kind
 
 
-def make_step(run: Path, step: int, world: int = 2, *, envsched: bool = False) -> Path:
+def make_step(run: Path, step: int, world: int = 2, *, envsched: bool = False, tq: bool = False) -> Path:
     """A checkpoint laid out as verl 0.9.1's FSDP checkpoint manager writes it (tiny tensors)."""
     folder = run / f"global_step_{step}"
     actor = folder / "actor"
@@ -24,6 +25,10 @@ def make_step(run: Path, step: int, world: int = 2, *, envsched: bool = False) -
     torch.save({"epoch": 0}, folder / "data.pt")
     if envsched:
         torch.save({"obs_count": torch.zeros(3, dtype=torch.int64)}, folder / "envsched.pt")
+    if tq:  # what TransferQueue's save_checkpoint writes for an async trainer
+        (folder / "transfer_queue").mkdir()
+        (folder / "transfer_queue" / "metadata.json").write_text(json.dumps({"global_steps": step, "storage_saved": True}))
+        (folder / "transfer_queue" / "controller_state.pkl").write_bytes(b"\x80\x04N.")
     (run / "latest_checkpointed_iteration.txt").write_text(str(step))
     return folder
 
@@ -93,6 +98,22 @@ def test_envsched_state_must_load_with_weights_only(tmp_path):
     assert any("weights_only" in p for p in checkpoint_problems(step, envsched=True))
     (step / "envsched.pt").unlink()
     assert checkpoint_problems(step, envsched=True) == ["envsched.pt is missing"]
+
+
+def test_an_async_checkpoint_needs_the_transferqueue_state_of_the_prompts_in_flight(tmp_path):
+    """An async trainer's resume restores finished groups and re-issues pending prompts from ``transfer_queue/``:
+    without it, or with a torn one, the relaunch falls back to the newest checkpoint that has it."""
+    assert trainer_kind("envace_colocate_async") == (False, True) and trainer_kind("envsched_sync") == (True, False)
+    assert trainer_kind("envsched_separate_async") == (True, True) and trainer_kind("sync") == (False, False)
+    step1 = make_step(tmp_path, 1, tq=True)
+    step2 = make_step(tmp_path, 2, tq=True)
+    assert checkpoint_problems(step2, asynchronous=True) == []
+    (step2 / "transfer_queue" / "metadata.json").write_text("{")
+    assert "transfer_queue/metadata.json does not read as JSON" in checkpoint_problems(step2, asynchronous=True)[0]
+    (step2 / "transfer_queue" / "controller_state.pkl").unlink()
+    assert "transfer_queue/controller_state.pkl is missing" in checkpoint_problems(step2, asynchronous=True)
+    assert select(cfg_for(tmp_path, trainer_mode="envace_colocate_async")) == str(step1)
+    assert select(cfg_for(tmp_path, trainer_mode="envace_sync")) == str(step2)  # a sync run never reads it
 
 
 def test_prepare_refuses_to_resume_from_a_broken_checkpoint(tmp_path):

@@ -101,10 +101,10 @@ def envsched_trainer(monkeypatch):
 
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
-    from envace.verl.sched import STATE_FILE, register_envsched_trainer
-    from envace.verl.trainer import envace_trainer_class
+    from envace.verl.extensions import register_trainer_extensions
+    from envace.verl.sched import STATE_FILE
 
-    register_envsched_trainer()
+    register_trainer_extensions()
     cls = get_trainer_cls("envsched_sync")
     calls: list[tuple] = []
 
@@ -112,8 +112,9 @@ def envsched_trainer(monkeypatch):
         folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
         calls.append(("save", self.global_steps, (folder / STATE_FILE).is_file()))
 
-    monkeypatch.setattr(envace_trainer_class(), "_save_checkpoint", verl_save)
-    monkeypatch.setattr(envace_trainer_class(), "_load_checkpoint", lambda self: calls.append(("load", self.global_steps)))
+    verl_cls = get_trainer_cls("sync")
+    monkeypatch.setattr(verl_cls, "_save_checkpoint", verl_save)
+    monkeypatch.setattr(verl_cls, "_load_checkpoint", lambda self: calls.append(("load", self.global_steps)))
 
     def make(trainer_cfg, scheduler, global_steps):
         trainer = cls.__new__(cls)

@@ -104,13 +104,17 @@ def make_trainer(mode: str, estimator: str):
     cls = get_trainer_cls(mode)
     trainer = cls.__new__(cls)  # no __init__: no workers, no Ray
     trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator},
-                                       "envace": {"advantage": {"baseline": "trajectory"}}})
+                                       "envace": {"advantage": {"baseline": "trajectory"}},
+                                       "trainer": {"v1": {"sampler": {"max_off_policy_threshold": 2}}}})
+    trainer.global_steps = 3
     return trainer
 
 
-def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimator(verl_stand_ins):
+@pytest.mark.parametrize("kind", ["sync", "colocate_async", "separate_async"])
+def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimator(verl_stand_ins, kind):
+    """The same in each of verl's three trainers the mixin is placed before."""
     store, labels_seen = verl_stand_ins
-    trainer = make_trainer("envace_sync", "grpo_rolewise")
+    trainer = make_trainer(f"envace_{kind}", "grpo_rolewise")
     metrics: dict = {}
     batch = trainer.step(metrics, {})
     assert sorted(store.extra_field_reads()) == sorted(ROWS)  # every row once, none twice
@@ -125,8 +129,12 @@ def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimato
     assert metrics["envace/act/calls_per_trajectory"] == 1.5  # (1 + 3 + 1 + 1) / 4 trajectories
     assert metrics["envace/act/advantage_mean"] == pytest.approx(np.mean([0.0, 1.0, 2.0]))  # u2_0 masked
     # the rollout dump's labels (DUMP_COLUMNS): role, trajectory, advantage, environment, source, simulated calls,
-    # the row's rollout-vs-actor difference (only when verl recomputed the old log-probs), the task
-    assert trainer._step_rows["u1_0_1"] == ("rehearse", "u1_0", 0.5, "e", "rehearse", 0.0, None, "t1")
+    # the row's rollout-vs-actor difference (only when verl recomputed the old log-probs), the task, and the weight
+    # versions verl tagged the row with (absent in these stand-in tags)
+    assert trainer._step_rows["u1_0_1"] == {
+        "role": "rehearse", "trajectory_id": "u1_0", "advantage": 0.5, "env_id": "e", "observation_source": "rehearse",
+        "simulated_calls": 0.0, "rollout_probs_diff_max": None, "task_id": "t1", "dispatch_step": None,
+        "min_global_steps": None, "max_global_steps": None}
     assert batch.keys == SUB_BATCHES[0] + SUB_BATCHES[1]
 
 

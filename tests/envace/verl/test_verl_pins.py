@@ -24,11 +24,13 @@ import pytest
 
 VERSIONS = {"verl": "0.9.1", "TransferQueue": "0.1.11"}
 
-TRAINER = "envace/verl/trainer.py EnvaceTrainer"
-SCHED = "envace/verl/sched.py EnvSchedTrainer"
+TRAINER = "envace/verl/trainers.py EnvaceTrainerMixin"
+SCHED = "envace/verl/trainers.py EnvSchedMixin"
 RUNNER = "envace/verl/runner.py"
 LOOP = "envace/agents/verl_loop.py"
 SYNC = "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync"
+COLOCATE = "verl.trainer.ppo.v1.trainer_colocate_async:PPOTrainerColocateAsync"
+SEPARATE = "verl.trainer.ppo.v1.trainer_separate_async:PPOTrainerSeparateAsync"
 BASE = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 AGENT_LOOP = "verl.experimental.agent_loop.agent_loop:AgentLoopBase"
 
@@ -42,33 +44,35 @@ class Pin:
     dist: str = "verl"  # the distribution whose version the pin holds for
 
 
+#: verl's three V1 trainers envace's mixins are placed before (envace/verl/trainers.py)
+TRAINER_BASES = (SYNC, COLOCATE, SEPARATE)
+#: (method, signature, envace site) of every PPOTrainer method the mixins override: each is pinned as reached through
+#: each of the three bases, so an override one of verl's trainers starts to shadow fails here
+OVERRIDES = [
+    ("_build_replay_buffer", "(self) -> verl.trainer.ppo.v1.replay_buffer.ReplayBuffer", f"{TRAINER} overrides"),
+    ("_compute_advantage",
+     "(self, batch: transfer_queue.metadata.KVBatchMeta, metrics: dict) -> transfer_queue.metadata.KVBatchMeta",
+     f"{TRAINER} overrides"),
+    ("step", "(self, metrics: dict, timing_raw: dict) -> transfer_queue.metadata.KVBatchMeta",
+     f"{TRAINER} and {SCHED} override"),
+    ("_log_rollout_data", "(self, batch: transfer_queue.metadata.KVBatchMeta, timing_raw: dict, rollout_data_dir: str)",
+     f"{TRAINER} overrides"),
+    ("_dump_generations", "(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)",
+     f"{TRAINER} overrides"),
+    ("_validate", "(self) -> dict[str, float]", f"{TRAINER} overrides (HeldoutValidation.batches wraps val_dataloader)"),
+    ("_val_metrics_update", ("(self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, "
+     "expected_acc_counts: dict[tuple[str, str], int] | None = None) -> dict[str, float]"),
+     f"{TRAINER} overrides (HeldoutValidation.metrics)"),
+    ("_init_dataloader", "(self)", f"{SCHED} overrides"),
+    ("_next_train_batch", "(self, num_prompts: int | None = None) -> tensordict._td.TensorDict", f"{SCHED} overrides"),
+    ("_save_checkpoint", "(self)", f"{SCHED} overrides"),
+    ("_load_checkpoint", "(self)", f"{SCHED} overrides"),
+]
+
 PINS = [
-    # -- the V1 sync trainer envace subclasses (trainer_mode envace_sync / envsched_sync) --
-    Pin(SYNC, SYNC, "(config: omegaconf.dictconfig.DictConfig)", f"{TRAINER} (base class)"),
-    Pin(f"{SYNC}._build_replay_buffer", f"{BASE}._build_replay_buffer",
-        "(self) -> verl.trainer.ppo.v1.replay_buffer.ReplayBuffer", f"{TRAINER} overrides"),
-    Pin(f"{SYNC}._compute_advantage", f"{BASE}._compute_advantage",
-        "(self, batch: transfer_queue.metadata.KVBatchMeta, metrics: dict) -> transfer_queue.metadata.KVBatchMeta",
-        f"{TRAINER} overrides"),
-    Pin(f"{SYNC}.step", f"{BASE}.step",
-        "(self, metrics: dict, timing_raw: dict) -> transfer_queue.metadata.KVBatchMeta",
-        f"{TRAINER} and {SCHED} override"),
-    Pin(f"{SYNC}._log_rollout_data", f"{BASE}._log_rollout_data",
-        "(self, batch: transfer_queue.metadata.KVBatchMeta, timing_raw: dict, rollout_data_dir: str)",
-        f"{TRAINER} overrides"),
-    Pin(f"{SYNC}._dump_generations", f"{BASE}._dump_generations",
-        "(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)", f"{TRAINER} overrides"),
-    Pin(f"{SYNC}._validate", f"{BASE}._validate", "(self) -> dict[str, float]",
-        f"{TRAINER} overrides (HeldoutValidation.batches wraps val_dataloader)"),
-    Pin(f"{SYNC}._val_metrics_update", f"{BASE}._val_metrics_update",
-        "(self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns, "
-        "expected_acc_counts: dict[tuple[str, str], int] | None = None) -> dict[str, float]",
-        f"{TRAINER} overrides (HeldoutValidation.metrics)"),
-    Pin(f"{SYNC}._init_dataloader", f"{BASE}._init_dataloader", "(self)", f"{SCHED} overrides"),
-    Pin(f"{SYNC}._next_train_batch", f"{BASE}._next_train_batch",
-        "(self, num_prompts: int | None = None) -> tensordict._td.TensorDict", f"{SCHED} overrides"),
-    Pin(f"{SYNC}._save_checkpoint", f"{BASE}._save_checkpoint", "(self)", f"{SCHED} overrides"),
-    Pin(f"{SYNC}._load_checkpoint", f"{BASE}._load_checkpoint", "(self)", f"{SCHED} overrides"),
+    # -- the V1 trainers envace's mixins are placed before (trainer_mode envace_* / envsched_*) --
+    *(Pin(base, base, "(config: omegaconf.dictconfig.DictConfig)", f"{TRAINER} (base class)") for base in TRAINER_BASES),
+    *(Pin(f"{base}.{name}", f"{BASE}.{name}", sig, used) for base in TRAINER_BASES for name, sig, used in OVERRIDES),
     Pin("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
         "(self, trainer_mode: str, trainer_config: omegaconf.dictconfig.DictConfig, "
@@ -186,20 +190,26 @@ def test_every_override_of_envaces_verl_subclasses_is_pinned():
     from verl.experimental.agent_loop.agent_loop import AgentLoopBase
     from verl.trainer.main_ppo import TaskRunnerV1
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
-    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from envace.agents.verl_loop import EnvaceAgentLoop
     from envace.verl.extensions import register_trainer_extensions
     from envace.verl.runner import task_runner_class
 
     register_trainer_extensions()
+    from envace.verl.trainers import TRAINERS
+
     runner = task_runner_class().__ray_actor_class__
     bases = {
-        get_trainer_cls("envace_sync"): (PPOTrainerSync, SYNC),
-        get_trainer_cls("envsched_sync"): (PPOTrainerSync, SYNC),
         runner: (TaskRunnerV1.__ray_actor_class__, "verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__"),
         EnvaceAgentLoop: (AgentLoopBase, AGENT_LOOP),
     }
+    assert sorted(TRAINERS) == sorted(f"{m}_{k}" for m in ("envace", "envsched")
+                                      for k in ("sync", "colocate_async", "separate_async"))
+    by_mode = dict(zip(("sync", "colocate_async", "separate_async"), TRAINER_BASES, strict=True))
+    for name, cls in TRAINERS.items():
+        # the mode a trainer presents to verl is its base's registered name, and the mode it is registered under ends in it
+        assert name.endswith(f"_{cls.VERL_MODE}") and get_trainer_cls(cls.VERL_MODE) in cls.__mro__
+        bases[cls] = (get_trainer_cls(cls.VERL_MODE), by_mode[cls.VERL_MODE])
     pinned = {p.target for p in PINS}
     missing = []
     for cls, (base, target) in bases.items():

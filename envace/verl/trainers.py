@@ -1,0 +1,307 @@
+"""envace's V1 trainers, registered with verl's ``register_trainer``: one class per (method, verl mode).
+
+=============================  ======================  ==============================================================
+``trainer.v1.trainer_mode``    verl base class         what it adds
+=============================  ======================  ==============================================================
+``envace_sync``                ``PPOTrainerSync``      :class:`EnvaceTrainerMixin`: role labels for ``grpo_rolewise``,
+``envace_colocate_async``      ``PPOTrainerColocate``  per-role, staleness and rehearsal-fidelity metrics, role-tagged
+``envace_separate_async``      ``PPOTrainerSeparate``  rollout dumps, held-out validation
+``envsched_sync``              ``PPOTrainerSync``      the same, with :class:`EnvSchedMixin`: EnvSched chooses every
+``envsched_colocate_async``    ``PPOTrainerColocate``  prompt verl dispatches, and observes each group's rewards when
+``envsched_separate_async``    ``PPOTrainerSeparate``  the group is trained
+=============================  ======================  ==============================================================
+
+The mixins override only methods that verl's three V1 trainers inherit unchanged from ``PPOTrainer`` (pinned, with
+their signatures, through every base in ``tests/envace/verl/test_verl_pins.py``); the async trainers' lifecycle
+hooks (``on_*``, ``get_llm_client``, ``prepare_step``) stay verl's. verl switches behaviour on the literal mode name
+(``self.trainer_mode == "sync"``: the replay buffer's class, resume of in-flight prompts, TransferQueue
+checkpoints, the dataloader's batch size), so each class presents its verl base's name (:attr:`VERL_MODE`) to verl.
+
+This module imports verl's trainer modules, which must not load while ``verl/__init__`` is still loading its plugins:
+only verl's TaskRunner process imports it (:func:`envace.verl.extensions.register_trainer_extensions`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import transfer_queue as tq
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.rl_dataset import collate_fn
+
+from envace.advantage import ESTIMATOR_NAME, role_labels
+from envace.agents.contract import RolloutFields, key_trajectory
+from envace.roles import Role
+from envace.verl.sched import (
+    STATE_FILE,
+    build_scheduler,
+    collect_groups,
+    load_scheduler_state,
+    log_selection,
+    save_scheduler_state,
+)
+from envace.verl.trainer import (
+    DUMP_COLUMNS,
+    SYNC_FIELDS,
+    HeldoutValidation,
+    batch_labels,
+    read_rows,
+    role_metrics,
+    row_probs_diff_max,
+    staleness_metrics,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EnvaceTrainerMixin:
+    """Role labels for ``grpo_rolewise``, per-role and staleness metrics, role-tagged dumps, held-out validation
+    (:mod:`envace.verl.trainer` holds the verl-free parts); placed before one of verl's V1 trainers."""
+
+    #: the mode name verl's own code compares against (the verl base class's registered name)
+    VERL_MODE: str = "sync"
+    #: TransferQueue fields a subclass needs after each step besides ``advantages``: read in the same call
+    STEP_FIELDS: tuple[str, ...] = ()
+
+    def _build_replay_buffer(self):
+        # runs inside verl's __init__ right after it read trainer_mode and parameter_sync_step from the config, and
+        # before anything else compares them: both are set to what verl's own trainer of this kind would hold
+        self.trainer_mode = self.VERL_MODE
+        self.parameter_sync_step = self.config.trainer.v1.get(self.VERL_MODE, {}).get("parameter_sync_step", 1)
+        buffer = super()._build_replay_buffer()
+        # the buffer's documented constructor argument, which verl's builder does not expose
+        buffer.poll_interval = float((self.config.get("envace") or {}).get("replay_poll_s", buffer.poll_interval))
+        return buffer
+
+    def _rows(self, batch) -> list[RolloutFields]:
+        """The rollout contract of ``batch``'s rows, in batch order: each row's ``extra_fields`` is read from
+        TransferQueue once per step (on the first call that needs it) and kept for the rest of the step."""
+        cache = self.__dict__.setdefault("_row_cache", {})
+        missing = [k for k in batch.keys if k not in cache]
+        if missing:
+            data = tq.kv_batch_get(keys=missing, partition_id=batch.partition_id, select_fields=["extra_fields"])
+            cache.update(zip(missing, read_rows(missing, list(data["extra_fields"])), strict=True))
+        return [cache[k] for k in batch.keys]
+
+    def _compute_advantage(self, batch, metrics: dict):
+        if self.config.algorithm.adv_estimator != ESTIMATOR_NAME:
+            return super()._compute_advantage(batch, metrics)
+        labels = batch_labels(batch.keys, self._rows(batch), batch.tags)
+        opts = (self.config.get("envace", {}) or {}).get("advantage", {}) or {}
+        with role_labels(**labels, options=dict(opts)):
+            return super()._compute_advantage(batch, metrics)
+
+    def step(self, metrics: dict, timing_raw: dict):
+        self._row_cache = {}  # the rows of this step only
+        batch = super().step(metrics, timing_raw)
+        # one read after the update: the advantages, the subclass's fields, and the extra_fields of any row
+        # that _compute_advantage did not already read (all of them when the estimator is not grpo_rolewise)
+        missing = [k for k in batch.keys if k not in self._row_cache]
+        # verl reports rollout-vs-actor differences only when it recomputed the old log-probs
+        sync = "training/rollout_probs_diff_max" in metrics
+        fields = ["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else []),
+                  *(SYNC_FIELDS if sync else ())]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        if missing:
+            self._row_cache.update(zip(batch.keys, read_rows(batch.keys, list(data["extra_fields"])), strict=True))
+        rows = [self._row_cache[k] for k in batch.keys]
+        first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
+        diffs = row_probs_diff_max(*(data[f] for f in SYNC_FIELDS)) if sync else [None] * len(rows)
+        metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
+        threshold = self.config.trainer.v1.sampler.get("max_off_policy_threshold")
+        metrics.update(staleness_metrics(batch.keys, batch.tags, int(self.global_steps), threshold))
+        self._step_data = data  # for the subclass's step (STEP_FIELDS)
+        self._step_rows = {
+            key: dict(zip(DUMP_COLUMNS, (
+                row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id, row.observation_source,
+                row.counters.get("simulated_calls", 0.0), diff, row.task_id,
+                tag.get("global_steps"), tag.get("min_global_steps"), tag.get("max_global_steps")), strict=True))
+            for key, row, adv, diff, tag in zip(batch.keys, rows, first, diffs, batch.tags, strict=True)
+        }
+        return batch
+
+    def _heldout(self) -> HeldoutValidation:
+        if getattr(self, "_heldout_validation", None) is None:
+            opts = ((self.config.get("envace") or {}).get("validation") or {})
+            out = Path(self.config.trainer.default_local_dir) / "validation"
+            self._heldout_validation = HeldoutValidation(out, greedy=bool(opts.get("greedy", False)))
+        return self._heldout_validation
+
+    def _validate(self) -> dict[str, float]:
+        loader = self.val_dataloader
+        self.val_dataloader = self._heldout().batches(loader)
+        try:
+            return super()._validate()
+        finally:
+            self.val_dataloader = loader
+
+    def _val_metrics_update(self, data_sources, sample_uids, reward_extra_infos_dict, sample_turns,
+                            expected_acc_counts=None) -> dict[str, float]:
+        out = super()._val_metrics_update(data_sources, sample_uids, reward_extra_infos_dict, sample_turns,
+                                          expected_acc_counts=expected_acc_counts)
+        scores = reward_extra_infos_dict.get("acc") or reward_extra_infos_dict["reward"]
+        out.update(self._heldout().metrics(int(self.global_steps), data_sources, sample_uids, scores))
+        return out
+
+    def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
+        # called by verl's fit() right after step() for the same batch (before the rows are cleared)
+        self._dump_labels = getattr(self, "_step_rows", None)
+        try:
+            super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
+        finally:
+            self._dump_labels = self._step_rows = None
+
+    def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path):
+        labels = getattr(self, "_dump_labels", None)
+        keys = reward_extra_infos_dict.get("uid")
+        if labels and keys:
+            reward_extra_infos_dict = dict(reward_extra_infos_dict)
+            for name in DUMP_COLUMNS:
+                reward_extra_infos_dict[name] = [labels[k][name] if k in labels else _foreign(k, name) for k in keys]
+        return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)
+
+
+def _foreign(key: str, column: str) -> Any:
+    """A dump column's value for a row envace did not label (none today; kept total for verl's own rows)."""
+    return {"role": Role.ACT.value, "trajectory_id": key_trajectory(key), "advantage": 0.0, "simulated_calls": 0.0,
+            "env_id": "", "observation_source": "", "task_id": ""}.get(column)
+
+
+class EnvSchedMixin:
+    """EnvSched chooses every training prompt verl dispatches (``_next_train_batch``) and observes each group's K
+    rewards once the group is trained; its state is saved beside verl's checkpoint (``envsched.pt``, written before
+    verl marks the checkpoint complete) and restored on resume. Placed before :class:`EnvaceTrainerMixin`."""
+
+    STEP_FIELDS = ("uid", "rm_scores")  # read with the advantages by envace's step
+
+    def _init_dataloader(self) -> None:
+        super()._init_dataloader()
+        rows = self.train_dataset.dataframe.select_columns(["extra_info"]).to_list()
+        pool_kwargs = (self.config.get("envace", {}) or {}).get("agent", {}).get("pool_kwargs", {})
+        t0 = time.perf_counter()
+        self.scheduler, keys = build_scheduler(self.config, rows, pool_kwargs)
+        self._row_of = {k: i for i, k in enumerate(keys)}
+        self._uid_task: dict[str, str] = {}
+        self._sched_build_s: float | None = time.perf_counter() - t0
+        logger.info("envsched: %d tasks, graph built in %.2fs", len(keys), self._sched_build_s)
+
+    def _next_train_batch(self, num_prompts: int | None = None):
+        bs = int(self.config.data.train_batch_size)
+        if num_prompts not in (None, bs):
+            raise ValueError(f"envsched chooses whole batches of data.train_batch_size={bs}, asked {num_prompts}")
+        task_ids = self.scheduler.select(self.global_steps)
+        batch_dict = collate_fn([self.train_dataset[self._row_of[t]] for t in task_ids])
+        uids = [str(uuid.uuid4()) for _ in task_ids]
+        self._uid_task.update(zip(uids, task_ids, strict=True))
+        batch_dict["uid"] = np.array(uids, dtype=object)
+        batch = tu.get_tensordict(batch_dict)
+        tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+        log_selection(Path(self.config.trainer.default_local_dir), {"step": self.global_steps, "task_ids": task_ids})
+        return batch
+
+    def step(self, metrics: dict, timing_raw: dict):
+        batch = super().step(metrics, timing_raw)
+        # envace's step read uid and rm_scores with the advantages (STEP_FIELDS), and holds the step's rows
+        data = self._step_data
+        uids = [str(u) for u in data["uid"]]
+        rewards, trajectories, unscored = collect_groups(
+            batch.keys, uids, data["rm_scores"], self._rows(batch), self._uid_task, batch.tags
+        )
+        for uid in set(uids):  # this step's prompts are done
+            self._uid_task.pop(uid, None)
+        metrics["envsched/unscored_rollouts"] = float(unscored)
+        if not rewards:
+            logger.warning("envsched: step %d produced no scored rollout; nothing to observe", self.global_steps)
+            metrics.update(self.scheduler.metrics(self.global_steps))  # the step's selection metrics still count
+            return batch
+        t0 = time.perf_counter()
+        # all-or-nothing: an ObservationError (naming the task) leaves the scheduler unchanged
+        self.scheduler.observe(self.global_steps, rewards, trajectories or None)
+        # every ``envsched/*`` key of the step: selection (envs_per_batch, selected_<evidence type>, ...),
+        # observation (realized_var_*, short_groups, missing_rewards, ...) and the prediction diagnostics
+        # (spearman_q_<evidence type>, spearman_v_<evidence type>, scored_<evidence type>)
+        metrics.update(self.scheduler.metrics(self.global_steps))
+        metrics["envsched/trainer_observe_time_s"] = time.perf_counter() - t0
+        if self._sched_build_s is not None:  # once per process (also after a resume)
+            metrics["envsched/static_build_time_s"] = self._sched_build_s
+            self._sched_build_s = None
+        return batch
+
+    def _save_checkpoint(self) -> None:
+        # written before verl's own save, which marks the checkpoint complete last
+        folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_scheduler_state(self.scheduler, folder / STATE_FILE)
+        super()._save_checkpoint()
+
+    def _load_checkpoint(self) -> None:
+        super()._load_checkpoint()
+        if self.global_steps <= 0:
+            return
+        path = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / STATE_FILE
+        if self.config.trainer.resume_mode == "resume_path":
+            path = Path(self.config.trainer.resume_from_path) / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"resuming at step {self.global_steps} but {path} is missing: the checkpoint was not written "
+                "by the envsched trainer, so the scheduler state cannot be restored"
+            )
+        load_scheduler_state(self.scheduler, path)
+        logger.info("envsched: restored scheduler state from %s", path)
+
+
+@register_trainer("envace_sync")
+class EnvaceSyncTrainer(EnvaceTrainerMixin, PPOTrainerSync):
+    """verl's sync trainer with envace's role labels, metrics and dumps."""
+
+    VERL_MODE = "sync"
+
+
+@register_trainer("envace_colocate_async")
+class EnvaceColocateAsyncTrainer(EnvaceTrainerMixin, PPOTrainerColocateAsync):
+    """verl's colocated async trainer (rollout and training share the devices; generation continues across
+    steps, bounded by ``trainer.v1.sampler.max_off_policy_threshold``) with envace's labels, metrics and dumps."""
+
+    VERL_MODE = "colocate_async"
+
+
+@register_trainer("envace_separate_async")
+class EnvaceSeparateAsyncTrainer(EnvaceTrainerMixin, PPOTrainerSeparateAsync):
+    """verl's separated async trainer (a standalone rollout pool; weights sent every
+    ``trainer.v1.separate_async.parameter_sync_step`` mini-batches) with envace's labels, metrics and dumps."""
+
+    VERL_MODE = "separate_async"
+
+
+@register_trainer("envsched_sync")
+class EnvSchedSyncTrainer(EnvSchedMixin, EnvaceTrainerMixin, PPOTrainerSync):
+    """``envace_sync`` with EnvSched choosing every training batch."""
+
+    VERL_MODE = "sync"
+
+
+@register_trainer("envsched_colocate_async")
+class EnvSchedColocateAsyncTrainer(EnvSchedMixin, EnvaceTrainerMixin, PPOTrainerColocateAsync):
+    """``envace_colocate_async`` with EnvSched choosing every prompt dispatched."""
+
+    VERL_MODE = "colocate_async"
+
+
+@register_trainer("envsched_separate_async")
+class EnvSchedSeparateAsyncTrainer(EnvSchedMixin, EnvaceTrainerMixin, PPOTrainerSeparateAsync):
+    """``envace_separate_async`` with EnvSched choosing every prompt dispatched."""
+
+    VERL_MODE = "separate_async"
+
+
+#: every trainer mode envace registers, and its class
+TRAINERS: dict[str, type] = {name: cls for name, cls in TRAINER_REGISTRY.items() if cls.__module__ == __name__}
