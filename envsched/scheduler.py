@@ -7,6 +7,13 @@
         metrics = sched.observe(step, rewards)         # {"envsched/...": float}
     state = sched.state_dict(); sched2.load_state_dict(state)   # exact resume
 
+Asynchronously (several selections in flight, each observed in pieces, in any order), ``step`` is a monotonic
+selection id and in-flight tasks are kept out of new selections:
+
+    ids = sched.select(sel_id, size=k, exclude=sched.in_flight_mask())
+    sched.observe(sel_id, {tid: rewards})              # any subset of a selection, each (selection, task) once
+    sched.drop(sel_id, [tid])                          # evicted groups: never observed, no longer in flight
+
 ``config.scheduler == "random"`` gives the seeded uniform baseline with the same API and metrics.
 """
 
@@ -40,13 +47,13 @@ from .select import BatchBuilder, CapState, RowCache, cold_start_batch, scan_ord
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the tasks in flight per selection (version-1 states load with none in flight)
 PREFIX = "envsched/"
 
 
 class ObservationError(ValueError):
-    """``observe()`` refused its input; nothing was recorded.  ``task_id`` names the offending task (None when
-    the whole call is at fault) and ``step`` the training step."""
+    """``observe()`` or ``drop()`` refused its input; nothing was recorded.  ``task_id`` names the offending task
+    (None when the whole call is at fault) and ``step`` the selection."""
 
     def __init__(self, message: str, *, step: int | None = None, task_id: str | None = None):
         super().__init__(message)
@@ -106,10 +113,17 @@ class EnvScheduler:
         self.available = np.ones(n, dtype=bool)  # False: removed by the identifier filter
         self.selections: dict[int, np.ndarray] = {}
         self.selection_phases: dict[int, list[str]] = {}
-        self.observed_steps: set[int] = set()  # derived from the log (every observe() logs >= 1 group)
-        # per selected step not yet observed: q, v-hat and evidence code of each selected task at selection
-        # (the prediction diagnostics compare them with the variance realised when the step is observed)
+        # per selection: the nodes observed (derived from the log: each observation is logged under its selection)
+        self.observed: dict[int, set[int]] = {}
+        # per selection with tasks in flight: the nodes selected and neither observed nor dropped (a selected node
+        # that is neither observed nor open was dropped)
+        self._open: dict[int, set[int]] = {}
+        # per selection with tasks in flight: q, v-hat and evidence code of each selected task at selection, in
+        # selection order (the prediction diagnostics compare them with the variance realised when the tasks are
+        # observed); dropped once every task of the selection is observed or dropped
         self.selection_predictions: dict[int, dict[str, np.ndarray]] = {}
+        # per selection with tasks in flight: the (environment, tool) pairs its observed trajectories called so far
+        self._tools_used: dict[int, set[tuple[int, str]]] = {}
         self.rng = np.random.Generator(np.random.PCG64(self.cfg.seed))
         self.progress = ProgressFilter(self.cfg, self.env, self.pool.n_envs)
         self.identifier = IdentifierFilter(self.cfg, replay, identifier_detector)
@@ -145,8 +159,13 @@ class EnvScheduler:
 
     # ---- prediction (§2.3) ---------------------------------------------------------------------
     def predict(self, step: int | None = None) -> Prediction:
-        """Per-task predicted variance v, mean m, dispersion d and score q for training step ``step``
-        (default: the step after the last observed/selected one), from observations of earlier steps."""
+        """Per-task predicted variance v, mean m, dispersion d and score q for selection ``step`` (default: the
+        step after the last observed/selected one), from the observations of earlier selections.
+
+        Observations are logged under the selection that chose them (``observe()``), so for a selection being
+        made these are exactly the observations received so far (§2.2's "observed before t").  Asked again after
+        observations of earlier selections arrived late, it includes them: the prediction then differs from the
+        one the selection was made with (which ``selection_predictions`` keeps)."""
         if step is None:
             last = [max(self.selections, default=-1)]
             if len(self.log):
@@ -168,11 +187,26 @@ class EnvScheduler:
         return pred
 
     # ---- selection (§2.4) ----------------------------------------------------------------------
-    def select(self, step: int) -> list[str]:
-        """Task ids of the batch for training step ``step`` (a step already selected returns the same batch).
+    def select(self, step: int, size: int | None = None, exclude: Iterable[str] | np.ndarray | None = None) -> list[str]:
+        """Task ids of the batch for selection ``step`` (a step already selected returns the same batch, whatever
+        ``size`` and ``exclude`` say: the first call decided it).
 
-        ``step`` must be an integer (a bool, float or string is refused with ValueError, as ``observe()`` refuses
-        it: ``select(1.5)`` would otherwise become step 1 and the step observed later would not match)."""
+        ``step`` is the selection key: the training step for a synchronous caller, a monotonic selection id for an
+        asynchronous one (several selections per training step: warm-up, per-step batches, refills of evicted
+        groups).  It must be an integer (a bool, float or string is refused with ValueError, as ``observe()``
+        refuses it: ``select(1.5)`` would otherwise become step 1 and the step observed later would not match) and
+        must not go below an earlier selection's.
+
+        ``size``: how many tasks to choose (default ``batch_size``; 1 <= size <= the pool size); every path (the
+        random baseline, the cold start, the Eq. 5 fill) chooses ``size`` tasks, fewer only when fewer tasks are
+        available (the identifier filter removed the rest).
+
+        ``exclude``: tasks that must not be chosen, normally those still in flight (``in_flight_mask()``): an
+        iterable of task ids, or a bool mask over the pool (``True``: excluded).  When fewer than ``size`` available
+        tasks are outside it, the batch is completed from the excluded tasks by the same rule (in-flight tasks
+        are chosen again only where the pool is too small to avoid it): a warning is logged once for the
+        selection, and the selection's metric ``inflight_reselected`` counts them (the metric is present
+        whenever ``exclude`` is given)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise ValueError(f"select(): step must be an integer, got {step!r}")  # noqa: TRY004 - as observe()
         step = int(step)
@@ -180,24 +214,36 @@ class EnvScheduler:
             return [self.pool.task_ids[i] for i in self.selections[step]]
         if self.selections and step < max(self.selections):
             raise ValueError(f"select({step}) after select({max(self.selections)}): steps must not go backwards")
+        size = self._selection_size(step, size)
+        excluded = self._exclude_mask(step, exclude)
         t0 = time.perf_counter()
-        B = self.cfg.batch_size
+        free = self.available if excluded is None else self.available & ~excluded
         metrics: dict[str, float] = {}
-        if self.cfg.scheduler == "random":
-            pool_idx = np.flatnonzero(self.available)
-            chosen = self.rng.choice(pool_idx, size=min(B, len(pool_idx)), replace=False).tolist()
-            phases = ["random"] * len(chosen)
+        if self.cfg.scheduler == "random" or (not self.selections and len(self.log) == 0 and self.cfg.cold_start == "random"):
+            chosen = self._random_choice(free, size)
+            if len(chosen) < size and excluded is not None:
+                chosen += self._random_choice(self.available & excluded, size - len(chosen))
+            phases = ["random" if self.cfg.scheduler == "random" else "cold_start"] * len(chosen)
         elif not self.selections and len(self.log) == 0:
-            if self.cfg.cold_start == "random":
-                chosen = self.rng.choice(np.flatnonzero(self.available), size=B, replace=False).tolist()
-            else:
-                chosen = cold_start_batch(self.graph, self.cfg, B, self.available)
+            chosen = cold_start_batch(self.graph, self.cfg, size, free)
+            if len(chosen) < size and excluded is not None:  # the cold-start order over every available task
+                taken = set(chosen)
+                rest = [i for i in cold_start_batch(self.graph, self.cfg, size, self.available) if i not in taken]
+                chosen += rest[: size - len(chosen)]
             phases = ["cold_start"] * len(chosen)
         else:
-            chosen, phases, metrics = self._select_envsched(step)
+            chosen, phases, metrics = self._select_envsched(step, size, free)
         sel = np.asarray(chosen, dtype=np.int64)
+        if excluded is not None:
+            reselected = int(excluded[sel].sum())
+            metrics["inflight_reselected"] = float(reselected)
+            if reselected:
+                log.warning("envsched: select(%d): only %d of the %d tasks asked for are not in flight; %d in-flight tasks chosen again",
+                            step, len(sel) - reselected, size, reselected)
         self.selections[step] = sel
         self.selection_phases[step] = phases
+        if len(sel):
+            self._open[step] = set(sel.tolist())
         np.add.at(self.sel_count, sel, 1)
         if self.cfg.scheduler == "envsched":
             pred = self.predict(step)
@@ -214,6 +260,39 @@ class EnvScheduler:
         self._metrics[step] = {**self._metrics.get(step, {}), **metrics}
         return [self.pool.task_ids[i] for i in sel]
 
+    def _selection_size(self, step: int, size: Any) -> int:
+        if size is None:
+            return self.cfg.batch_size
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise ValueError(f"select({step}): size must be an integer, got {size!r}")  # noqa: TRY004 - as step
+        if not 1 <= int(size) <= len(self.pool):
+            raise ValueError(f"select({step}): size must be between 1 and the pool size {len(self.pool)}, got {int(size)}")
+        return int(size)
+
+    def _exclude_mask(self, step: int, exclude: Any) -> np.ndarray | None:
+        """``exclude`` as a bool mask over the pool (None: nothing excluded)."""
+        if exclude is None:
+            return None
+        n = len(self.pool)
+        if isinstance(exclude, np.ndarray) and exclude.dtype == bool:
+            if exclude.shape != (n,):
+                raise ValueError(f"select({step}): an exclude mask must have the pool's shape ({n},), got {exclude.shape}")
+            return exclude.copy()
+        if isinstance(exclude, (str, bytes, Mapping)) or not isinstance(exclude, Iterable):
+            raise ValueError(f"select({step}): exclude must be task ids or a bool mask over the pool, got {type(exclude).__name__}")  # noqa: TRY004
+        mask = np.zeros(n, dtype=bool)
+        for tid in exclude:
+            i = self.pool.index.get(tid) if isinstance(tid, str) else None
+            if i is None:
+                raise ValueError(f"select({step}): exclude holds {tid!r}, which is not a task id of the pool")
+            mask[i] = True
+        return mask
+
+    def _random_choice(self, mask: np.ndarray, size: int) -> list[int]:
+        """``size`` distinct nodes of ``mask`` uniformly at random (all of them when fewer): the random baseline."""
+        idx = np.flatnonzero(mask)
+        return self.rng.choice(idx, size=min(size, len(idx)), replace=False).tolist()
+
     def _cap_state(self, step: int) -> CapState:
         cfg, n = self.cfg, len(self.pool)
         window = np.zeros(self.pool.n_envs, dtype=np.int64)
@@ -228,23 +307,40 @@ class EnvScheduler:
             blocked &= mask
         return CapState(window_env_count=window, blocked_tasks=blocked)
 
-    def _select_envsched(self, step: int) -> tuple[list[int], list[str], dict[str, float]]:
+    def _select_envsched(self, step: int, size: int, free: np.ndarray) -> tuple[list[int], list[str], dict[str, float]]:
+        """Coverage then exploitation (§2.4) over ``free``; when that leaves the batch short of ``size``, the fill
+        goes on over every available task (the in-flight tasks ``free`` left out), after the picks made so far."""
         cfg = self.cfg
         pred = self.predict(step)
         if self._row_cache is None:
             self._row_cache = RowCache(self.graph.x_full)
-        builder = BatchBuilder(self.graph, cfg, self._cap_state(step), self.available.copy(), row_cache=self._row_cache)
+        caps = self._cap_state(step)
+        builder = BatchBuilder(self.graph, cfg, caps, free.copy(), row_cache=self._row_cache)
         try:
-            return self._fill(builder, step, pred.q)
+            chosen, phases, metrics = self._fill(builder, step, pred.q, size)
         finally:
             builder.close()
+        if len(chosen) >= size or np.array_equal(free, self.available):
+            return chosen, phases, metrics
+        builder = BatchBuilder(self.graph, cfg, caps, self.available.copy(), row_cache=self._row_cache)
+        try:
+            for i, phase in zip(chosen, phases):
+                builder.add(i, phase)
+            chosen, phases, more = self._fill(builder, step, pred.q, size)
+        finally:
+            builder.close()
+        more["progress_filter_ignored"] += metrics["progress_filter_ignored"]
+        more["cap_relaxations"] += metrics["cap_relaxations"]
+        return chosen, phases, more
 
-    def _fill(self, builder: BatchBuilder, step: int, q: np.ndarray) -> tuple[list[int], list[str], dict[str, float]]:
+    def _fill(self, builder: BatchBuilder, step: int, q: np.ndarray, size: int | None = None) -> tuple[list[int], list[str], dict[str, float]]:
+        """Fill ``builder`` up to ``size`` tasks (default ``batch_size``): floor(rho size) coverage picks (less those
+        it already holds), then Eq. 5 exploitation picks."""
         cfg = self.cfg
-        B = cfg.batch_size
-        b_cov = int(np.floor(cfg.rho * B))
+        size = cfg.batch_size if size is None else size
+        b_cov = int(np.floor(cfg.rho * size))
         env_exposure = np.bincount(self.env, weights=self.sel_count, minlength=self.pool.n_envs)
-        for _ in range(b_cov):
+        for _ in range(b_cov - builder.phases.count("coverage")):
             i = builder.coverage_pick(q, env_exposure, self.obs_count)
             if i is None:
                 break
@@ -256,7 +352,7 @@ class EnvScheduler:
         score = q * exposure_factor(self.sel_count, cfg.exposure_c0)
         order = scan_order(score, cfg.eq5_max_tied)  # one O(N log N) sort per batch; each pick scans its head
         ignored_progress = 0
-        while len(builder.selected) < B:
+        while len(builder.selected) < size:
             i, used_filtered = builder.exploitation_pick(score, ~progress_block, order)
             if i is None:
                 break
@@ -270,24 +366,58 @@ class EnvScheduler:
         return builder.selected, builder.phases, metrics
 
     # ---- observation ---------------------------------------------------------------------------
+    @property
+    def observed_steps(self) -> set[int]:
+        """The selections with at least one observed task."""
+        return {s for s, nodes in self.observed.items() if nodes}
+
+    def in_flight(self) -> dict[int, list[str]]:
+        """``{selection: [task id, ...]}``: the tasks selected and neither observed nor dropped, in selection order
+        (selections with none are left out)."""
+        return {s: [self.pool.task_ids[i] for i in self.selections[s].tolist() if i in self._open[s]] for s in sorted(self._open)}
+
+    def in_flight_mask(self) -> np.ndarray:
+        """Bool mask over the pool of the tasks in flight in any selection: ``select(..., exclude=in_flight_mask())``."""
+        mask = np.zeros(len(self.pool), dtype=bool)
+        for nodes in self._open.values():
+            mask[list(nodes)] = True
+        return mask
+
     def observe(
         self,
         step: int,
         rewards: Mapping[str, Sequence[float]],
         trajectories: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]] | None = None,
     ) -> dict[str, float]:
-        """Record the rewards of each rolled-out task of ``step`` (Eq. 2); optionally the saved action
-        sequences (aligned with the rewards) for the identifier filter.  Returns the step's metrics.
+        """Record the rewards of rolled-out tasks of selection ``step`` (Eq. 2); optionally the saved action
+        sequences (aligned with the rewards) for the identifier filter.  Returns the selection's metrics.
 
-        All or nothing: the whole call is validated before any state changes, and a refused call raises
-        ``ObservationError`` (``UnknownTaskError`` for an id outside the pool) naming the task, leaving the
-        scheduler exactly as it was; retrying with the corrected input gives the state a correct first call
-        gives.  Refused: a step never selected, a step already observed, a task outside that step's batch,
-        a group that is not a list of numbers (e.g. a scalar), an empty group, more than K =
-        ``rollouts_per_task`` rewards, non-finite rewards, rewards outside ``reward_range`` (beyond
-        ``reward_range_tolerance``; within it they are clipped), trajectories of a task without rewards.
-        Accepted: a subset of the batch, and fewer than K rewards per task (unscored rollouts are skipped),
-        counted in ``short_groups`` / ``missing_rewards``.
+        A selection may be observed in any number of calls, in any order across selections (an asynchronous trainer
+        trains groups of several selections in one step, and one selection's groups over several steps), each
+        (selection, task) exactly once.  All or nothing: the whole call is validated before any state changes, and
+        a refused call raises ``ObservationError`` (``UnknownTaskError`` for an id outside the pool) naming the task,
+        leaving the scheduler exactly as it was; retrying with the corrected input gives the state a correct first
+        call gives.  Refused: a step never selected, a task outside that step's batch, a task already observed or
+        dropped (``drop()``) for that step, a group that is not a list of numbers (e.g. a scalar), an empty group,
+        more than K = ``rollouts_per_task`` rewards, non-finite rewards, rewards outside ``reward_range`` (beyond
+        ``reward_range_tolerance``; within it they are clipped), trajectories of a task without rewards.  Accepted:
+        a subset of the batch, and fewer than K rewards per task (unscored rollouts are skipped), counted in
+        ``short_groups`` / ``missing_rewards``.
+
+        Observations are logged under the selection that chose them, whenever they arrive: the half-life decay
+        (Eq. 4, 6) ages them from that selection, since their rollouts came from the policy of about that time.
+        The paper's N_t(i), the nodes observed before t (§2.2), is what the log holds when selection t is made:
+        every logged selection precedes t.  An observation arriving after t was chosen counts for later selections;
+        ``predict(t)`` asked afterwards rebuilds N_t(i) from the observations of the selections before t, so it
+        includes it and may differ from the prediction t was chosen with (the diagnostics use the one remembered at
+        selection).  The progress filter (App. C) records a task's observations in selection order: one whose
+        selection precedes the task's latest recorded observation (a task chosen again while in flight, observed
+        late) is left out of it and counted in ``progress_out_of_order``.
+
+        The metrics of the selection cover every observation of it so far: the realised statistics and the
+        prediction diagnostics (Spearman of q and v-hat with the realised variance, per evidence type) over all its
+        observed groups, ``short_groups`` / ``missing_rewards`` / ``observe_time_s`` summed over the calls.  With
+        ``relation_weights: measured`` each call's groups are one update of the relation weights.
         """
         t0 = time.perf_counter()
         groups = self._validate_observation(step, rewards, trajectories)
@@ -299,41 +429,125 @@ class EnvScheduler:
             m, v, d = group_statistics(r, self.cfg.dispersion_floor)
             self.log.add(i, step, m, v, d)
             nodes.append(i), ms.append(m), vs.append(v), ds.append(d)
-        self.observed_steps.add(step)
+        self.observed.setdefault(step, set()).update(nodes)
         nodes_a = np.asarray(nodes, dtype=np.int64)
         self.obs_count[nodes_a] += 1
         if self._neighbors is not None:
             self._neighbors.add_observed(nodes_a)
             self.graph.release_pages()
-        self.progress.observe(step, nodes_a, np.asarray(ms), np.asarray(vs))
+        out_of_order = self._progress_observe(step, nodes_a, np.asarray(ms), np.asarray(vs))
         self._apply_identifier_checks(checks)
         self._pred_cache = None
-        va = np.asarray(vs)
         K = self.cfg.rollouts_per_task
         sizes = np.asarray([len(r) for _, _, r in groups])
-        metrics = {
-            "realized_var_mean": float(va.mean()),
-            "realized_var_median": float(np.median(va)),
-            "realized_reward_mean": float(np.mean(ms)),
-            "realized_reward_median": float(np.median(ms)),
-            "zero_var_fraction": float(np.mean(va <= 1e-12)),
-            "observed_groups": float(len(nodes)),
-            "unobserved_selected": float(len(self.selections[step]) - len(nodes)),
-            "short_groups": float(np.sum(sizes < K)),
-            "missing_rewards": float(np.sum(K - sizes)),
+        before = self._metrics.get(step, {})
+        metrics = self._realised_metrics(step)
+        metrics.update({
+            "short_groups": before.get("short_groups", 0.0) + float(np.sum(sizes < K)),
+            "missing_rewards": before.get("missing_rewards", 0.0) + float(np.sum(K - sizes)),
             "identifier_filtered": float(self.counters["identifier_filtered"]),
             "identifier_checked": float(self.counters["identifier_checked"]),
             "replay_mismatch": float(self.counters["replay_mismatch"]),
-        }
-        metrics.update(self._prediction_metrics(step, nodes_a, {"v": va, "m": np.asarray(ms), "d": np.asarray(ds)}))
+        })
+        if out_of_order:
+            metrics["progress_out_of_order"] = before.get("progress_out_of_order", 0.0) + float(out_of_order)
+        metrics.update(self._prediction_metrics(step, nodes_a, {"v": np.asarray(vs), "m": np.asarray(ms), "d": np.asarray(ds)}))
         if trajectories:
-            used = {(int(self.env[self.pool.index[t]]), a.get("name")) for t, trajs in trajectories.items() for traj in trajs for a in traj}
+            used = self._tools_used.setdefault(step, set())
+            used.update((int(self.env[self.pool.index[t]]), a.get("name")) for t, trajs in trajectories.items() for traj in trajs for a in traj)
             metrics["tools_used_per_batch"] = float(len(used))
-        metrics["observe_time_s"] = time.perf_counter() - t0
-        merged = {**self._metrics.get(step, {}), **metrics}
+        self._close_resolved(step, nodes_a)
+        metrics["observe_time_s"] = before.get("observe_time_s", 0.0) + time.perf_counter() - t0
+        merged = {**before, **metrics}
         merged["schedule_time_s"] = merged.get("select_time_s", 0.0) + merged["observe_time_s"]
         self._metrics[step] = merged
         return self.metrics(step)
+
+    def drop(self, step: int, task_ids: Iterable[str]) -> dict[str, float]:
+        """Tasks of selection ``step`` that will never be observed (e.g. groups an asynchronous trainer evicted):
+        they leave the in-flight set without an observation (nothing is logged: an evicted group says nothing
+        about the task's informativeness).  Returns the selection's metrics (``dropped_groups`` counts them).
+
+        All or nothing, as ``observe()``: refused with ``ObservationError`` (``UnknownTaskError`` for an id outside
+        the pool) and no state change: a step never selected, task ids given as a string or a non-iterable, a
+        task outside the step's batch, a task already observed or dropped for the step, a task twice in the call.
+        An empty ``task_ids`` changes nothing."""
+        nodes = self._validate_drop(step, task_ids)
+        step = int(step)
+        if nodes:
+            self._close_resolved(step, np.asarray(nodes, dtype=np.int64))
+            metrics = self._metrics.setdefault(step, {})
+            metrics["dropped_groups"] = metrics.get("dropped_groups", 0.0) + float(len(nodes))
+        return self.metrics(step)
+
+    def _validate_drop(self, step: Any, task_ids: Any) -> list[int]:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise ObservationError(f"drop(): step must be an integer, got {step!r}")
+        step = int(step)
+        where = f"drop(step={step})"
+        if isinstance(task_ids, (str, bytes, Mapping)) or not isinstance(task_ids, Iterable):
+            raise ObservationError(f"{where}: task_ids must be a list of task ids, got {type(task_ids).__name__}", step=step)
+        ids = list(task_ids)
+        if not ids:
+            return []
+        if step not in self.selections:
+            raise ObservationError(f"{where}: step {step} was never selected; task ids given: {_preview(ids)}", step=step, task_id=ids[0])
+        batch = set(self.selections[step].tolist())
+        nodes: list[int] = []
+        for tid in ids:
+            i = self.pool.index.get(tid) if isinstance(tid, str) else None
+            if i is None:
+                raise UnknownTaskError(f"{where}: unknown task_id {tid!r} (not in the pool)", step=step, task_id=tid)
+            if i not in batch:
+                raise ObservationError(f"{where}: task {tid!r} is not in step {step}'s batch", step=step, task_id=tid)
+            if i in nodes:
+                raise ObservationError(f"{where}: task {tid!r} is given twice", step=step, task_id=tid)
+            self._refuse_resolved(where, step, tid, i)
+            nodes.append(i)
+        return nodes
+
+    def _refuse_resolved(self, where: str, step: int, tid: str, i: int) -> None:
+        """Raise when task ``tid`` (node ``i``) of selection ``step`` is no longer in flight."""
+        if i in self.observed.get(step, ()):
+            raise ObservationError(f"{where}: task {tid!r} of step {step} was already observed; each (step, task) is observed once", step=step, task_id=tid)
+        if i not in self._open.get(step, ()):
+            raise ObservationError(f"{where}: task {tid!r} of step {step} was dropped; a dropped task is not observed", step=step, task_id=tid)
+
+    def _close_resolved(self, step: int, nodes: np.ndarray) -> None:
+        """``nodes`` of selection ``step`` are no longer in flight; a selection with none left loses its selection
+        record and tool set (nothing more of it can be observed)."""
+        still = self._open.get(step)
+        if still is None:
+            return
+        still.difference_update(nodes.tolist())
+        if not still:
+            del self._open[step]
+            self.selection_predictions.pop(step, None)
+            self._tools_used.pop(step, None)
+
+    def _progress_observe(self, step: int, nodes: np.ndarray, m: np.ndarray, v: np.ndarray) -> int:
+        """Feed the progress filter (App. C) the observations that come after each task's latest recorded one (its
+        transitions run forward in selection order); returns how many were left out for arriving out of order."""
+        pf = self.progress
+        keep = (pf.count[nodes] == 0) | (pf.last_step[nodes] < step)
+        if keep.any():
+            pf.observe(step, nodes[keep], m[keep], v[keep])
+        return int((~keep).sum())
+
+    def _realised_metrics(self, step: int) -> dict[str, float]:
+        """Eq. 2 statistics over every observed group of selection ``step`` (from the log)."""
+        obs = self.log.arrays()
+        at = obs["step"] == step
+        va, ma = obs["v"][at], obs["m"][at]
+        return {
+            "realized_var_mean": float(va.mean()),
+            "realized_var_median": float(np.median(va)),
+            "realized_reward_mean": float(np.mean(ma)),
+            "realized_reward_median": float(np.median(ma)),
+            "zero_var_fraction": float(np.mean(va <= 1e-12)),
+            "observed_groups": float(at.sum()),
+            "unobserved_selected": float(len(self.selections[step]) - int(at.sum())),
+        }
 
     def _validate_observation(
         self,
@@ -356,8 +570,6 @@ class EnvScheduler:
         ids = [str(t) for t in rewards]
         if step not in self.selections:
             raise ObservationError(f"{where}: step {step} was never selected (call select({step}) first); rewards given for {_preview(ids)}", step=step, task_id=ids[0])
-        if step in self.observed_steps:
-            raise ObservationError(f"{where}: step {step} was already observed; each step is observed once (rewards given for {_preview(ids)})", step=step, task_id=ids[0])
         batch = set(self.selections[step].tolist())
         K = self.cfg.rollouts_per_task
         lo, hi = self.cfg.reward_range
@@ -369,6 +581,7 @@ class EnvScheduler:
                 raise UnknownTaskError(f"{where}: unknown task_id {tid!r} (not in the pool)", step=step, task_id=tid)
             if i not in batch:
                 raise ObservationError(f"{where}: task {tid!r} is not in step {step}'s batch", step=step, task_id=tid)
+            self._refuse_resolved(where, step, tid, i)
             if isinstance(group, (str, bytes, Mapping)) or not isinstance(group, (Sequence, np.ndarray)):
                 kind = "a scalar" if isinstance(group, (int, float, np.number)) else f"a {type(group).__name__}"
                 raise ObservationError(f"{where}: task {tid!r}: rewards must be a list of 1..{K} numbers, got {kind} ({group!r})", step=step, task_id=tid)
@@ -448,18 +661,20 @@ class EnvScheduler:
                 self.counters[res.outcome] += 1
 
     def _prediction_metrics(self, step: int, nodes: np.ndarray, realised: dict[str, np.ndarray]) -> dict[str, float]:
-        """Prediction diagnostics of the observed groups of ``step`` (see ``estimate.prediction_diagnostics``):
-        Spearman correlation of the score q (Eq. 13) and of v-hat (Eq. 4) remembered at selection with the
-        realised variance v (Eq. 2), per evidence type.  With ``relation_weights: measured`` the same groups
-        update the relation weights (``relations.RelationWeights.update``).  The step's selection record is
-        dropped afterwards."""
-        rec = self.selection_predictions.pop(step, None)
+        """Prediction diagnostics of selection ``step`` (see ``estimate.prediction_diagnostics``) over all of its
+        groups observed so far: Spearman correlation of the score q (Eq. 13) and of v-hat (Eq. 4) remembered at
+        selection with the realised variance v (Eq. 2), per evidence type.  With ``relation_weights: measured``
+        this call's groups (``nodes``, ``realised``) update the relation weights (``relations.RelationWeights.update``)."""
+        rec = self.selection_predictions.get(step)
         if rec is None:
             return {}
         pos = {int(n): k for k, n in enumerate(self.selections[step].tolist())}
-        at = np.asarray([pos[int(n)] for n in nodes], dtype=np.int64)
-        out = prediction_diagnostics(rec["q"][at], realised["v"], rec["evidence"][at], rec["v"][at])
+        obs = self.log.arrays()
+        mine = obs["step"] == step
+        at_all = np.asarray([pos[int(n)] for n in obs["node"][mine]], dtype=np.int64)
+        out = prediction_diagnostics(rec["q"][at_all], obs["v"][mine], rec["evidence"][at_all], rec["v"][at_all])
         if self.relation_weights is not None:
+            at = np.asarray([pos[int(n)] for n in nodes], dtype=np.int64)
             sources = {k[4:]: a[at] for k, a in rec.items() if k.startswith("src:")}
             if sources:
                 self.relation_weights.update(step, sources, realised)
@@ -499,7 +714,8 @@ class EnvScheduler:
 
     # ---- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything select() depends on (numpy arrays and plain Python values; pickle/torch.save-able)."""
+        """Everything select() and observe() depend on, the tasks in flight included (numpy arrays and plain Python
+        values; pickle/torch.save-able)."""
         steps = sorted(self.selections)
         state: dict[str, Any] = {
             "version": STATE_VERSION,
@@ -519,11 +735,19 @@ class EnvScheduler:
             "neighbors": self._neighbors.state_dict() if self._neighbors is not None else None,
             "selection_predictions": {int(s): {k: a.copy() for k, a in rec.items()} for s, rec in self.selection_predictions.items()},
             "relation_weights": self.relation_weights.state_dict() if self.relation_weights is not None else None,
+            # in flight: per selection with tasks neither observed nor dropped, those nodes in selection order (the
+            # observed ones are the log's; the others of a selection were dropped)
+            "open_steps": np.asarray(sorted(self._open), dtype=np.int64),
+            "open": [np.asarray([i for i in self.selections[s].tolist() if i in self._open[s]], dtype=np.int64) for s in sorted(self._open)],
+            "tools_used": {int(s): sorted(([int(e), name] for e, name in used), key=repr) for s, used in self._tools_used.items()},
         }
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
+        """Restore ``state_dict()``'s output.  A version-1 state (saved before the in-flight record, by a synchronous
+        trainer after observing its step) loads with nothing in flight: its selections count as resolved, their
+        unobserved tasks as dropped, so its selection records are not kept."""
+        if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"unsupported envsched state version {state.get('version')!r}")
         if state["pool_fingerprint"] != self.pool.fingerprint():
             raise ValueError("envsched state was saved for a different task pool (task ids / environments differ)")
@@ -543,9 +767,13 @@ class EnvScheduler:
         self.progress.load_state_dict(state["progress"])
         self.counters = dict(state["counters"])
         self._metrics = {int(k): dict(v) for k, v in state["metrics"].items()}
-        self.observed_steps = {int(s) for s in np.unique(self.log.arrays()["step"])}
-        saved_pred = state.get("selection_predictions") or {}  # absent in states saved before the diagnostics
+        self.observed = self._observed_from_log()
+        in_flight = state["version"] >= 2
+        open_steps = [int(s) for s in state["open_steps"]] if in_flight else []
+        self._open = {s: set(np.asarray(a, dtype=np.int64).tolist()) for s, a in zip(open_steps, state["open"] if in_flight else [])}
+        saved_pred = (state.get("selection_predictions") or {}) if in_flight else {}  # absent before the diagnostics
         self.selection_predictions = {int(s): {k: np.asarray(a).copy() for k, a in rec.items()} for s, rec in saved_pred.items()}
+        self._tools_used = {int(s): {(int(e), name) for e, name in used} for s, used in state["tools_used"].items()} if in_flight else {}
         if self.relation_weights is not None:
             rw_state = state.get("relation_weights")  # absent or None: saved without measured weights, start afresh
             self.relation_weights = RelationWeights(self.cfg)
@@ -560,3 +788,11 @@ class EnvScheduler:
             # rebuilt from the observed set on first use, under this config: a state saved with other neighbour
             # counts or graph settings holds neighbour lists of another width or graph
             self._neighbors = None
+
+    def _observed_from_log(self) -> dict[int, set[int]]:
+        """The observed nodes of each selection: the log's nodes grouped by their step."""
+        obs = self.log.arrays()
+        order = np.argsort(obs["step"], kind="stable")
+        steps, nodes = obs["step"][order], obs["node"][order]
+        keys, starts = np.unique(steps, return_index=True)
+        return {int(k): set(part.tolist()) for k, part in zip(keys, np.split(nodes, starts[1:]))}

@@ -137,17 +137,19 @@ def test_step_never_selected_is_refused(pool, graph):
     assert_same_state(before, s.state_dict())
 
 
-def test_step_observed_twice_is_refused(pool, graph):
+def test_task_observed_twice_is_refused(pool, graph):
+    """Each (step, task) is observed once: the rest of a batch in a second call is accepted, a task again is not."""
     s = _sched(pool, graph)
     batch = _warm(s, 2)
-    first = _rewards(batch[:6], 1)
-    s.observe(2, first)
+    s.observe(2, _rewards(batch[:6], 1))
     before = copy.deepcopy(s.state_dict())
-    with pytest.raises(ObservationError, match="step 2 was already observed"):
-        s.observe(2, _rewards(batch[6:], 2))  # the rest of the batch, in a second call
+    with pytest.raises(ObservationError, match=f"task {batch[5]!r} of step 2 was already observed"):
+        s.observe(2, _rewards(batch[5:], 2))  # the rest of the batch and one task again: nothing recorded
     with pytest.raises(ObservationError, match="step 1 was already observed"):
         s.observe(1, _rewards(s.select(1), 1))
     assert_same_state(before, s.state_dict())
+    s.observe(2, _rewards(batch[6:], 2))  # the rest of the batch, in a second call
+    assert s.observed[2] == set(s.selections[2].tolist()) and s.in_flight() == {}
 
 
 def test_observed_steps_survive_a_state_round_trip(pool, graph):

@@ -148,7 +148,7 @@ def test_select_scores_with_the_prediction_of_its_own_step(pool, graph):
     assert not np.array_equal(s.predict(30).q, s.predict(1).q)
     seen = []
     fill = s._fill
-    s._fill = lambda builder, step, q: (seen.append(q.copy()), fill(builder, step, q))[1]
+    s._fill = lambda builder, step, q, *size: (seen.append(q.copy()), fill(builder, step, q, *size))[1]
     s.select(30)
     assert len(seen) == 1 and np.array_equal(seen[0], s.predict(30).q)
 
@@ -353,10 +353,11 @@ def test_never_selected_step_previews_three_task_ids(pool, graph):
         s.observe(1, rewards_for(ids[:3], 0))
     assert str(exc.value).endswith(f"rewards given for {ids[0]!r}, {ids[1]!r}, {ids[2]!r}")
     s.observe(0, rewards_for(ids[:2], 0))
+    s.observe(0, rewards_for(ids[3:], 0))  # the rest of the batch, in pieces
     with pytest.raises(ObservationError) as exc:
         s.observe(0, rewards_for(ids[2:], 0))
-    assert str(exc.value) == f"observe(step=0): step 0 was already observed; each step is observed once (rewards given for {ids[2]!r}, {ids[3]!r}, {ids[4]!r})"
-    assert exc.value.task_id == ids[2] and exc.value.step == 0
+    assert str(exc.value) == f"observe(step=0): task {ids[3]!r} of step 0 was already observed; each (step, task) is observed once"
+    assert exc.value.task_id == ids[3] and exc.value.step == 0
 
 
 def test_non_string_task_id_is_an_unknown_task(pool, graph):
@@ -575,7 +576,7 @@ def test_state_dict_is_a_snapshot_and_round_trips_exactly(pool, graph):
         s.observe(step, rewards_for(s.select(step), step))
     s.select(3)  # selected, not observed: its selection record travels
     state = s.state_dict()
-    assert state["version"] == 1 and state["selection_steps"].tolist() == [0, 1, 2, 3] and sorted(state["selection_predictions"]) == [3]
+    assert state["version"] == 2 and state["selection_steps"].tolist() == [0, 1, 2, 3] and sorted(state["selection_predictions"]) == [3]
     snap = copy.deepcopy(state)
     s.observe(3, rewards_for(s.select(3), 3))
     s.select(4)
@@ -626,7 +627,7 @@ def test_load_state_dict_refuses_other_versions_and_warns_about_config_changes(p
     s = sched(pool, graph)
     s.observe(0, rewards_for(s.select(0), 0))
     state = s.state_dict()
-    for version in (2, None):
+    for version in (3, None):
         bad = {**state, "version": version}
         with pytest.raises(ValueError, match=rf"^unsupported envsched state version {version!r}$"):
             sched(pool, graph).load_state_dict(bad)
