@@ -241,9 +241,48 @@ class EnvAceConfig:
 
 # -- verl's keys: those envace reads, and those verl uses unchecked until its workers run ------------------------
 @dataclass
+class VerlSamplerKeys:
+    # versions a trajectory may span in the async trainers' replay buffer (null: no bound); verl asserts an
+    # integer >= 1 only when the trainer builds its buffer, inside Ray
+    max_off_policy_threshold: int | None = 8
+    # drop (evict stale groups and regenerate them) or wait (hold sampling until stale prompts finish)
+    max_off_policy_strategy: str = "drop"
+
+    def __post_init__(self) -> None:
+        _at_least("trainer.v1.sampler.max_off_policy_threshold", self.max_off_policy_threshold, 1)
+        _choice("max_off_policy_strategy", self.max_off_policy_strategy, ("drop", "wait"),
+                prefix="trainer.v1.sampler.")
+
+
+@dataclass
+class VerlColocateAsyncKeys:
+    # training batches dispatched before the first step (fractions allowed: verl's _add_async_warmup_batches)
+    num_warmup_batches: float = 1
+
+    def __post_init__(self) -> None:
+        _at_least("trainer.v1.colocate_async.num_warmup_batches", self.num_warmup_batches, 0)
+
+
+@dataclass
+class VerlSeparateAsyncKeys:
+    # training batches dispatched before the first step
+    num_warmup_batches: float = 1
+    # mini-batch updates between two weight syncs to the standalone rollout
+    parameter_sync_step: int = 4
+
+    def __post_init__(self) -> None:
+        _at_least("trainer.v1.separate_async.num_warmup_batches", self.num_warmup_batches, 0)
+        _at_least("trainer.v1.separate_async.parameter_sync_step", self.parameter_sync_step, 1)
+
+
+@dataclass
 class VerlV1Keys:
     # the V1 trainer, a name of verl's trainer registry (resolved by envace.verl.config.check_registries)
     trainer_mode: str = "envace_sync"
+    # the async trainers' replay buffer and the two async kinds (envace.train.check_async_trainer)
+    sampler: VerlSamplerKeys = field(default_factory=VerlSamplerKeys)
+    colocate_async: VerlColocateAsyncKeys = field(default_factory=VerlColocateAsyncKeys)
+    separate_async: VerlSeparateAsyncKeys = field(default_factory=VerlSeparateAsyncKeys)
 
 
 @dataclass

@@ -7,7 +7,9 @@ groups), then runs in two phases (:func:`prepare`):
    seconds: envace's typed keys and the verl keys it reads, with types and ranges (:mod:`envace.config`); the
    EnvSched group; the rollout, trainer-mode and advantage-estimator names against verl's registries (after envace
    registers its own entries); verl's own config checks, those that need no model on disk (its ``validate_config``:
-   the batch sizes; its typed dataclasses); a GPU config on a machine without GPUs; the worldbooks; the model path's
+   the batch sizes; its typed dataclasses); what verl's async trainers assert only inside Ray (separate_async's batch
+   sizes, standalone rollout and checkpoint engine), with warnings where staleness is not bounded
+   (:func:`check_trainer_mode`); a GPU config on a machine without GPUs; the worldbooks; the model path's
    name; the checkpoint a resumed run would load (:mod:`envace.verl.resume`; falls back to the newest complete one
    with a warning); given data files' agent loops. ``--preflight-only`` stops here (exit 0): the head of a
    multi-node run calls it before it starts Ray and waits for its workers;
@@ -90,7 +92,7 @@ def check_cluster(cfg: DictConfig) -> None:
         )
 
 
-def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
+def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig, mode: str = "sync") -> None:
     """Trained rehearsals sample at the temperature the trainer scores them at.
 
     verl computes every row's log-probabilities at one temperature, ``rollout.temperature`` (the old log-probs,
@@ -99,15 +101,174 @@ def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
     ``rollout.temperature``: its ratio starts away from 1 and the clip drops its gradient where the advantage is
     negative. That is only sound when the rehearse role carries no loss (``envace.advantage.trained_roles=[act]``)
     or no rehearsal is generated.
+
+    Off-policy training removes the ``trained_roles=[act]`` way out: the async trainers (``mode`` is the verl kind,
+    :func:`verl_mode`) and rollout correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``) read
+    every row's rollout log-probs against the trainer's, rehearse rows included: the truncated importance weights
+    π_old / π_rollout, the rejection masks, the batch normalisation of those weights (which mixes the roles) and the
+    off-policy metrics. Rehearsals sampled at another temperature get weights away from 1 even on-policy, a bias that
+    is not staleness (issue 46), so such a config is refused whatever roles are trained.
     """
     temp, reh = float(cfg.actor_rollout_ref.rollout.temperature), ecfg.agent.rehearse_temperature
+    if reh is None or float(reh) == temp or ecfg.agent.observation_source != "rehearse":
+        return
+    corr = cfg.algorithm.get("rollout_correction") or {}
+    corrected = [f"algorithm.rollout_correction.{k}={corr[k]}" for k in ("rollout_is", "rollout_rs")
+                 if corr.get(k) is not None]
+    if mode != "sync" or corrected:
+        why = f"trainer.v1.trainer_mode={cfg.trainer.v1.trainer_mode}" if mode != "sync" else corrected[0]
+        raise ConfigError(
+            f"envace.agent.rehearse_temperature={reh} differs from actor_rollout_ref.rollout.temperature={temp}, and "
+            f"with {why} verl weighs every row, rehearsals included, by its rollout log-probs against the trainer's: "
+            "rehearsals sampled at another temperature would get importance weights away from 1 even on-policy "
+            "(set envace.agent.rehearse_temperature=null)"
+        )
     trained = ecfg.advantage.trained_roles is None or Role.REHEARSE.value in ecfg.advantage.trained_roles
-    if reh is not None and float(reh) != temp and ecfg.agent.observation_source == "rehearse" and trained:
+    if trained:
         raise ConfigError(
             f"envace.agent.rehearse_temperature={reh} differs from actor_rollout_ref.rollout.temperature={temp}: "
             "verl scores every trained output at the rollout temperature, so trained rehearsals must sample at it "
             "(set envace.agent.rehearse_temperature=null, or envace.advantage.trained_roles=[act])"
         )
+
+
+# -- the V1 trainer's kind: sync, colocate_async, separate_async --------------------------------------------------
+#: verl's own V1 trainers, by the name verl registers them under (its code compares ``trainer_mode`` against these)
+VERL_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def verl_mode(cfg: DictConfig) -> str:
+    """The kind of V1 trainer ``trainer.v1.trainer_mode`` names: the name of the verl trainer its registered class
+    derives from (``envace_colocate_async`` and ``envsched_colocate_async`` → ``colocate_async``; envace's trainers
+    present that name to verl, :mod:`envace.verl.trainers`), so that verl's ``trainer.v1.<kind>.*`` and
+    ``trainer.v1.sampler.*`` sections apply as they do to verl's own. V0 (``trainer.use_v1=false``) is ``sync``."""
+    if not cfg.trainer.get("use_v1", True):
+        return "sync"
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from envace.verl.extensions import register_trainer_extensions
+
+    register_trainer_extensions()
+    cls = TRAINER_REGISTRY.get(str(cfg.trainer.v1.trainer_mode))
+    return next((m for m in VERL_MODES if cls is not None and issubclass(cls, TRAINER_REGISTRY[m])), "sync")
+
+
+def warn(message: str) -> None:
+    """A pre-flight warning: one line on stderr; the run goes on."""
+    print(f"envace: warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_separate_async(cfg: DictConfig) -> None:
+    """What verl's ``PPOTrainerSeparateAsync.__init__`` asserts (verl/trainer/ppo/v1/trainer_separate_async.py),
+    inside Ray and after the builds, named here by key: a step of ``data.train_batch_size`` prompts is
+    ``parameter_sync_step`` updates of one mini-batch each between two weight syncs; generation runs on a standalone
+    rollout of its own devices (``actor_rollout_ref.rollout.nnodes`` × ``n_gpus_per_node``); weights reach it over a
+    process group, which verl's in-process ``naive`` engine cannot; a reward model gets its own resource pool."""
+    from verl.trainer.ppo.utils import need_reward_model
+
+    batch, mini = int(cfg.data.train_batch_size), int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+    sync = int(cfg.trainer.v1.separate_async.parameter_sync_step)
+    if batch != sync * mini:
+        raise ConfigError(
+            f"trainer.v1.separate_async.parameter_sync_step={sync}: separate_async trains data.train_batch_size="
+            f"{batch} prompts between two weight syncs as parameter_sync_step mini-batches of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}, so it needs train_batch_size = parameter_sync_step "
+            f"× ppo_mini_batch_size ({sync} × {mini} = {sync * mini})"
+        )
+    rollout = cfg.actor_rollout_ref.rollout
+    for key in ("nnodes", "n_gpus_per_node"):
+        if int(rollout[key]) < 1:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.{key}={rollout[key]}: separate_async generates on a standalone rollout of "
+                "actor_rollout_ref.rollout.nnodes × n_gpus_per_node devices besides the trainer's; set both >= 1"
+            )
+    if str(rollout.checkpoint_engine.backend) == "naive":
+        raise ConfigError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: separate_async sends the weights to its "
+            "standalone rollout over a process group, which verl's naive engine (colocated, in-process) cannot; "
+            "use nccl on GPUs (no CPU engine is registered: on CPU use colocate_async)"
+        )
+    if need_reward_model(cfg) and not cfg.reward.reward_model.get("enable_resource_pool", False):
+        raise ConfigError(
+            "reward.reward_model.enable_resource_pool=false: separate_async's standalone rollout never sleeps to "
+            "free a colocated reward model's memory; give the reward model its own pool (true)"
+        )
+
+
+def check_checkpoint_engine(cfg: DictConfig) -> None:
+    """The checkpoint engine ``actor_rollout_ref.rollout.checkpoint_engine.backend`` names loads here (after its
+    ``custom_backend_module``, as verl's workers import it). verl imports every engine optionally and records why
+    one failed: nccl's, nixl's and delta's import cupy, which only the GPU locks install (requirements/gpu-cu12.lock,
+    gpu-cu13.lock); without it the run would fail inside Ray, once the builds and the trainer's start are done."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    engine = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    module = engine.get("custom_backend_module") or None
+    try:
+        import_external_libs(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={module}: {exc}") from None
+    try:
+        CheckpointEngineRegistry.get(str(engine.backend))
+    except ValueError as exc:
+        hint = (": install cupy (requirements/gpu-cu12.lock and gpu-cu13.lock pin it; rerun scripts/bootstrap.sh "
+                "on the GPU nodes)") if "cupy" in str(exc) else ""
+        raise ConfigError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={engine.backend} cannot load on "
+                          f"this machine ({exc}){hint}") from None
+
+
+def warn_off_policy(cfg: DictConfig, mode: str) -> None:
+    """Say when an async trainer's staleness is not bounded by ``trainer.v1.sampler.max_off_policy_threshold``.
+
+    Under ``max_off_policy_strategy=drop`` verl evicts every finished group that spans more than the threshold's
+    versions and regenerates it, so every trained row is at most threshold − 1 versions stale (a prompt tagged at
+    step t is dispatched once version t − 1 is loaded, and groups tagged before N − threshold + 1 are dropped at N).
+    ``wait`` is warned about, not refused: it is verl's documented dropless strategy, which holds sampling while any
+    in-flight prompt reaches the threshold and then trains it instead of throwing its generation away, a choice that
+    can be right where rollouts are costly (slow environments). Its price is that the threshold stops being a bound:
+    when more groups reach it together than one batch takes, the rest are trained a step or more later, past it.
+    verl reports the staleness every step (``training/off_policy/trajectory_staleness_worst/max``), so the overshoot
+    is seen, not silent. ``null`` disables the control altogether."""
+    sampler = cfg.trainer.v1.sampler
+    threshold = sampler.get("max_off_policy_threshold")
+    if threshold is None:
+        warn(f"trainer.v1.sampler.max_off_policy_threshold=null: the {mode} trainer trains rollouts of any age "
+             "(no staleness bound); set a threshold with max_off_policy_strategy=drop to bound it")
+    elif sampler.get("max_off_policy_strategy") == "wait":
+        warn(f"trainer.v1.sampler.max_off_policy_strategy=wait: stale groups are trained, not dropped, and their "
+             f"staleness can exceed max_off_policy_threshold={threshold} when more of them reach it than one batch "
+             "takes; max_off_policy_strategy=drop bounds it (at threshold - 1 versions)")
+
+
+def warn_gen_batch_size(cfg: DictConfig, mode: str) -> None:
+    """verl fetches one prompt at a time where it refills exactly (every async trainer; DAPO's filter_groups;
+    ``sampler.sync_refill_failed_groups``) and overrides ``data.gen_batch_size`` to 1 there (``PPOTrainer.
+    _init_dataloader``), logging it only inside Ray: said here, before the run."""
+    gen = cfg.data.get("gen_batch_size")
+    filter_groups = cfg.algorithm.get("filter_groups") or {}
+    exact = (mode != "sync" or bool(filter_groups.get("enable", False))
+             or bool(cfg.trainer.v1.sampler.get("sync_refill_failed_groups", False)))
+    if exact and gen not in (None, 1):
+        why = f"trainer.v1.trainer_mode={cfg.trainer.v1.trainer_mode}" if mode != "sync" else "exact refills"
+        warn(f"data.gen_batch_size={gen} is overridden to 1 by verl with {why} (it refills groups one prompt at a "
+             "time)")
+
+
+def check_trainer_mode(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
+    """The checks that depend on the V1 trainer's kind (:func:`verl_mode`): separate_async's own requirements and its
+    checkpoint engine, the async trainers' staleness bound, rehearsal temperatures under off-policy correction, and
+    verl's override of ``data.gen_batch_size``. Needs the registries (:func:`~envace.verl.config.check_registries`)."""
+    mode = verl_mode(cfg)
+    if mode == "separate_async":
+        check_separate_async(cfg)
+        if ecfg.preflight:  # the engine must load where the workers run: this machine's install stands for theirs
+            check_checkpoint_engine(cfg)
+    check_rehearse_temperature(cfg, ecfg, mode)
+    if mode != "sync":
+        warn_off_policy(cfg, mode)
+    warn_gen_batch_size(cfg, mode)
 
 
 def check_worldbooks(path: str) -> None:
@@ -187,14 +348,22 @@ def generated_dir(cfg: DictConfig) -> Path:
 
 
 def check_ray_resources(cfg: DictConfig, cluster: dict[str, float], n_nodes: int) -> None:
-    """The cluster must hold nnodes × n_gpus_per_node device slots (GPU resources) on enough nodes."""
+    """The cluster must hold nnodes × n_gpus_per_node device slots (GPU resources) on enough nodes, and with a
+    separate_async trainer the standalone rollout's own ``rollout.nnodes`` × ``rollout.n_gpus_per_node`` besides."""
     nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
-    need = nnodes * per_node
+    need, what = nnodes * per_node, "trainer.nnodes × trainer.n_gpus_per_node"
+    terms = f"{nnodes} × {per_node}"
+    if verl_mode(cfg) == "separate_async":
+        rollout = cfg.actor_rollout_ref.rollout
+        r_nodes, r_per_node = int(rollout.nnodes), int(rollout.n_gpus_per_node)
+        need += r_nodes * r_per_node
+        what += " + actor_rollout_ref.rollout.nnodes × n_gpus_per_node"
+        terms += f" + {r_nodes} × {r_per_node}"
     have = float(cluster.get("GPU", 0))
     if have < need:
         raise ConfigError(
             f"the Ray cluster has {have:g} GPU slot(s) on {n_nodes} node(s), but the config needs "
-            f"trainer.nnodes × trainer.n_gpus_per_node = {nnodes} × {per_node} = {need}"
+            f"{what} = {terms} = {need}"
         )
     if n_nodes < nnodes:
         raise ConfigError(f"trainer.nnodes={nnodes} but the Ray cluster has {n_nodes} alive node(s)")
@@ -423,12 +592,12 @@ def preflight(cfg: DictConfig) -> tuple[EnvAceConfig, list[str]]:
     ecfg = validate_envace_config(cfg)
     validate_verl_keys(cfg)
     validate_envsched_config(cfg)
-    check_rehearse_temperature(cfg, ecfg)
     if ecfg.preflight:
         check_platform(cfg)
     check_cluster(cfg)
     validate_verl_config(cfg, model=False)
     check_registries(cfg)
+    check_trainer_mode(cfg, ecfg)
     simulated = resolve_worldbooks(cfg, ecfg, build=False)
     resolve_model_path(str(cfg.actor_rollout_ref.model.path), build=False)
     with open_dict(cfg):

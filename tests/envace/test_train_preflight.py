@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from envace.config import ConfigError
 from envace.launch import cuda_mismatch
 from envace.train import init_ray, main
 from envace.verl.config import compose
@@ -357,21 +358,41 @@ def test_forward_compatibility_passes_the_check(tmp_path):
     assert broken.returncode == 2 and "needs driver >= 580.65.06" in broken.stderr, broken.stderr
 
 
-@pytest.mark.parametrize(("overrides", "refused"), [
+ASYNC = "trainer.v1.trainer_mode=envace_colocate_async"
+ACT_ONLY = "envace.advantage.trained_roles=[act]"
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
     # the rehearse role is trained but sampled cooler than verl scores it
-    (["envace.agent.rehearse_temperature=0.6"], True),
+    (["envace.agent.rehearse_temperature=0.6"], "trained_roles=[act]"),
     # the same temperature as the rollout's, or the rollout's by default
-    (["envace.agent.rehearse_temperature=1.0"], False),
-    ([], False),
+    (["envace.agent.rehearse_temperature=1.0"], None),
+    ([], None),
     # rehearsals that carry no loss may sample as they like
-    (["envace.agent.rehearse_temperature=0.6", "envace.advantage.trained_roles=[act]"], False),
+    (["envace.agent.rehearse_temperature=0.6", ACT_ONLY], None),
     # no rehearsal is generated
-    (["envace.agent.rehearse_temperature=0.6", "envace.agent.observation_source=real"], False),
+    (["envace.agent.rehearse_temperature=0.6", "envace.agent.observation_source=real"], None),
+    # off-policy correction weighs every row by its rollout log-probs, untrained rehearsals too (issue 46): an async
+    # trainer, or rollout correction's importance weights or rejection in a sync one, refuse the cooler rehearsals
+    (["envace.agent.rehearse_temperature=0.6", ACT_ONLY, ASYNC], "trainer_mode=envace_colocate_async"),
+    (["envace.agent.rehearse_temperature=0.6", ACT_ONLY, "trainer.v1.trainer_mode=envsched_colocate_async"],
+     "trainer_mode=envsched_colocate_async"),
+    (["envace.agent.rehearse_temperature=0.6", "algorithm.rollout_correction.rollout_is=token"],
+     "algorithm.rollout_correction.rollout_is=token"),
+    (["envace.agent.rehearse_temperature=0.6", ACT_ONLY, "algorithm.rollout_correction.rollout_rs=token_k3",
+      "algorithm.rollout_correction.rollout_rs_threshold=0.01"], "algorithm.rollout_correction.rollout_rs=token_k3"),
+    # ... but not rehearsals sampled at the rollout temperature, nor a config that generates none
+    (["envace.agent.rehearse_temperature=1.0", ASYNC, "algorithm.rollout_correction.rollout_is=token"], None),
+    (["envace.agent.rehearse_temperature=0.6", ASYNC, "envace.agent.observation_source=real"], None),
 ])
 def test_trained_rehearsals_sample_at_the_temperature_verl_scores_them_at(monkeypatch, tmp_path, capsys,
-                                                                          overrides, refused):
+                                                                          overrides, says):
     """verl computes every row's log-probs at ``rollout.temperature``; a trained rehearsal sampled at another
-    temperature would be trained off-policy with a ratio away from 1, so the config is refused before any work."""
+    temperature would be trained off-policy with a ratio away from 1, so the config is refused before any work.
+    Under an async trainer or rollout correction, verl's importance weights and rejection read every row's rollout
+    log-probs, so the config is refused even when the rehearse role carries no loss. Old behaviour: an async trainer
+    with ``trained_roles=[act]`` (or rollout correction) passed and trained with rehearse weights biased by the
+    temperature."""
     from envace import train
 
     def stop(*_args, **_kwargs):
@@ -379,13 +400,129 @@ def test_trained_rehearsals_sample_at_the_temperature_verl_scores_them_at(monkey
 
     monkeypatch.setattr(train, "resolve_worldbooks", stop)
     base = [*TINY, "actor_rollout_ref.rollout.temperature=1.0", f"trainer.default_local_dir={tmp_path / 'run'}"]
-    if refused:
+    if says:
         assert main([*base, *overrides]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "envace.agent.rehearse_temperature=0.6" in err[0] and "trained_roles=[act]" in err[0]
+        assert len(err) == 1 and "envace.agent.rehearse_temperature=0.6" in err[0] and says in err[0], err
     else:
         with pytest.raises(SystemExit, match="past the check"):
             main([*base, *overrides])
+
+
+# -- the async trainers (issue 46): what verl asserts inside Ray, and the staleness bound ----------------------------
+#: separate_async with every requirement of verl's PPOTrainerSeparateAsync met (8 prompts = 2 syncs x 4), but for the
+#: checkpoint engine, which each test names
+SEPARATE = ["trainer.v1.trainer_mode=envace_separate_async", "trainer.v1.separate_async.parameter_sync_step=2",
+            "actor_rollout_ref.rollout.nnodes=1"]
+
+
+@pytest.mark.parametrize("mode", ["envace_separate_async", "envsched_separate_async", "separate_async"])
+def test_separate_async_batch_sizes_are_checked_before_anything_heavy(heavy, tmp_path, capsys, mode):
+    """verl's PPOTrainerSeparateAsync asserts train_batch_size == parameter_sync_step x ppo_mini_batch_size in its
+    constructor, inside Ray after the data and model builds; envace's trainers of that kind and verl's own are refused
+    here, naming the key (cpu_default: 8 prompts, mini-batch 4, verl's default parameter_sync_step 4)."""
+    assert main([f"trainer.v1.trainer_mode={mode}", f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("envace: config error: trainer.v1.separate_async.parameter_sync_step=4")
+    assert "(4 × 4 = 16)" in err[0] and heavy == []
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["actor_rollout_ref.rollout.nnodes=0"], "actor_rollout_ref.rollout.nnodes=0: separate_async generates on a"),
+    (["actor_rollout_ref.rollout.n_gpus_per_node=0"], "actor_rollout_ref.rollout.n_gpus_per_node=0"),
+    ([], "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: separate_async"),
+    (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+     "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl cannot load on this machine"),
+    (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+      "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=no_such_engine_module"],
+     "checkpoint_engine.custom_backend_module=no_such_engine_module: No module named 'no_such_engine_module'"),
+])
+def test_separate_async_needs_a_standalone_rollout_and_an_engine_that_loads(heavy, monkeypatch, tmp_path, capsys,
+                                                                            overrides, says):
+    """The rest of what verl's PPOTrainerSeparateAsync asserts (a standalone rollout of its own devices; not the
+    naive engine), and a checkpoint engine that cannot import here: nccl without cupy (simulated on every machine,
+    as on a CPU install: verl records the engine module's import error), named with the locks that install it."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    monkeypatch.delitem(CheckpointEngineRegistry._registry, "nccl", raising=False)
+    monkeypatch.setitem(CheckpointEngineRegistry._import_errors, "nccl_checkpoint_engine",
+                        ImportError("No module named 'cupy'"))
+    assert main([*SEPARATE, *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    if "backend=nccl cannot" in says:
+        assert "nccl_checkpoint_engine: No module named 'cupy'" in err[0] and "gpu-cu13.lock" in err[0]
+    assert heavy == [] and not (tmp_path / "run").exists()
+
+
+def test_a_complete_separate_async_config_reaches_the_data_build(heavy, monkeypatch, tmp_path):
+    """The refusals above are the only ones: with an engine that loads (a stand-in registered under its name), the
+    same config passes every check and its first slow step is the data build."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    monkeypatch.setitem(CheckpointEngineRegistry._registry, "standin", object)
+    with pytest.raises(Heavy):
+        main([*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=standin",
+              f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert heavy == ["data build"]
+
+
+def test_separate_async_counts_the_standalone_rollouts_gpu_slots():
+    """verl places separate_async's standalone rollout on devices of its own: the Ray cluster needs the trainer's
+    slots and the rollout's."""
+    from envace.train import check_ray_resources
+
+    cfg = compose(["trainer.nnodes=2", "trainer.n_gpus_per_node=8", "trainer.v1.trainer_mode=envace_separate_async",
+                   "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=8"])
+    with pytest.raises(ConfigError, match=r"trainer.nnodes × trainer.n_gpus_per_node \+ actor_rollout_ref.rollout."
+                                          r"nnodes × n_gpus_per_node = 2 × 8 \+ 1 × 8 = 24"):
+        check_ray_resources(cfg, {"GPU": 16.0}, n_nodes=3)
+    check_ray_resources(cfg, {"GPU": 24.0}, n_nodes=3)
+    colocated = compose(["trainer.nnodes=2", "trainer.n_gpus_per_node=8", "trainer.v1.trainer_mode=envace_colocate_async",
+                         "actor_rollout_ref.rollout.nnodes=1"])
+    check_ray_resources(colocated, {"GPU": 16.0}, n_nodes=2)  # colocated: the rollout shares the trainer's devices
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    # drop bounds the staleness (threshold - 1 versions): nothing to say
+    ([ASYNC], []),
+    ([ASYNC, "trainer.v1.sampler.max_off_policy_strategy=wait"],
+     ["trainer.v1.sampler.max_off_policy_strategy=wait: stale groups are trained, not dropped"]),
+    ([ASYNC, "trainer.v1.sampler.max_off_policy_threshold=null"],
+     ["trainer.v1.sampler.max_off_policy_threshold=null: the colocate_async trainer trains rollouts of any age"]),
+    # the sync trainer has no staleness: its sampler settings are not read
+    (["trainer.v1.sampler.max_off_policy_strategy=wait"], []),
+    # verl fetches prompts one at a time in async modes (and for exact refills in sync): a batch size set is ignored
+    ([ASYNC, "data.gen_batch_size=4"],
+     ["data.gen_batch_size=4 is overridden to 1 by verl with trainer.v1.trainer_mode=envace_colocate_async"]),
+    ([ASYNC, "data.gen_batch_size=1"], []),
+    (["data.gen_batch_size=4"], []),
+    (["data.gen_batch_size=4", "trainer.v1.sampler.sync_refill_failed_groups=true"],
+     ["data.gen_batch_size=4 is overridden to 1 by verl with exact refills"]),
+])
+def test_async_settings_verl_would_override_or_leave_unbounded_are_warned_about(tmp_path, capsys, overrides, says):
+    """An async trainer under max_off_policy_strategy=wait (its staleness can pass the threshold) or without a
+    threshold, and a data.gen_batch_size verl replaces by 1: one warning line each, naming the key; the run goes on.
+    Old behaviour: nothing said (verl logs the gen_batch_size override inside Ray, and nothing at all about wait)."""
+    assert main(["--preflight-only", *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("envace: warning: ")]
+    assert len(err) == len(says) and all(s in line for s, line in zip(says, err)), err
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("trainer.v1.sampler.max_off_policy_threshold=0", "trainer.v1.sampler.max_off_policy_threshold must be >= 1"),
+    ("trainer.v1.sampler.max_off_policy_threshold=2.5", "'trainer.v1.sampler.max_off_policy_threshold'"),
+    ("trainer.v1.sampler.max_off_policy_strategy=keep", "trainer.v1.sampler.max_off_policy_strategy must be one of"),
+    ("trainer.v1.separate_async.parameter_sync_step=0", "trainer.v1.separate_async.parameter_sync_step must be >= 1"),
+    ("trainer.v1.colocate_async.num_warmup_batches=-1", "trainer.v1.colocate_async.num_warmup_batches must be >= 0"),
+])
+def test_async_keys_verl_checks_only_inside_ray_are_typed(heavy, tmp_path, capsys, override, key):
+    """verl asserts the sampler's threshold and strategy when its replay buffer is built, inside Ray; these keys are
+    typed and ranged with envace's own (envace.config.VerlKeys), whatever the trainer mode."""
+    assert main([ASYNC, override, f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0], err
+    assert heavy == []
 
 
 def test_an_unformed_warm_start_is_named_before_the_run_and_in_its_last_line(monkeypatch, tmp_path, capsys):
