@@ -41,6 +41,7 @@ from verl.utils.dataset.rl_dataset import collate_fn
 from envace.advantage import ESTIMATOR_NAME, role_labels
 from envace.agents.contract import RolloutFields, key_trajectory
 from envace.roles import Role
+from envace.verl.prompts import PromptLedger, Settled
 from envace.verl.sched import (
     STATE_FILE,
     build_scheduler,
@@ -54,6 +55,7 @@ from envace.verl.trainer import (
     SYNC_FIELDS,
     HeldoutValidation,
     batch_labels,
+    key_group,
     read_rows,
     role_metrics,
     row_probs_diff_max,
@@ -81,6 +83,46 @@ class EnvaceTrainerMixin:
         # the buffer's documented constructor argument, which verl's builder does not expose
         buffer.poll_interval = float((self.config.get("envace") or {}).get("replay_poll_s", buffer.poll_interval))
         return buffer
+
+    # -- the prompt ledger (envace.verl.prompts): every dispatched prompt is trained, dropped or in flight --------
+    @property
+    def _ledger(self) -> PromptLedger:
+        return self.__dict__.setdefault("_prompt_ledger", PromptLedger())
+
+    def _next_train_batch(self, num_prompts: int | None = None):
+        batch, payloads = self._draw_prompts(num_prompts)
+        self._ledger.dispatched(self.global_steps, batch["uid"], payloads)
+        return batch
+
+    def _draw_prompts(self, num_prompts: int | None) -> tuple[Any, list[Any] | None]:
+        """The next ``num_prompts`` training prompts (verl's dataloader), and a ledger payload per prompt."""
+        return super()._next_train_batch(num_prompts), None
+
+    def _settle_prompts(self, batch) -> Settled:
+        trained = [key_group(k) for k, tag in zip(batch.keys, batch.tags, strict=True) if not tag.get("is_padding")]
+        listing = tq.kv_list("train") or {}
+        registered = [k for k, tag in listing.get("train", {}).items() if tag.get("is_prompt", False)]
+        settled = self._ledger.settle(trained, registered)
+        self._ledger.log(Path(self.config.trainer.default_local_dir), int(self.global_steps), settled)
+        return settled
+
+    def _checkpoint_folder(self) -> Path:
+        """The checkpoint folder of the current step: the one written at it, or the one a resume loaded."""
+        if self.config.trainer.resume_mode == "resume_path" and self.config.trainer.get("resume_from_path"):
+            loaded = Path(self.config.trainer.resume_from_path)
+            if loaded.name == f"global_step_{self.global_steps}":
+                return loaded
+        return Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+
+    def _save_checkpoint(self) -> None:
+        # written before verl's own save, which marks the checkpoint complete last
+        self._ledger.save(self._checkpoint_folder())
+        super()._save_checkpoint()
+
+    def _load_checkpoint(self) -> None:
+        super()._load_checkpoint()
+        if self.global_steps > 0:
+            self._prompt_ledger = PromptLedger.load(self._checkpoint_folder())
 
     def _rows(self, batch) -> list[RolloutFields]:
         """The rollout contract of ``batch``'s rows, in batch order: each row's ``extra_fields`` is read from
@@ -119,6 +161,10 @@ class EnvaceTrainerMixin:
         metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
         threshold = self.config.trainer.v1.sampler.get("max_off_policy_threshold")
         metrics.update(staleness_metrics(batch.keys, batch.tags, int(self.global_steps), threshold))
+        self._settled = self._settle_prompts(batch)
+        metrics.update({"envace/prompts/trained": float(len(self._settled.trained) + len(self._settled.unknown)),
+                        "envace/prompts/dropped": float(len(self._settled.dropped)),
+                        "envace/prompts/in_flight": float(len(self._ledger.open))})
         self._step_data = data  # for the subclass's step (STEP_FIELDS)
         self._step_rows = {
             key: dict(zip(DUMP_COLUMNS, (
@@ -177,9 +223,19 @@ def _foreign(key: str, column: str) -> Any:
 
 
 class EnvSchedMixin:
-    """EnvSched chooses every training prompt verl dispatches (``_next_train_batch``) and observes each group's K
-    rewards once the group is trained; its state is saved beside verl's checkpoint (``envsched.pt``, written before
-    verl marks the checkpoint complete) and restored on resume. Placed before :class:`EnvaceTrainerMixin`."""
+    """EnvSched chooses every training prompt verl dispatches and observes each group's K rewards once the group is
+    trained; placed before :class:`EnvaceTrainerMixin`, whose prompt ledger carries each uid's (selection, task).
+
+    * **Selection.** Each ``_next_train_batch`` call (verl's warm-up, each step's batch, refills of evicted groups,
+      of any size) is one selection: ``EnvScheduler.select(selection, size, exclude=in flight)``, with selection ids
+      1, 2, ... (in a sync run one per step, so the id is the step). A task still in flight is chosen again only when
+      the pool has too few others; the scheduler warns and counts it (``envsched/inflight_reselected``).
+    * **Observation.** After each step the groups trained in it are observed under the selection that chose them
+      (several selections may finish in one step, one selection over several steps); a group verl dropped, or one
+      with no scored rollout, is dropped from the scheduler. Each (selection, task) is resolved exactly once.
+    * **Resume.** The scheduler's state (``envsched.pt``) and the ledger are written before verl's checkpoint, which
+      holds the same groups in flight (TransferQueue), so a resume neither loses nor repeats an observation.
+    """
 
     STEP_FIELDS = ("uid", "rm_scores")  # read with the advantages by envace's step
 
@@ -190,46 +246,54 @@ class EnvSchedMixin:
         t0 = time.perf_counter()
         self.scheduler, keys = build_scheduler(self.config, rows, pool_kwargs)
         self._row_of = {k: i for i, k in enumerate(keys)}
-        self._uid_task: dict[str, str] = {}
         self._sched_build_s: float | None = time.perf_counter() - t0
         logger.info("envsched: %d tasks, graph built in %.2fs", len(keys), self._sched_build_s)
 
-    def _next_train_batch(self, num_prompts: int | None = None):
-        bs = int(self.config.data.train_batch_size)
-        if num_prompts not in (None, bs):
-            raise ValueError(f"envsched chooses whole batches of data.train_batch_size={bs}, asked {num_prompts}")
-        task_ids = self.scheduler.select(self.global_steps)
+    def _draw_prompts(self, num_prompts: int | None) -> tuple[Any, list[Any]]:
+        size = int(num_prompts or self.config.data.train_batch_size)
+        selection = max(self.scheduler.selections, default=0) + 1
+        task_ids = self.scheduler.select(selection, size=size, exclude=self.scheduler.in_flight_mask())
         batch_dict = collate_fn([self.train_dataset[self._row_of[t]] for t in task_ids])
         uids = [str(uuid.uuid4()) for _ in task_ids]
-        self._uid_task.update(zip(uids, task_ids, strict=True))
         batch_dict["uid"] = np.array(uids, dtype=object)
         batch = tu.get_tensordict(batch_dict)
         tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
-        log_selection(Path(self.config.trainer.default_local_dir), {"step": self.global_steps, "task_ids": task_ids})
-        return batch
+        log_selection(Path(self.config.trainer.default_local_dir),
+                      {"step": self.global_steps, "selection": selection, "task_ids": task_ids, "uids": uids})
+        return batch, [[selection, t] for t in task_ids]
 
     def step(self, metrics: dict, timing_raw: dict):
         batch = super().step(metrics, timing_raw)
-        # envace's step read uid and rm_scores with the advantages (STEP_FIELDS), and holds the step's rows
-        data = self._step_data
+        # envace's step read uid and rm_scores with the advantages (STEP_FIELDS), held the step's rows, and settled
+        # the prompt ledger: which groups were trained, and which verl dropped
+        data, settled = self._step_data, self._settled
         uids = [str(u) for u in data["uid"]]
-        rewards, trajectories, unscored = collect_groups(
-            batch.keys, uids, data["rm_scores"], self._rows(batch), self._uid_task, batch.tags
-        )
-        for uid in set(uids):  # this step's prompts are done
-            self._uid_task.pop(uid, None)
-        metrics["envsched/unscored_rollouts"] = float(unscored)
-        if not rewards:
-            logger.warning("envsched: step %d produced no scored rollout; nothing to observe", self.global_steps)
-            metrics.update(self.scheduler.metrics(self.global_steps))  # the step's selection metrics still count
-            return batch
+        rows = self._rows(batch)
         t0 = time.perf_counter()
-        # all-or-nothing: an ObservationError (naming the task) leaves the scheduler unchanged
-        self.scheduler.observe(self.global_steps, rewards, trajectories or None)
-        # every ``envsched/*`` key of the step: selection (envs_per_batch, selected_<evidence type>, ...),
-        # observation (realized_var_*, short_groups, missing_rewards, ...) and the prediction diagnostics
-        # (spearman_q_<evidence type>, spearman_v_<evidence type>, scored_<evidence type>)
-        metrics.update(self.scheduler.metrics(self.global_steps))
+        unscored_total, observed = 0, []
+        for selection, members in _by_selection(settled.trained).items():
+            at = [i for i, u in enumerate(uids) if u in members]
+            rewards, trajectories, unscored = collect_groups(
+                [batch.keys[i] for i in at], [uids[i] for i in at], [data["rm_scores"][i] for i in at],
+                [rows[i] for i in at], members, [batch.tags[i] for i in at])
+            unscored_total += unscored
+            if rewards:
+                # all-or-nothing: an ObservationError (naming the task) leaves the scheduler unchanged
+                self.scheduler.observe(selection, rewards, trajectories or None)
+                observed.append(selection)
+            silent = sorted(set(members.values()) - set(rewards))
+            if silent:  # no scored rollout: resolved without an observation
+                self.scheduler.drop(selection, silent)
+        for selection, members in _by_selection(settled.dropped).items():
+            self.scheduler.drop(selection, sorted(set(members.values())))
+        metrics["envsched/unscored_rollouts"] = float(unscored_total)
+        if not observed:
+            logger.warning("envsched: step %d produced no scored rollout; nothing to observe", self.global_steps)
+        # every ``envsched/*`` key of the selections observed (the latest last): selection (envs_per_batch,
+        # selected_<evidence type>, ...), observation (realized_var_*, short_groups, ...) and the prediction
+        # diagnostics (spearman_q_<evidence type>, ...); with none observed, the latest selection's
+        for selection in observed or [max(self.scheduler.selections, default=0)]:
+            metrics.update(self.scheduler.metrics(selection))
         metrics["envsched/trainer_observe_time_s"] = time.perf_counter() - t0
         if self._sched_build_s is not None:  # once per process (also after a resume)
             metrics["envsched/static_build_time_s"] = self._sched_build_s
@@ -238,7 +302,7 @@ class EnvSchedMixin:
 
     def _save_checkpoint(self) -> None:
         # written before verl's own save, which marks the checkpoint complete last
-        folder = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}"
+        folder = self._checkpoint_folder()
         folder.mkdir(parents=True, exist_ok=True)
         save_scheduler_state(self.scheduler, folder / STATE_FILE)
         super()._save_checkpoint()
@@ -247,9 +311,7 @@ class EnvSchedMixin:
         super()._load_checkpoint()
         if self.global_steps <= 0:
             return
-        path = Path(self.config.trainer.default_local_dir) / f"global_step_{self.global_steps}" / STATE_FILE
-        if self.config.trainer.resume_mode == "resume_path":
-            path = Path(self.config.trainer.resume_from_path) / STATE_FILE
+        path = self._checkpoint_folder() / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
                 f"resuming at step {self.global_steps} but {path} is missing: the checkpoint was not written "
@@ -257,6 +319,14 @@ class EnvSchedMixin:
             )
         load_scheduler_state(self.scheduler, path)
         logger.info("envsched: restored scheduler state from %s", path)
+
+
+def _by_selection(settled: dict[str, Any]) -> dict[int, dict[str, str]]:
+    """Ledger payloads ``{uid: [selection, task]}`` grouped as ``{selection: {uid: task}}``, oldest selection first."""
+    out: dict[int, dict[str, str]] = {}
+    for uid, (selection, task) in settled.items():
+        out.setdefault(int(selection), {})[uid] = str(task)
+    return dict(sorted(out.items()))
 
 
 @register_trainer("envace_sync")

@@ -3,6 +3,8 @@ from a trained batch, the scheduler state saved in and restored from verl's chec
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -143,7 +145,8 @@ def test_the_trainer_writes_envsched_pt_with_each_checkpoint_and_restores_it_on_
     assert calls[-1] == ("load", 3) and sorted(resumed.scheduler.selections) == [1, 2, 3]
     assert resumed.scheduler.select(4) == sched.select(4)
 
-    moved = tmp_path / "elsewhere"
+    moved = tmp_path / "elsewhere" / "global_step_3"  # verl requires global_step_<N> in resume_from_path
+    moved.parent.mkdir()
     (ckpt / "global_step_3").rename(moved)
     by_path = make({**auto, "resume_mode": "resume_path", "resume_from_path": str(moved)}, build_scheduler(cfg, rows)[0], 3)
     by_path._load_checkpoint()
@@ -155,3 +158,36 @@ def test_the_trainer_writes_envsched_pt_with_each_checkpoint_and_restores_it_on_
     (ckpt / "global_step_5").mkdir()
     with pytest.raises(FileNotFoundError, match="envsched.pt is missing"):
         make(auto, build_scheduler(cfg, rows)[0], 5)._load_checkpoint()
+
+
+def test_async_dispatches_of_any_size_are_selections_that_keep_tasks_in_flight_out(bfcl, tmp_path):
+    """verl's async trainers dispatch a warm-up of 2B prompts and the step's B at step 1, then refills of any size
+    inside a step: each call is its own selection, none picks a task still in flight, and every uid enters the
+    prompt ledger with its (selection, task). Before: one selection per global step, so the second call at step 1
+    got the cached first batch again, and any size other than B was refused."""
+    import torch
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    from envace.verl.extensions import register_trainer_extensions
+
+    register_trainer_extensions()
+    cls = get_trainer_cls("envsched_colocate_async")
+    trainer = cls.__new__(cls)
+    rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
+    trainer.config = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
+                                       "envsched": {"scheduler": "envsched"},
+                                       "trainer": {"default_local_dir": str(tmp_path)}})
+    trainer.scheduler, keys = build_scheduler(trainer.config, rows)
+    trainer._row_of = {k: i for i, k in enumerate(keys)}
+    trainer.train_dataset = [{"input_ids": torch.tensor([i]), "extra_info": r["extra_info"]} for i, r in enumerate(rows)]
+    trainer.global_steps = 1
+    batches = [trainer._next_train_batch(8), trainer._next_train_batch(), trainer._next_train_batch(1)]
+    assert [len(b["uid"]) for b in batches] == [8, 4, 1]
+    payloads = [trainer._ledger.open[str(u)][1] for b in batches for u in b["uid"]]
+    assert [sel for sel, _ in payloads] == [1] * 8 + [2] * 4 + [3]
+    tasks = [task for _, task in payloads]
+    assert len(set(tasks)) == 13  # nothing in flight chosen again
+    assert {i: sorted(t) for i, t in trainer.scheduler.in_flight().items()} == {
+        1: sorted(tasks[:8]), 2: sorted(tasks[8:12]), 3: tasks[12:]}
+    log = [json.loads(line) for line in (tmp_path / "envsched_selections.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["selection"], len(r["uids"])) for r in log] == [(1, 1, 8), (1, 2, 4), (1, 3, 1)]

@@ -9,6 +9,9 @@ TransferQueue by an in-memory store that records every read."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -46,6 +49,10 @@ class Store:
 
     def __init__(self, rows):
         self.rows, self.reads = rows, []
+        self.registered: set[str] = set()  # prompt uids still in the partition after the step (in flight)
+
+    def kv_list(self, partition_id=None):
+        return {"train": {uid: {"is_prompt": True, "status": "running"} for uid in self.registered}}
 
     def kv_batch_get(self, keys, partition_id, select_fields):
         self.reads.append((list(keys), list(select_fields)))
@@ -76,6 +83,7 @@ def verl_stand_ins(monkeypatch):
     store = Store(ROWS)
     labels_seen: list[dict] = []
     monkeypatch.setattr(transfer_queue, "kv_batch_get", store.kv_batch_get)
+    monkeypatch.setattr(transfer_queue, "kv_list", store.kv_list)
 
     def verl_compute_advantage(self, batch, metrics):
         labels_seen.append(advantage._LABELS.get())  # what grpo_rolewise would read
@@ -95,7 +103,7 @@ def verl_stand_ins(monkeypatch):
     return store, labels_seen
 
 
-def make_trainer(mode: str, estimator: str):
+def make_trainer(mode: str, estimator: str, run_dir: Path | None = None):
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
 
     from envace.verl.extensions import register_trainer_extensions
@@ -105,7 +113,8 @@ def make_trainer(mode: str, estimator: str):
     trainer = cls.__new__(cls)  # no __init__: no workers, no Ray
     trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator},
                                        "envace": {"advantage": {"baseline": "trajectory"}},
-                                       "trainer": {"v1": {"sampler": {"max_off_policy_threshold": 2}}}})
+                                       "trainer": {"v1": {"sampler": {"max_off_policy_threshold": 2}},
+                                                   "default_local_dir": str(run_dir or "/nonexistent")}})
     trainer.global_steps = 3
     return trainer
 
@@ -148,29 +157,46 @@ def test_without_rolewise_the_one_read_after_the_update_brings_the_extra_fields(
     assert metrics["envace/rehearse/outputs"] == 1
 
 
-def test_envsched_observes_from_the_same_reads(verl_stand_ins):
+def test_envsched_observes_each_trained_group_under_the_selection_that_chose_it(verl_stand_ins, tmp_path):
+    """The step trains u1 (chosen by selection 1) and u2 (selection 2); u3 (selection 2) is still registered in
+    TransferQueue, so in flight; u4 (selection 1) is gone without being trained: verl dropped it. Each trained
+    group is observed under its own selection, from the step's one read; the dropped one is dropped from the
+    scheduler; the ledger's line says so."""
     store, _ = verl_stand_ins
-    trainer = make_trainer("envsched_sync", "grpo_rolewise")
+    trainer = make_trainer("envsched_sync", "grpo_rolewise", tmp_path)
 
     class Scheduler:
-        observed = None
+        def __init__(self):
+            self.calls = []
 
-        def observe(self, step, rewards, trajectories):
-            self.observed = (step, rewards, trajectories)
+        def observe(self, selection, rewards, trajectories):
+            self.calls.append(("observe", selection, rewards, trajectories))
 
-        def metrics(self, step):
-            return {"envsched/step": float(step)}
+        def drop(self, selection, task_ids):
+            self.calls.append(("drop", selection, task_ids))
+
+        def metrics(self, selection):
+            return {"envsched/selection": float(selection)}
 
     trainer.scheduler, trainer.global_steps, trainer._sched_build_s = Scheduler(), 3, None
-    trainer._uid_task = {"u1": "p/t1", "u2": "p/t2", "pad": "p/pad"}
+    trainer._ledger.dispatched(1, ["u1", "u4"], [[1, "p/t1"], [1, "p/t4"]])
+    trainer._ledger.dispatched(2, ["u2", "u3"], [[2, "p/t2"], [2, "p/t3"]])
+    store.registered = {"u3"}
     metrics: dict = {}
     trainer.step(metrics, {})
     assert len(store.reads) == 3 and store.reads[-1][1] == ["advantages", "uid", "rm_scores"]
     assert sorted(store.extra_field_reads()) == sorted(ROWS)
-    step, rewards, trajectories = trainer.scheduler.observed
-    assert step == 3 and rewards == {"p/t1": [1.0, 1.0], "p/t2": [1.0]}  # u2_0 unscored, padding skipped
-    assert trajectories["p/t1"] == [[{"name": "ls", "arguments": {}}]] * 2
-    assert metrics["envsched/unscored_rollouts"] == 1.0 and metrics["envace/act/outputs"] == 4
+    observe1, observe2, drop = trainer.scheduler.calls
+    assert observe1[:3] == ("observe", 1, {"p/t1": [1.0, 1.0]})
+    assert observe1[3]["p/t1"] == [[{"name": "ls", "arguments": {}}]] * 2
+    assert observe2[:3] == ("observe", 2, {"p/t2": [1.0]})  # u2_0 unscored, padding skipped
+    assert drop == ("drop", 1, ["p/t4"])
+    assert metrics["envsched/unscored_rollouts"] == 1.0 and metrics["envsched/selection"] == 2.0
+    assert metrics["envace/prompts/trained"] == 2 and metrics["envace/prompts/dropped"] == 1
+    assert metrics["envace/prompts/in_flight"] == 1 and list(trainer._ledger.open) == ["u3"]
+    line = json.loads((tmp_path / "prompts.jsonl").read_text())
+    assert line == {"step": 3, "dispatched": {"u1": 1, "u4": 1, "u2": 2, "u3": 2}, "trained": ["u1", "u2"],
+                    "dropped": ["u4"], "open": ["u3"]}
 
 
 def test_a_row_that_breaks_the_contract_stops_the_step_before_the_estimator_runs(verl_stand_ins, monkeypatch):

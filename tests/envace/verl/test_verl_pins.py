@@ -64,9 +64,10 @@ OVERRIDES = [
      "expected_acc_counts: dict[tuple[str, str], int] | None = None) -> dict[str, float]"),
      f"{TRAINER} overrides (HeldoutValidation.metrics)"),
     ("_init_dataloader", "(self)", f"{SCHED} overrides"),
-    ("_next_train_batch", "(self, num_prompts: int | None = None) -> tensordict._td.TensorDict", f"{SCHED} overrides"),
-    ("_save_checkpoint", "(self)", f"{SCHED} overrides"),
-    ("_load_checkpoint", "(self)", f"{SCHED} overrides"),
+    ("_next_train_batch", "(self, num_prompts: int | None = None) -> tensordict._td.TensorDict",
+     f"{TRAINER} overrides (the prompt ledger; {SCHED}._draw_prompts chooses)"),
+    ("_save_checkpoint", "(self)", f"{TRAINER} and {SCHED} override"),
+    ("_load_checkpoint", "(self)", f"{TRAINER} and {SCHED} override"),
 ]
 
 PINS = [
