@@ -385,7 +385,7 @@ def _import_builtin_pools() -> None:
     import importlib
 
     for mod in ("envace.envs.bfcl", "envace.envs.tau2", "envace.envs.synthetic", "envace.envs.remote",
-                "envace.envs.worldbook_pool"):
+                "envace.envs.worldbook_pool", "envace.envs.latency"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:  # pool module not written yet / package absent
