@@ -431,6 +431,8 @@ def test_separate_async_batch_sizes_are_checked_before_anything_heavy(heavy, tmp
     (["actor_rollout_ref.rollout.nnodes=0"], "actor_rollout_ref.rollout.nnodes=0: separate_async generates on a"),
     (["actor_rollout_ref.rollout.n_gpus_per_node=0"], "actor_rollout_ref.rollout.n_gpus_per_node=0"),
     ([], "actor_rollout_ref.rollout.checkpoint_engine.backend=naive: separate_async"),
+    (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "reward.reward_model.enable=true"],
+     "reward.reward_model.enable_resource_pool=false: separate_async"),
     (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
      "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl cannot load on this machine"),
     (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
@@ -440,7 +442,7 @@ def test_separate_async_batch_sizes_are_checked_before_anything_heavy(heavy, tmp
 def test_separate_async_needs_a_standalone_rollout_and_an_engine_that_loads(heavy, monkeypatch, tmp_path, capsys,
                                                                             overrides, says):
     """The rest of what verl's PPOTrainerSeparateAsync asserts (a standalone rollout of its own devices; not the
-    naive engine), and a checkpoint engine that cannot import here: nccl without cupy (simulated on every machine,
+    naive engine; a reward model in a pool of its own), and a checkpoint engine that cannot import here: nccl without cupy (simulated on every machine,
     as on a CPU install: verl records the engine module's import error), named with the locks that install it."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
