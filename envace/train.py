@@ -223,8 +223,9 @@ def warn_off_policy(cfg: DictConfig, mode: str) -> None:
     """Say when an async trainer's staleness is not bounded by ``trainer.v1.sampler.max_off_policy_threshold``.
 
     Under ``max_off_policy_strategy=drop`` verl evicts every finished group that spans more than the threshold's
-    versions and regenerates it, so every trained row is at most threshold − 1 versions stale (a prompt tagged at
-    step t is dispatched once version t − 1 is loaded, and groups tagged before N − threshold + 1 are dropped at N).
+    versions and dispatches a new prompt in its place, so every trained row is at most threshold − 1 versions stale
+    (a prompt tagged at step t is dispatched once version t − 1 is loaded, and groups tagged before N − threshold + 1
+    are dropped at N).
     ``wait`` is warned about, not refused: it is verl's documented dropless strategy, which holds sampling while any
     in-flight prompt reaches the threshold and then trains it instead of throwing its generation away, a choice that
     can be right where rollouts are costly (slow environments). Its price is that the threshold stops being a bound:
