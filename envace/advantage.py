@@ -33,6 +33,15 @@ Options of :func:`compute_rolewise_advantage`:
 With a single role, one output per trajectory, ``baseline="output"`` and ``singleton="raw"`` this
 is verl's ``compute_grpo_outcome_advantage``.
 
+Under an asynchronous trainer (``trainer.v1.trainer_mode=envace_colocate_async`` and the like) a group may span
+policy versions: its K rollouts are generated together but each turn on whatever weights the server holds then, and
+verl trains a group only whole (its replay buffer samples by prompt uid once all K have finished). The baseline is
+still formed over the whole (prompt, role) group, whatever the versions, as verl's own GRPO and its fully-async recipe
+do: splitting the group by version would leave singletons, whose advantage is 0, and lose most of the signal at small
+K. How far each rollout lags is corrected per token by verl's rollout correction (importance weights or the bypass
+loss, act and rehearse tokens alike) and bounded by ``trainer.v1.sampler.max_off_policy_threshold``; the trainer
+reports how many versions a group spans (``envace/groups/version_span_*``, :mod:`envace.verl.trainer`).
+
 This module is the math only; it imports no verl. A role is any hashable label (rows with equal labels share a
 baseline); the integer codes of :class:`envace.roles.Role` (the one role enum) count as their names.
 :func:`envace.verl.extensions.register_rolewise_estimator` registers :func:`rolewise_adv_estimator` in verl's

@@ -507,11 +507,12 @@ def check_saved(report: Report, run_dir: Path, step: int = STEPS, trainer_mode: 
     ``torch.save`` archives, EnvSched's state with an EnvSched trainer, TransferQueue's with an async one), and verl's
     tracker
     (``latest_checkpointed_iteration.txt``, written last) names ``step``, so the resumed launch loads it."""
-    from envace.verl.resume import TRACKER, checkpoint_problems, trainer_kind
+    from envace.verl.config import trainer_kind
+    from envace.verl.resume import TRACKER, checkpoint_problems
 
     folder = run_dir / f"global_step_{step}"
-    envsched, asynchronous = trainer_kind(trainer_mode)
-    problems = checkpoint_problems(folder, envsched=envsched, asynchronous=asynchronous)
+    envsched, kind = trainer_kind(trainer_mode)
+    problems = checkpoint_problems(folder, envsched=envsched, asynchronous=kind != "sync")
     try:
         tracked = (run_dir / TRACKER).read_text().strip()
     except OSError:

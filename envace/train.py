@@ -133,10 +133,6 @@ def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig, mode: str = 
 
 
 # -- the V1 trainer's kind: sync, colocate_async, separate_async --------------------------------------------------
-#: verl's own V1 trainers, by the name verl registers them under (its code compares ``trainer_mode`` against these)
-VERL_MODES = ("sync", "colocate_async", "separate_async")
-
-
 def verl_mode(cfg: DictConfig) -> str:
     """The kind of V1 trainer ``trainer.v1.trainer_mode`` names: the name of the verl trainer its registered class
     derives from (``envace_colocate_async`` and ``envsched_colocate_async`` → ``colocate_async``; envace's trainers
@@ -144,13 +140,9 @@ def verl_mode(cfg: DictConfig) -> str:
     ``trainer.v1.sampler.*`` sections apply as they do to verl's own. V0 (``trainer.use_v1=false``) is ``sync``."""
     if not cfg.trainer.get("use_v1", True):
         return "sync"
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from envace.verl.config import trainer_kind
 
-    from envace.verl.extensions import register_trainer_extensions
-
-    register_trainer_extensions()
-    cls = TRAINER_REGISTRY.get(str(cfg.trainer.v1.trainer_mode))
-    return next((m for m in VERL_MODES if cls is not None and issubclass(cls, TRAINER_REGISTRY[m])), "sync")
+    return trainer_kind(str(cfg.trainer.v1.trainer_mode))[1]
 
 
 def warn(message: str) -> None:

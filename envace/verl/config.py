@@ -92,3 +92,25 @@ def check_registries(cfg: DictConfig) -> None:
                 "advantage estimator")
     if cfg.trainer.use_v1:
         _registered("trainer.v1.trainer_mode", cfg.trainer.v1.trainer_mode, sorted(TRAINER_REGISTRY), "trainer")
+
+
+#: verl's three V1 trainer kinds, as it registers them
+VERL_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def trainer_kind(trainer_mode: str) -> tuple[bool, str]:
+    """(EnvSched, verl kind) of a V1 ``trainer.v1.trainer_mode``: whether its registered class chooses prompts with
+    EnvSched (``envsched_*``), and the verl trainer it derives from (``sync``, ``colocate_async``,
+    ``separate_async``), whose name it presents to verl (:mod:`envace.verl.trainers`). A name verl does not know
+    counts as ``sync`` (pre-flight refuses it: :func:`check_registries`)."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from envace.verl.extensions import register_trainer_extensions
+
+    register_trainer_extensions()
+    from envace.verl.trainers import EnvSchedMixin
+
+    cls = TRAINER_REGISTRY.get(str(trainer_mode))
+    if cls is None:
+        return False, "sync"
+    return issubclass(cls, EnvSchedMixin), next((m for m in VERL_MODES if issubclass(cls, TRAINER_REGISTRY[m])), "sync")

@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["checkpoint_problems", "select_resume_checkpoint", "trainer_kind"]
+__all__ = ["checkpoint_problems", "select_resume_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _SHARD = re.compile(r"^(?P<kind>[a-z_]+)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt$")
@@ -74,12 +74,6 @@ def _component_problems(folder: Path) -> list[str]:
 
 #: what TransferQueue's ``save_checkpoint`` writes into ``global_step_N/transfer_queue/`` (verl's async trainers)
 TQ_FILES = ("metadata.json", "controller_state.pkl")
-
-
-def trainer_kind(trainer_mode: str) -> tuple[bool, bool]:
-    """(EnvSched, asynchronous) of an envace trainer mode: ``envsched_*`` save ``envsched.pt``; every mode other
-    than verl's ``sync`` saves TransferQueue's state (``*_colocate_async``, ``*_separate_async``)."""
-    return trainer_mode.startswith("envsched_"), not (trainer_mode == "sync" or trainer_mode.endswith("_sync"))
 
 
 def _tq_problems(folder: Path) -> list[str]:
@@ -135,10 +129,12 @@ def select_resume_checkpoint(cfg: Any) -> str | None:
     Raises :class:`~envace.config.ConfigError` when no complete checkpoint can be loaded.
     """
     from envace.config import ConfigError
+    from envace.verl.config import trainer_kind
 
     trainer = cfg.trainer
     mode = str(trainer.get("resume_mode", "auto"))
-    envsched, asynchronous = trainer_kind(str(trainer.get("v1", {}).get("trainer_mode", "")))
+    envsched, kind = trainer_kind(str(trainer.get("v1", {}).get("trainer_mode", "")))
+    asynchronous = kind != "sync"
     if mode == "disable":
         return None
     if mode == "resume_path":

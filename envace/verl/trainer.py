@@ -61,6 +61,9 @@ DUMP_COLUMNS = ("role", "trajectory_id", "advantage", "env_id", "observation_sou
                 "rollout_probs_diff_max", "task_id", "dispatch_step", "min_global_steps", "max_global_steps")
 #: what the per-row ``rollout_probs_diff_max`` is computed from (present when verl recomputes the old log-probs)
 SYNC_FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask")
+#: verl's rollout-correction weights, written back with the advantages when ``algorithm.rollout_correction`` sets
+#: ``rollout_is`` outside bypass mode
+IS_FIELDS = ("rollout_is_weights", "response_mask")
 
 
 def row_probs_diff_max(old_log_probs: Any, rollout_log_probs: Any, response_mask: Any) -> list[float | None]:
@@ -162,6 +165,28 @@ def role_metrics(
     return out
 
 
+
+def role_is_metrics(rows: Sequence[RolloutFields], weights: Any, mask: Any,
+                    tags: Sequence[Mapping[str, Any]] | None = None) -> dict[str, float]:
+    """Per role, verl's rollout-correction importance weights over the role's response tokens: their mean
+    (``envace/<role>/is_weight_mean``) and how many tokens carry one (``.../is_weighted_tokens``).
+
+    verl computes the weights per token from the trainer's and the rollout's log-probs of every row with a response
+    mask, whatever its role (``compute_rollout_correction_and_add_to_batch``); this shows they reach the rehearse
+    role's tokens as they reach the act role's, and how far each role's tokens are off-policy."""
+    acc: dict[str, list[float]] = defaultdict(list)
+    for i, (row, w, m) in enumerate(zip(rows, weights.unbind(0), mask.unbind(0), strict=True)):
+        if tags is not None and tags[i].get("is_padding", False):
+            continue
+        n = min(w.numel(), m.numel())
+        keep = m.reshape(-1)[:n].bool()
+        acc[row.role.value].extend(w.reshape(-1)[:n][keep].float().tolist())
+    out: dict[str, float] = {}
+    for role, values in acc.items():
+        out[f"envace/{role}/is_weighted_tokens"] = float(len(values))
+        if values:
+            out[f"envace/{role}/is_weight_mean"] = float(np.mean(values))
+    return out
 
 def key_group(key: str) -> str:
     """TransferQueue key ``{uid}_{session}_{index}`` → the prompt uid: the GRPO group the row belongs to."""

@@ -52,11 +52,13 @@ from envace.verl.sched import (
 )
 from envace.verl.trainer import (
     DUMP_COLUMNS,
+    IS_FIELDS,
     SYNC_FIELDS,
     HeldoutValidation,
     batch_labels,
     key_group,
     read_rows,
+    role_is_metrics,
     role_metrics,
     row_probs_diff_max,
     staleness_metrics,
@@ -150,8 +152,10 @@ class EnvaceTrainerMixin:
         missing = [k for k in batch.keys if k not in self._row_cache]
         # verl reports rollout-vs-actor differences only when it recomputed the old log-probs
         sync = "training/rollout_probs_diff_max" in metrics
-        fields = ["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else []),
-                  *(SYNC_FIELDS if sync else ())]
+        corr = self.config.algorithm.get("rollout_correction") or {}
+        weighted = bool(corr.get("rollout_is")) and not corr.get("bypass_mode", False)
+        fields = list(dict.fromkeys(["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else []),
+                                     *(SYNC_FIELDS if sync else ()), *(IS_FIELDS if weighted else ())]))
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         if missing:
             self._row_cache.update(zip(batch.keys, read_rows(batch.keys, list(data["extra_fields"])), strict=True))
@@ -159,6 +163,8 @@ class EnvaceTrainerMixin:
         first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
         diffs = row_probs_diff_max(*(data[f] for f in SYNC_FIELDS)) if sync else [None] * len(rows)
         metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
+        if weighted:
+            metrics.update(role_is_metrics(rows, data["rollout_is_weights"], data["response_mask"], batch.tags))
         threshold = self.config.trainer.v1.sampler.get("max_off_policy_threshold")
         metrics.update(staleness_metrics(batch.keys, batch.tags, int(self.global_steps), threshold))
         self._settled = self._settle_prompts(batch)

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from envace.config import ConfigError
-from envace.verl.resume import checkpoint_problems, select_resume_checkpoint, trainer_kind
+from envace.verl.config import trainer_kind
+from envace.verl.resume import checkpoint_problems, select_resume_checkpoint
 
 
 def make_step(run: Path, step: int, world: int = 2, *, envsched: bool = False, tq: bool = False) -> Path:
@@ -103,8 +104,9 @@ def test_envsched_state_must_load_with_weights_only(tmp_path):
 def test_an_async_checkpoint_needs_the_transferqueue_state_of_the_prompts_in_flight(tmp_path):
     """An async trainer's resume restores finished groups and re-issues pending prompts from ``transfer_queue/``:
     without it, or with a torn one, the relaunch falls back to the newest checkpoint that has it."""
-    assert trainer_kind("envace_colocate_async") == (False, True) and trainer_kind("envsched_sync") == (True, False)
-    assert trainer_kind("envsched_separate_async") == (True, True) and trainer_kind("sync") == (False, False)
+    assert trainer_kind("envace_colocate_async") == (False, "colocate_async")
+    assert trainer_kind("envsched_sync") == (True, "sync") and trainer_kind("sync") == (False, "sync")
+    assert trainer_kind("envsched_separate_async") == (True, "separate_async")
     step1 = make_step(tmp_path, 1, tq=True)
     step2 = make_step(tmp_path, 2, tq=True)
     assert checkpoint_problems(step2, asynchronous=True) == []

@@ -225,3 +225,19 @@ def test_row_probs_diff_max_names_the_row_verls_batch_maximum_comes_from():
     got = row_probs_diff_max(old, roll, mask)
     # row 0: its only differing token is masked; row 1: |e^-1 - e^-1.5|; row 2: nothing to compare
     assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(np.exp(-1.0) - np.exp(-1.5)) and got[2] is None
+
+
+def test_role_is_metrics_weigh_each_roles_response_tokens():
+    """verl's rollout-correction weights, per role over masked-in tokens: the rehearse role's tokens carry them as the
+    act role's do; verl's padding rows are left out."""
+    from envace.verl.trainer import role_is_metrics
+
+    def nested(rows):
+        return torch.nested.nested_tensor([torch.tensor(r, dtype=torch.float32) for r in rows], layout=torch.jagged)
+
+    rows = [RolloutFields(role=Role.ACT), RolloutFields(role=Role.REHEARSE), RolloutFields(role=Role.ACT)]
+    weights = nested([[1.0, 2.0, 9.0], [0.5, 1.5], [4.0]])
+    mask = nested([[1, 1, 0], [1, 1], [1]])
+    out = role_is_metrics(rows, weights, mask, tags=[{}, {}, {"is_padding": True}])
+    assert out == {"envace/act/is_weighted_tokens": 2.0, "envace/act/is_weight_mean": 1.5,
+                   "envace/rehearse/is_weighted_tokens": 2.0, "envace/rehearse/is_weight_mean": 1.0}
