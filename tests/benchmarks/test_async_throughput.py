@@ -5,27 +5,13 @@ them), and the loop over arms with a refusal and a failure (no training: the run
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import shlex
-import sys
 from pathlib import Path
 
+import async_throughput as bench
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "async_throughput.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("async_throughput_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["async_throughput_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
 
 SETUP = bench.Setup(pools=("synthetic",), pool_kwargs={"synthetic": {"tasks_per_env": 65, "renamings": False}},
                     batch=8, mini_batch=4, n=4, steps=3, ms=200.0, longtail_p=0.05, longtail_factor=10.0,

@@ -4,27 +4,13 @@ the same actions (recomputed here, not taken from the benchmark's own count)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+import env_serving as bench
 import pytest
 
 from envace.envs.base import get_pool
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "env_serving.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("env_serving", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["env_serving"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
 
 
 def test_jobs_drop_the_last_call_of_every_fourth_episode():

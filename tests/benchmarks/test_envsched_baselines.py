@@ -3,27 +3,13 @@ and how benchmarks/envsched_quality.py charges dynamic sampling for the groups i
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
+import envsched_baselines as bl
 import numpy as np
 import pytest
 
 from envsched import TaskPool
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bl = _load("envsched_baselines")
 
 
 def pool_of(n: int, n_envs: int = 1) -> TaskPool:
@@ -153,7 +139,7 @@ class _StubLearner:
 
 
 def test_quality_benchmark_divides_the_trained_variance_by_every_group_generated():
-    q = _load("envsched_quality")
+    import envsched_quality as q
     pool = pool_of(200, n_envs=4)
     spec = q.BASELINES["dynamic sampling (DAPO)"]
     out = q.run(spec, pool, None, _StubLearner(), steps=1)
@@ -170,7 +156,7 @@ def test_quality_benchmark_divides_the_trained_variance_by_every_group_generated
 
 
 def test_quality_benchmark_refuses_text_reading_arms_on_a_text_free_pool(monkeypatch, capsys):
-    q = _load("envsched_quality")
+    import envsched_quality as q
     monkeypatch.setattr(sys, "argv", ["envsched_quality.py", "--text-free", "--arms", "random,EnvSched (full)"])
     with pytest.raises(SystemExit) as exc:
         q.main()
@@ -179,7 +165,7 @@ def test_quality_benchmark_refuses_text_reading_arms_on_a_text_free_pool(monkeyp
 
 
 def test_heldout_at_equal_rollouts_stops_where_the_fixed_batch_budget_runs_out():
-    q = _load("envsched_quality")
+    import envsched_quality as q
     curve = [0.1, 0.2, 0.3, 0.4]
     # a fixed-batch arm spends the whole budget: its final figure
     assert q.heldout_within(curve, np.cumsum([512] * 4), 4 * 512) == 0.4

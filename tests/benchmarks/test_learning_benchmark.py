@@ -3,25 +3,11 @@ table and plot it prints from the runs' results (no training here: the runs are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+import learning as lb
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("learning_bench", BENCH / "learning.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["learning_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lb = _load()
 
 
 def _result(arm: str, seed: int, first: float, last: float) -> dict:

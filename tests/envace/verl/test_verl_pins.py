@@ -95,6 +95,9 @@ PINS = [
     Pin("transfer_queue:kv_batch_get", "transfer_queue.interface:kv_batch_get",
         "(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) "
         "-> tensordict._td.TensorDict", f"{TRAINER}.step, {SCHED}.step read the trained rows", dist="TransferQueue"),
+    Pin("transfer_queue:kv_list", "transfer_queue.interface:kv_list",
+        "(partition_id: str | None = None) -> dict[str, dict[str, typing.Any]]",
+        f"{TRAINER}._settle_prompts lists the prompts still registered (the prompt ledger)", dist="TransferQueue"),
     # -- the advantage-estimator registry --
     Pin("verl.trainer.ppo.core_algos:register_adv_est", "verl.trainer.ppo.core_algos:register_adv_est",
         "(name_or_enum: str | verl.trainer.ppo.core_algos.AdvantageEstimator) -> Any",
