@@ -55,10 +55,6 @@ class PromptLedger:
             self.open[uid] = (int(step), payload)
             self._since[uid] = int(step)
 
-    def in_flight(self) -> list[Any]:
-        """The payloads of the open uids, in dispatch order."""
-        return [payload for _, payload in self.open.values()]
-
     def settle(self, trained: Iterable[str], registered: Iterable[str]) -> Settled:
         """Close the uids trained this step, and drop the open ones no longer ``registered`` in TransferQueue."""
         trained = list(dict.fromkeys(str(u) for u in trained))

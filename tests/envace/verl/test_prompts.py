@@ -15,7 +15,7 @@ def test_a_step_trains_some_groups_drops_the_ones_gone_from_transferqueue_and_ke
     ledger.dispatched(1, ["a", "b", "c", "d"], [["s1", "t1"], ["s1", "t2"], ["s1", "t3"], ["s1", "t4"]])
     settled = ledger.settle(trained=["a", "a", "b"], registered=["c"])  # d: evicted by verl; c: still running
     assert settled.trained == {"a": ["s1", "t1"], "b": ["s1", "t2"]} and settled.dropped == {"d": ["s1", "t4"]}
-    assert list(ledger.open) == ["c"] and ledger.in_flight() == [["s1", "t3"]] and settled.unknown == ()
+    assert ledger.open == {"c": (1, ["s1", "t3"])} and settled.unknown == ()
     ledger.log(tmp_path, 1, settled)
     ledger.dispatched(2, ["e"])
     settled = ledger.settle(trained=["c", "zzz"], registered=["e"])
