@@ -80,6 +80,11 @@ def key_trajectory(key: str) -> str:
     return key.rsplit("_", 1)[0]
 
 
+def key_group(key: str) -> str:
+    """TransferQueue key ``{uid}_{session}_{index}`` → the prompt uid: the GRPO group the row belongs to."""
+    return key.rsplit("_", 2)[0]
+
+
 @dataclass(frozen=True)
 class RolloutFields:
     """One training output of an envace rollout, as the trainer reads it (see the module docstring's table)."""

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from envace.agents.contract import GREEDY_FIELD, RolloutFields, key_trajectory
+from envace.agents.contract import GREEDY_FIELD, RolloutFields, key_group, key_trajectory
 from envace.metrics import HELDOUT, HELDOUT_GREEDY, heldout_change, heldout_estimate
 from envace.roles import Role
 
@@ -73,14 +73,17 @@ def row_probs_diff_max(old_log_probs: Any, rollout_log_probs: Any, response_mask
     out: list[float | None] = []
     for old, roll, mask in zip(old_log_probs.unbind(0), rollout_log_probs.unbind(0), response_mask.unbind(0),
                                strict=True):
-        n = min(old.numel(), roll.numel(), mask.numel())
-        keep = mask.reshape(-1)[:n].bool()
-        if not bool(keep.any()):
-            out.append(None)
-            continue
-        diff = (old.reshape(-1)[:n].float().exp() - roll.reshape(-1)[:n].float().exp()).abs()
-        out.append(float(diff[keep].max()))
+        old, roll = response_tokens(mask, old, roll)
+        out.append(float((old.exp() - roll.exp()).abs().max()) if old.numel() else None)
     return out
+
+
+def response_tokens(mask: Any, *values: Any) -> list[Any]:
+    """One row's per-token ``values`` (float) at its response tokens (``mask`` set), over the length all of them
+    cover: a row's nested tensors can differ in length by verl's padding."""
+    n = min(v.numel() for v in (mask, *values))
+    keep = mask.reshape(-1)[:n].bool()
+    return [v.reshape(-1)[:n].float()[keep] for v in values]
 
 
 def read_rows(keys: Sequence[str], extra_fields: Sequence[Mapping[str, Any] | None]) -> list[RolloutFields]:
@@ -178,20 +181,13 @@ def role_is_metrics(rows: Sequence[RolloutFields], weights: Any, mask: Any,
     for i, (row, w, m) in enumerate(zip(rows, weights.unbind(0), mask.unbind(0), strict=True)):
         if tags is not None and tags[i].get("is_padding", False):
             continue
-        n = min(w.numel(), m.numel())
-        keep = m.reshape(-1)[:n].bool()
-        acc[row.role.value].extend(w.reshape(-1)[:n][keep].float().tolist())
+        acc[row.role.value].extend(response_tokens(m, w)[0].tolist())
     out: dict[str, float] = {}
     for role, values in acc.items():
         out[f"envace/{role}/is_weighted_tokens"] = float(len(values))
         if values:
             out[f"envace/{role}/is_weight_mean"] = float(np.mean(values))
     return out
-
-def key_group(key: str) -> str:
-    """TransferQueue key ``{uid}_{session}_{index}`` → the prompt uid: the GRPO group the row belongs to."""
-    return key.rsplit("_", 2)[0]
-
 
 def staleness_metrics(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], global_steps: int,
                       threshold: int | None) -> dict[str, float]:

@@ -39,7 +39,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from envace.advantage import ESTIMATOR_NAME, role_labels
-from envace.agents.contract import RolloutFields, key_trajectory
+from envace.agents.contract import RolloutFields, key_group, key_trajectory
 from envace.roles import Role
 from envace.verl.prompts import PromptLedger, Settled
 from envace.verl.sched import (
@@ -56,7 +56,6 @@ from envace.verl.trainer import (
     SYNC_FIELDS,
     HeldoutValidation,
     batch_labels,
-    key_group,
     read_rows,
     role_is_metrics,
     role_metrics,
