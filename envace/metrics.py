@@ -58,7 +58,7 @@ def heldout_change(first: Mapping[str, Sequence[float]], last: Mapping[str, Sequ
 
     Each task's difference of means is one observation, so the error of the change is the standard error of those
     differences: the tasks' own difficulty cancels, which two independent errors would count twice. A change of at
-    least three such errors is the criterion the default run is held to (issue 32).
+    least three such errors is the criterion the default run is held to (docs/results/learning.md).
     """
     common = sorted(set(first) & set(last))
     if not common:

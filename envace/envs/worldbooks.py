@@ -16,7 +16,7 @@ traces and code give the same books), cached under ``worldbooks/<digest>`` of th
 (:func:`envace.train.generated_dir`: ``$ENVACE_CACHE``, or a multi-node run's directory) where the digest covers
 the traces and trace2env's source, and published by one rename, so concurrent or interrupted builds never leave a
 half-built folder under the final name. One book per environment of one pool: trace2env refuses traces of several
-pools in one book (issue 33), so traces are grouped by (pool, environment). :func:`check_coverage` checks a given
+pools in one book, so traces are grouped by (pool, environment). :func:`check_coverage` checks a given
 folder: every simulated environment has a book, built from its own pool's traces.
 """
 

@@ -6,7 +6,8 @@ registers one for ``cpu``: :class:`CPUFSDPEngineWithLMHead`, verl's ``FSDPEngine
 verl projects every position of every sequence onto the vocabulary and takes log-probabilities of all of them,
 prompt positions included, although only response tokens enter any loss or metric
 (``verl.workers.utils.padding.no_padding_2_padding`` keeps ``values[off - resp_len - 1 : off - 1]`` of each
-sequence). With Qwen3's 151,936-entry vocabulary and ~400-token prompts that projection is most of a CPU step.
+sequence). With Qwen3's 151,936-entry vocabulary that projection is the bulk of a CPU step
+(docs/results/cpu_default.md).
 verl has no option that limits it (``use_fused_kernels`` computes the same positions, chunked, and its torch
 backend is slower on CPU), and its packed layout (``use_remove_padding``) needs flash-attention's varlen kernels
 to stay linear in the micro-batch: with torch's attention kernels the packed sequence costs ``(Σ lengths)²``.

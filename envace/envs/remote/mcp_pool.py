@@ -15,7 +15,7 @@ model sees, the workspace the episode starts from, the verifier and the gold cal
 repository: mcp-server-git's ``--repository`` must be one), and gives every episode its own repository under it
 (``{workspace}``). The model never names the repository: ``bind`` injects ``repo_path`` on every call and removes it
 from the schemas the model reads, so one rollout cannot reach another's repository. ``scope: episode`` starts a
-server per episode with ``{root}`` = ``{workspace}`` (a start: 0.8 s idle, 1-2.5 s on 2 loaded cores). A ``url:``
+server per episode with ``{root}`` = ``{workspace}`` (a server start each: docs/results/env_serving.md). A ``url:``
 server (streamable HTTP) gets a session per episode (``scope: session``); it has no workspace here, so its tasks use
 ``tool`` verifiers, its fork opens a new session and replays the episode's calls, and a 401/403/404 stops the run
 (:class:`~trace2env.llmcore.ConfigurationError`). A relative ``command[0]`` or ``cwd`` in a
@@ -544,8 +544,8 @@ class MCPPool(EnvironmentPool):
         return _TOOL_CACHE[key]
 
     def _template(self, rec: TaskRecord) -> str:
-        """The task's initial workspace, built once per process: episodes copy it (5-30 ms) instead of running its
-        git steps (50-100 ms for the shipped fixture)."""
+        """The task's initial workspace, built once per process: episodes copy it instead of running its git steps,
+        which take longer (docs/results/env_serving.md)."""
         st = self._proc()
         path = st.templates.get(rec.task_id)
         if path is None:
@@ -654,8 +654,8 @@ class MCPEpisode(Episode):
 
     Calls outside the task's tool subset are refused without a round trip. The pool's bound arguments are injected
     on every call (a value the model passes for one is overwritten). ``fork`` copies the workspace (``cp -a``
-    equivalent: a median 5 ms for the shipped fixture repository, 232 KiB, on 2 loaded cores) and shares the worker
-    server (an episode-scope server starts a new one: 1-2 s there)."""
+    equivalent) and shares the worker server (an episode-scope server starts a new one, which costs far more:
+    docs/results/env_serving.md)."""
 
     remote = True
 

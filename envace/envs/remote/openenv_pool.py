@@ -711,10 +711,9 @@ class OpenEnvEpisode(Episode):
 
     def fork(self) -> OpenEnvEpisode:
         """A new session on the task (any replica) with this episode's calls and turn ends replayed in order:
-        OpenEnv 0.10.0 has no snapshot API. It costs one connect + reset plus one round trip per replayed action:
-        on localhost with the test fixture, about 2.5 ms + 0.55 ms per action (30 ms after 50 calls; on 2 shared
-        cores under load, niced: 11 ms + 1.4 ms per action). The replayed outputs are not compared: a server that is
-        not deterministic may drift."""
+        OpenEnv 0.10.0 has no snapshot API. It costs one connect + reset plus one round trip per replayed action
+        (docs/results/env_serving.md). The replayed outputs are not compared: a server that is not deterministic may
+        drift."""
         budget = self.pool.open_budget_s + len(self._history) * self.pool.call_budget_s
         return runtime.run_sync(self._fork(), budget)
 
@@ -967,7 +966,8 @@ def _client_class() -> type:
 
 
 def _import_client() -> None:
-    """Import OpenEnv's client here (about 1 s), not on the I/O loop; a missing package is one line."""
+    """Import OpenEnv's client here (a slow import: docs/results/env_serving.md), not on the I/O loop; a missing
+    package is one line."""
     try:
         import openenv.core  # noqa: F401
     except ModuleNotFoundError as exc:

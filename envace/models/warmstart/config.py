@@ -74,7 +74,8 @@ class WarmStartConfig:
     grad_clip: float = 1.0
     negatives: int = 2048  # sampled other-vocabulary ids in the softmax
     seed: int = 0
-    # torch CPU threads (fixed, so the build is the same on every machine; 2 halves the time on an idle 2-core box)
+    # torch CPU threads (fixed, so the build is the same on every machine; two build faster than one on a 2-core
+    # machine: docs/results/cpu_default.md)
     threads: int = 2
     eval_tasks: int = 48  # held-out test tasks scored at the end of the build (T=1.0)
 
