@@ -42,8 +42,9 @@ K. How far each rollout lags is corrected per token by verl's rollout correction
 loss, act and rehearse tokens alike) and bounded by ``trainer.v1.sampler.max_off_policy_threshold``; the trainer
 reports how many versions a group spans (``envace/groups/version_span_*``, :mod:`envace.verl.trainer`).
 
-This module is the math only; it imports no verl. A role is any hashable label (rows with equal labels share a
-baseline); the integer codes of :class:`envace.roles.Role` (the one role enum) count as their names.
+This module is the math only; it imports no verl. Roles are :class:`envace.roles.Role` (the one role enum) from the
+agent loop to here; the estimator also takes their names or integer codes, turned into roles in one place
+(:func:`_canonical_roles`), and refuses any other label.
 :func:`envace.verl.extensions.register_rolewise_estimator` registers :func:`rolewise_adv_estimator` in verl's
 advantage-estimator registry as ``grpo_rolewise`` (in the TaskRunner process, before verl looks the estimator up).
 verl 0.9.1 calls a registered estimator with ``index`` only; envace's trainer (:mod:`envace.verl.trainer`) supplies
@@ -72,8 +73,6 @@ __all__ = [
 
 ESTIMATOR_NAME = "grpo_rolewise"
 _LABELS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("envace_role_labels", default=None)
-#: integer role code → role name (:class:`envace.roles.Role`: 0=act, 1=rehearse); codes and names group alike
-ROLE_CODES = {role.code: role.value for role in Role}
 BASELINES = ("output", "trajectory")
 SINGLETONS = ("zero", "raw")
 
@@ -100,22 +99,20 @@ def _factorize(values: Any, n: int, what: str) -> np.ndarray:
     return np.fromiter((codes.setdefault(v, len(codes)) for v in items), dtype=np.int64, count=n)
 
 
-def _canonical_roles(roles: Any) -> Any:
-    """Map integer role codes (0=act, 1=rehearse) to their names; other labels pass through."""
+def _canonical_roles(roles: Any) -> np.ndarray:
+    """Every row's :class:`~envace.roles.Role`: the one place the estimator turns its input's role labels (roles,
+    their names or their integer codes, as a sequence, array or tensor) into the role type; anything else raises
+    ValueError naming the row."""
     arr = _to_numpy(roles)
     if arr.ndim != 1:
-        return roles
-    if arr.dtype.kind in "iu":
-        out = arr.astype(object)
-        for code, name in ROLE_CODES.items():
-            out[arr == code] = name
-        return out
-    if arr.dtype == object:
-        return np.array(
-            [ROLE_CODES.get(v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v for v in arr],
-            dtype=object,
-        )
-    return arr
+        return arr
+    out = np.empty(len(arr), dtype=object)
+    for i, value in enumerate(arr.tolist()):
+        try:
+            out[i] = Role.parse(value.item() if isinstance(value, np.generic) else value)
+        except ValueError as exc:
+            raise ValueError(f"roles[{i}]: {exc}") from None
+    return out
 
 
 def _bool_mask(mask: Any, n: int, default: bool, what: str) -> np.ndarray:
@@ -167,8 +164,8 @@ def compute_rolewise_advantage(
         token_level_rewards: ``[bs, resp_len]``; a row's score is its sum over tokens.
         response_mask: ``[bs, resp_len]``; the advantage is broadcast over the row times this mask.
         index: ``[bs]`` prompt-group uid.
-        roles: ``[bs]`` role labels: ``"act"``/``"rehearse"``, integer codes (0=act, 1=rehearse)
-            or any hashable label.
+        roles: ``[bs]`` roles: :class:`~envace.roles.Role`, their names (``"act"``/``"rehearse"``) or integer
+            codes (0=act, 1=rehearse).
         traj_index: ``[bs]`` rollout id (within or across prompts); required for
             ``baseline="trajectory"``.
         valid: ``[bs]`` bool, False where the reward failed: such rows join no baseline or std
@@ -202,7 +199,8 @@ def compute_rolewise_advantage(
 
     # One group per (prompt, role): the rows whose baseline is shared.
     prompt_code = _factorize(index, n, "index")
-    role_code = _factorize(_canonical_roles(roles), n, "roles")
+    roles = _canonical_roles(roles)
+    role_code = _factorize(roles, n, "roles")
     keys = np.stack([prompt_code, role_code], axis=1)
     if n:
         group_of_key, group = np.unique(keys, axis=0, return_inverse=True)
@@ -231,7 +229,8 @@ def compute_rolewise_advantage(
         adv = adv / (std[group] + epsilon)
     keep = valid_np & ~(is_singleton[group] & (singleton == "zero"))
     if trained_roles is not None:
-        keep &= np.isin(np.asarray(_canonical_roles(roles), dtype=object), list(trained_roles))
+        kept = {Role.parse(r) for r in trained_roles}
+        keep &= np.array([role in kept for role in roles], dtype=bool)
     adv = np.where(keep, adv, 0.0)
 
     adv_t = torch.as_tensor(adv, dtype=token_level_rewards.dtype, device=token_level_rewards.device)

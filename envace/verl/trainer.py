@@ -1,16 +1,18 @@
-"""envace's verl V1 trainer: role labels to the advantage estimator, per-role metrics, role-tagged dumps.
+"""envace's verl V1 trainer, the verl-free parts: the per-step view of a trained batch, role labels for the
+advantage estimator, per-role metrics, role-tagged dumps, held-out validation.
 
 verl 0.9.1's V1 trainer passes a registered advantage estimator only ``token_level_rewards``,
 ``response_mask``, ``config`` and ``index`` (the prompt uid); the role of each output lives in the
 agent loop's ``extra_fields`` in TransferQueue, written and read as the rollout contract
-(:class:`envace.agents.contract.RolloutFields`). :class:`EnvaceTrainer` (``trainer.v1.trainer_mode=
-envace_sync``, registered with verl's ``register_trainer``) reads those labels for the step's batch, in
-batch order, and hands them to ``grpo_rolewise`` through :func:`envace.advantage.role_labels` around
-verl's own ``_compute_advantage`` — KL-in-reward, rollout correction and the write-back stay verl's.
+(:class:`envace.agents.contract.RolloutFields`). envace's trainers (:mod:`envace.verl.trainers`, registered with
+verl's ``register_trainer``) read those fields for the step's batch, in batch order, and hand the role labels to
+``grpo_rolewise`` through :func:`envace.advantage.role_labels` around verl's own ``_compute_advantage`` —
+KL-in-reward, rollout correction and the write-back stay verl's.
 
-Each row's ``extra_fields`` are read from TransferQueue once per step (``EnvaceTrainer._rows``): by
-``_compute_advantage`` under ``grpo_rolewise``, otherwise together with the advantages after the update; the
-per-role metrics, the rollout dump and EnvSched's observation use that one read.
+One :class:`StepView` per step holds what the trainer's hooks know about the batch: each row's ``extra_fields`` are
+read from TransferQueue once (by ``_compute_advantage`` under ``grpo_rolewise``, otherwise together with the
+advantages after the update), the fields the update wrote in one more read; the advantage labels, the per-role
+metrics, the rollout dump and EnvSched's observation all use it.
 
 It also adds, every step:
 
@@ -18,9 +20,11 @@ It also adds, every step:
   empty-output rates; trajectory-level calls per trajectory, stop reasons and the masked (unscored) rate;
 * ``envace/rehearsal_fidelity/*``: for rehearsed responses whose real counterpart is known, the share
   that equals the real environment's response (normalised JSON), key overlap and error agreement;
-* ``role``, ``trajectory_id``, ``advantage`` (the row's advantage), ``env_id``, ``observation_source`` and
-  ``simulated_calls`` (calls the Trace2Env simulator answered) columns in the per-step rollout dump
-  (``rollouts/N.jsonl``).
+* ``envace/staleness/*``, ``envace/groups/version_span_*`` (:func:`staleness_metrics`) and, under rollout
+  correction, ``envace/{act,rehearse}/is_weight_mean`` (:func:`role_is_metrics`);
+* the :data:`DUMP_COLUMNS` in the per-step rollout dump (``rollouts/N.jsonl``): ``role``, ``trajectory_id``,
+  ``advantage`` (the row's advantage), ``env_id``, ``observation_source``, ``simulated_calls`` (calls the
+  Trace2Env simulator answered), ...
 
 and, at every validation (:class:`HeldoutValidation`):
 
@@ -33,9 +37,6 @@ and, at every validation (:class:`HeldoutValidation`):
   per-category metrics under ``val-core/greedy/<pool>/<category>/...`` and ``val-core/heldout_greedy/success/...``;
 * each validation's per-task scores in ``<trainer.default_local_dir>/validation/step_<N>.json``: what the change is
   computed from, so a resumed run still compares against its first validation.
-
-:class:`envace.verl.sched.EnvSchedTrainer` (``envsched_sync``) derives from it, so EnvSched and role-wise
-GRPO combine.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ import json
 import logging
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,7 @@ import numpy as np
 from envace.agents.contract import GREEDY_FIELD, RolloutFields, key_group, key_trajectory
 from envace.metrics import HELDOUT, HELDOUT_GREEDY, heldout_change, heldout_estimate
 from envace.roles import Role
+from envace.verl.prompts import Settled
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ def batch_labels(keys: Sequence[str], rows: Sequence[RolloutFields],
     """
     padding = [bool(tags[i].get("is_padding", False)) if tags is not None else False for i in range(len(keys))]
     return {
-        "roles": np.array([row.role.value for row in rows], dtype=object),
+        "roles": np.array([row.role for row in rows], dtype=object),
         "traj_index": np.array([key_trajectory(key) for key in keys], dtype=object),
         "valid": np.array([not pad and not row.verify_failed for row, pad in zip(rows, padding, strict=True)],
                           dtype=bool),
@@ -227,6 +230,83 @@ def staleness_metrics(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], gl
         out["envace/staleness/bound"] = float(threshold - 1)
         out["envace/staleness/violations"] = float(np.sum(lags > threshold - 1))
     return out
+
+#: reads fields of a batch's rows from TransferQueue: ``(keys, fields) -> {field: values in key order}``
+Reader = Callable[[Sequence[str], Sequence[str]], Mapping[str, Any]]
+
+
+@dataclass
+class StepView:
+    """One training step as envace's trainer hooks see it, read from TransferQueue once and handed to each hook.
+
+    verl's ``step`` calls ``_compute_advantage`` before the update, once per sub-batch when it updates in several
+    (``parameter_sync_step``), and hands the whole batch back after it. Under ``grpo_rolewise`` the advantage needs
+    the roles first: :meth:`rows_of` reads a sub-batch's ``extra_fields`` then. :meth:`read_updated` takes the
+    trained batch and reads what the update wrote (the advantages, and whatever else the caller asks for) in one
+    more call, with the ``extra_fields`` too when some row's were not read yet. Everything after — the metrics, the
+    settled prompts, the dump's columns, EnvSched's observation — comes from this object, not from TransferQueue
+    again.
+    """
+
+    keys: list[str] = field(default_factory=list)  # the trained batch, in batch order (once read_updated ran)
+    tags: list[Mapping[str, Any]] = field(default_factory=list)  # verl's tag of each of those rows
+    known: dict[str, RolloutFields] = field(default_factory=dict)  # each row's rollout contract read so far
+    updated: dict[str, Any] = field(default_factory=dict)  # the fields read after the update, by name
+    settled: Settled | None = None  # where the step's prompts went (the trainer's prompt ledger)
+
+    def rows_of(self, keys: Sequence[str], read: Reader) -> list[RolloutFields]:
+        """The rollout contract of ``keys``' rows (:func:`read_rows`), reading only those not read yet."""
+        missing = [k for k in keys if k not in self.known]
+        if missing:
+            self.known.update(zip(missing, read_rows(missing, list(read(missing, ["extra_fields"])["extra_fields"])),
+                                  strict=True))
+        return [self.known[k] for k in keys]
+
+    def read_updated(self, keys: Sequence[str], tags: Sequence[Mapping[str, Any]], read: Reader,
+                     fields: Sequence[str]) -> None:
+        """The trained batch (``keys``, ``tags``) and its ``fields`` written by the update, read in one call (with
+        the rows' ``extra_fields`` when some were not read yet)."""
+        self.keys, self.tags = list(keys), list(tags)
+        missing = any(k not in self.known for k in self.keys)
+        want = list(dict.fromkeys([*fields, *(["extra_fields"] if missing else [])]))
+        data = read(self.keys, want)
+        if missing:
+            self.known.update(zip(self.keys, read_rows(self.keys, list(data["extra_fields"])), strict=True))
+        self.updated = {name: data[name] for name in want if name != "extra_fields"}
+
+    @property
+    def rows(self) -> list[RolloutFields]:
+        """The trained batch's rollout contracts, in batch order."""
+        return [self.known[k] for k in self.keys]
+
+    def first_advantages(self) -> list[float]:
+        """Each trained row's advantage (that of its first response token; 0 for a row without one)."""
+        return [float(a[0]) if a.numel() else 0.0 for a in self.updated["advantages"].unbind(0)]
+
+    def metrics(self, global_steps: int, threshold: int | None) -> dict[str, float]:
+        """The step's per-role, importance-weight (when the update's weights were read) and staleness metrics."""
+        rows = self.rows
+        out = role_metrics(self.keys, rows, self.first_advantages(), self.tags)
+        if "rollout_is_weights" in self.updated:
+            out.update(role_is_metrics(rows, self.updated["rollout_is_weights"], self.updated["response_mask"],
+                                       self.tags))
+        out.update(staleness_metrics(self.keys, self.tags, global_steps, threshold))
+        return out
+
+    def dump_rows(self) -> dict[str, dict[str, Any]]:
+        """Each trained row's :data:`DUMP_COLUMNS`, by key (``rollout_probs_diff_max`` only where the old
+        log-probs were read: verl recomputed them)."""
+        sync = all(f in self.updated for f in SYNC_FIELDS)
+        diffs = row_probs_diff_max(*(self.updated[f] for f in SYNC_FIELDS)) if sync else [None] * len(self.keys)
+        return {
+            key: dict(zip(DUMP_COLUMNS, (
+                row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id, row.observation_source,
+                row.counters.get("simulated_calls", 0.0), diff, row.task_id,
+                tag.get("global_steps"), tag.get("min_global_steps"), tag.get("max_global_steps")), strict=True))
+            for key, row, adv, diff, tag in zip(self.keys, self.rows, self.first_advantages(), diffs, self.tags,
+                                                strict=True)
+        }
+
 
 #: data-source prefix of the greedy validation pass's rows
 GREEDY_PREFIX = "greedy/"

@@ -23,9 +23,11 @@ only verl's TaskRunner process imports it (:func:`envace.verl.extensions.registe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,8 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from envace.advantage import ESTIMATOR_NAME, role_labels
-from envace.agents.contract import RolloutFields, key_group, key_trajectory
-from envace.roles import Role
+from envace.agents.contract import key_group
+from envace.config import EnvAceConfig, validate_envace_config
 from envace.verl.prompts import PromptLedger, Settled
 from envace.verl.sched import (
     STATE_FILE,
@@ -50,30 +52,29 @@ from envace.verl.sched import (
     log_selection,
     save_scheduler_state,
 )
-from envace.verl.trainer import (
-    DUMP_COLUMNS,
-    IS_FIELDS,
-    SYNC_FIELDS,
-    HeldoutValidation,
-    batch_labels,
-    read_rows,
-    role_is_metrics,
-    role_metrics,
-    row_probs_diff_max,
-    staleness_metrics,
-)
+from envace.verl.trainer import DUMP_COLUMNS, IS_FIELDS, SYNC_FIELDS, HeldoutValidation, StepView, batch_labels
 
 logger = logging.getLogger(__name__)
 
 
 class EnvaceTrainerMixin:
     """Role labels for ``grpo_rolewise``, per-role and staleness metrics, role-tagged dumps, held-out validation
-    (:mod:`envace.verl.trainer` holds the verl-free parts); placed before one of verl's V1 trainers."""
+    (:mod:`envace.verl.trainer` holds the verl-free parts); placed before one of verl's V1 trainers.
+
+    The typed ``envace`` group (:class:`~envace.config.EnvAceConfig`) is attached at construction
+    (``self.envace_config``), before verl's constructor builds anything from the config. Each step's batch is one
+    :class:`~envace.verl.trainer.StepView` (``self.step_view``), built by the first hook of the step that needs it
+    and read by every later one, the rollout dump included."""
 
     #: the mode name verl's own code compares against (the verl base class's registered name)
     VERL_MODE: str = "sync"
     #: TransferQueue fields a subclass needs after each step besides ``advantages``: read in the same call
     STEP_FIELDS: tuple[str, ...] = ()
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        self.envace_config: EnvAceConfig = validate_envace_config(config)
+        self.step_view: StepView | None = None
+        super().__init__(config, *args, **kwargs)
 
     def _build_replay_buffer(self):
         # runs inside verl's __init__ right after it read trainer_mode and parameter_sync_step from the config, and
@@ -82,7 +83,7 @@ class EnvaceTrainerMixin:
         self.parameter_sync_step = self.config.trainer.v1.get(self.VERL_MODE, {}).get("parameter_sync_step", 1)
         buffer = super()._build_replay_buffer()
         # the buffer's documented constructor argument, which verl's builder does not expose
-        buffer.poll_interval = float((self.config.get("envace") or {}).get("replay_poll_s", buffer.poll_interval))
+        buffer.poll_interval = self.envace_config.replay_poll_s
         return buffer
 
     # -- the prompt ledger (envace.verl.prompts): every dispatched prompt is trained, dropped or in flight --------
@@ -99,8 +100,8 @@ class EnvaceTrainerMixin:
         """The next ``num_prompts`` training prompts (verl's dataloader), and a ledger payload per prompt."""
         return super()._next_train_batch(num_prompts), None
 
-    def _settle_prompts(self, batch) -> Settled:
-        trained = [key_group(k) for k, tag in zip(batch.keys, batch.tags, strict=True) if not tag.get("is_padding")]
+    def _settle_prompts(self, view: StepView) -> Settled:
+        trained = [key_group(k) for k, tag in zip(view.keys, view.tags, strict=True) if not tag.get("is_padding")]
         listing = tq.kv_list("train") or {}
         registered = [k for k, tag in listing.get("train", {}).items() if tag.get("is_prompt", False)]
         settled = self._ledger.settle(trained, registered)
@@ -125,66 +126,45 @@ class EnvaceTrainerMixin:
         if self.global_steps > 0:
             self._prompt_ledger = PromptLedger.load(self._checkpoint_folder())
 
-    def _rows(self, batch) -> list[RolloutFields]:
-        """The rollout contract of ``batch``'s rows, in batch order: each row's ``extra_fields`` is read from
-        TransferQueue once per step (on the first call that needs it) and kept for the rest of the step."""
-        cache = self.__dict__.setdefault("_row_cache", {})
-        missing = [k for k in batch.keys if k not in cache]
-        if missing:
-            data = tq.kv_batch_get(keys=missing, partition_id=batch.partition_id, select_fields=["extra_fields"])
-            cache.update(zip(missing, read_rows(missing, list(data["extra_fields"])), strict=True))
-        return [cache[k] for k in batch.keys]
+    # -- the step's view ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _reader(batch):
+        """Reads fields of ``batch``'s partition from TransferQueue (:data:`envace.verl.trainer.Reader`)."""
+        def read(keys: Sequence[str], fields: Sequence[str]):
+            return tq.kv_batch_get(keys=list(keys), partition_id=batch.partition_id, select_fields=list(fields))
+        return read
 
     def _compute_advantage(self, batch, metrics: dict):
         if self.config.algorithm.adv_estimator != ESTIMATOR_NAME:
             return super()._compute_advantage(batch, metrics)
-        labels = batch_labels(batch.keys, self._rows(batch), batch.tags)
-        opts = (self.config.get("envace", {}) or {}).get("advantage", {}) or {}
-        with role_labels(**labels, options=dict(opts)):
+        rows = self.step_view.rows_of(batch.keys, self._reader(batch))
+        labels = batch_labels(batch.keys, rows, batch.tags)
+        with role_labels(**labels, options=dataclasses.asdict(self.envace_config.advantage)):
             return super()._compute_advantage(batch, metrics)
 
     def step(self, metrics: dict, timing_raw: dict):
-        self._row_cache = {}  # the rows of this step only
+        self.step_view = view = StepView()  # this step's, handed to every hook until the next step begins
         batch = super().step(metrics, timing_raw)
-        # one read after the update: the advantages, the subclass's fields, and the extra_fields of any row
-        # that _compute_advantage did not already read (all of them when the estimator is not grpo_rolewise)
-        missing = [k for k in batch.keys if k not in self._row_cache]
-        # verl reports rollout-vs-actor differences only when it recomputed the old log-probs
-        sync = "training/rollout_probs_diff_max" in metrics
+        # one read after the update: the advantages, the subclass's fields, verl's old and rollout log-probs where it
+        # recomputed them (it then reports their difference) and its importance weights under rollout correction
         corr = self.config.algorithm.get("rollout_correction") or {}
         weighted = bool(corr.get("rollout_is")) and not corr.get("bypass_mode", False)
-        fields = list(dict.fromkeys(["advantages", *self.STEP_FIELDS, *(["extra_fields"] if missing else []),
-                                     *(SYNC_FIELDS if sync else ()), *(IS_FIELDS if weighted else ())]))
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        if missing:
-            self._row_cache.update(zip(batch.keys, read_rows(batch.keys, list(data["extra_fields"])), strict=True))
-        rows = [self._row_cache[k] for k in batch.keys]
-        first = [float(a[0]) if a.numel() else 0.0 for a in data["advantages"].unbind(0)]
-        diffs = row_probs_diff_max(*(data[f] for f in SYNC_FIELDS)) if sync else [None] * len(rows)
-        metrics.update(role_metrics(batch.keys, rows, first, batch.tags))
-        if weighted:
-            metrics.update(role_is_metrics(rows, data["rollout_is_weights"], data["response_mask"], batch.tags))
+        sync = "training/rollout_probs_diff_max" in metrics
+        view.read_updated(batch.keys, batch.tags, self._reader(batch),
+                          ["advantages", *self.STEP_FIELDS, *(SYNC_FIELDS if sync else ()),
+                           *(IS_FIELDS if weighted else ())])
         threshold = self.config.trainer.v1.sampler.get("max_off_policy_threshold")
-        metrics.update(staleness_metrics(batch.keys, batch.tags, int(self.global_steps), threshold))
-        self._settled = self._settle_prompts(batch)
-        metrics.update({"envace/prompts/trained": float(len(self._settled.trained) + len(self._settled.unknown)),
-                        "envace/prompts/dropped": float(len(self._settled.dropped)),
+        metrics.update(view.metrics(int(self.global_steps), threshold))
+        view.settled = self._settle_prompts(view)
+        metrics.update({"envace/prompts/trained": float(len(view.settled.trained) + len(view.settled.unknown)),
+                        "envace/prompts/dropped": float(len(view.settled.dropped)),
                         "envace/prompts/in_flight": float(len(self._ledger.open))})
-        self._step_data = data  # for the subclass's step (STEP_FIELDS)
-        self._step_rows = {
-            key: dict(zip(DUMP_COLUMNS, (
-                row.role.value, row.trajectory_id or key_trajectory(key), adv, row.env_id, row.observation_source,
-                row.counters.get("simulated_calls", 0.0), diff, row.task_id,
-                tag.get("global_steps"), tag.get("min_global_steps"), tag.get("max_global_steps")), strict=True))
-            for key, row, adv, diff, tag in zip(batch.keys, rows, first, diffs, batch.tags, strict=True)
-        }
         return batch
 
     def _heldout(self) -> HeldoutValidation:
         if getattr(self, "_heldout_validation", None) is None:
-            opts = ((self.config.get("envace") or {}).get("validation") or {})
             out = Path(self.config.trainer.default_local_dir) / "validation"
-            self._heldout_validation = HeldoutValidation(out, greedy=bool(opts.get("greedy", False)))
+            self._heldout_validation = HeldoutValidation(out, greedy=self.envace_config.validation.greedy)
         return self._heldout_validation
 
     def _validate(self) -> dict[str, float]:
@@ -203,28 +183,17 @@ class EnvaceTrainerMixin:
         out.update(self._heldout().metrics(int(self.global_steps), data_sources, sample_uids, scores))
         return out
 
-    def _log_rollout_data(self, batch, timing_raw: dict, rollout_data_dir: str):
-        # called by verl's fit() right after step() for the same batch (before the rows are cleared)
-        self._dump_labels = getattr(self, "_step_rows", None)
-        try:
-            super()._log_rollout_data(batch, timing_raw, rollout_data_dir)
-        finally:
-            self._dump_labels = self._step_rows = None
-
     def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path):
-        labels = getattr(self, "_dump_labels", None)
+        # verl dumps a step's rollouts after the step (and may validate in between, dumping other rows through this
+        # same method): the step's view labels a dump of exactly its rows
         keys = reward_extra_infos_dict.get("uid")
-        if labels and keys:
+        view = self.step_view
+        if view is not None and keys and view.keys and set(keys) == set(view.keys):
+            labels = view.dump_rows()
             reward_extra_infos_dict = dict(reward_extra_infos_dict)
             for name in DUMP_COLUMNS:
-                reward_extra_infos_dict[name] = [labels[k][name] if k in labels else _foreign(k, name) for k in keys]
+                reward_extra_infos_dict[name] = [labels[k][name] for k in keys]
         return super()._dump_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)
-
-
-def _foreign(key: str, column: str) -> Any:
-    """A dump column's value for a row envace did not label (none today; kept total for verl's own rows)."""
-    return {"role": Role.ACT.value, "trajectory_id": key_trajectory(key), "advantage": 0.0, "simulated_calls": 0.0,
-            "env_id": "", "observation_source": "", "task_id": ""}.get(column)
 
 
 class EnvSchedMixin:
@@ -247,7 +216,7 @@ class EnvSchedMixin:
     def _init_dataloader(self) -> None:
         super()._init_dataloader()
         rows = self.train_dataset.dataframe.select_columns(["extra_info"]).to_list()
-        pool_kwargs = (self.config.get("envace", {}) or {}).get("agent", {}).get("pool_kwargs", {})
+        pool_kwargs = self.envace_config.agent.pool_kwargs
         t0 = time.perf_counter()
         self.scheduler, keys = build_scheduler(self.config, rows, pool_kwargs)
         self._row_of = {k: i for i, k in enumerate(keys)}
@@ -269,11 +238,11 @@ class EnvSchedMixin:
 
     def step(self, metrics: dict, timing_raw: dict):
         batch = super().step(metrics, timing_raw)
-        # envace's step read uid and rm_scores with the advantages (STEP_FIELDS), held the step's rows, and settled
+        # envace's step read uid and rm_scores with the advantages (STEP_FIELDS) into the step's view, and settled
         # the prompt ledger: which groups were trained, and which verl dropped
-        data, settled = self._step_data, self._settled
+        view = self.step_view
+        data, settled, rows = view.updated, view.settled, view.rows
         uids = [str(u) for u in data["uid"]]
-        rows = self._rows(batch)
         t0 = time.perf_counter()
         unscored_total, observed = 0, []
         for selection, members in _by_selection(settled.trained).items():

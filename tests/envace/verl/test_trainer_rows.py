@@ -1,7 +1,8 @@
 """envace's V1 trainers read each trained row's ``extra_fields`` from TransferQueue once per step, through the
-rollout contract (envace/agents/contract.py): ``_compute_advantage`` (under ``grpo_rolewise``) reads them and hands
-the estimator the role labels; the step's metrics, rollout-dump labels and EnvSched's observation reuse that read;
-the advantages and EnvSched's ``uid``/``rm_scores`` come in one more read after the update.
+rollout contract (envace/agents/contract.py), into the step's view (``StepView``): ``_compute_advantage`` (under
+``grpo_rolewise``) reads them and hands the estimator the role labels; the step's metrics, rollout-dump labels and
+EnvSched's observation reuse that read; the advantages and EnvSched's ``uid``/``rm_scores`` come in one more read
+after the update.
 
 verl's own ``step``/``_compute_advantage`` are replaced by stand-ins that call the envace overrides the way verl
 0.9.1 does (``step`` runs ``_compute_advantage`` once per sub-batch, then returns the combined batch meta), and
@@ -9,6 +10,7 @@ TransferQueue by an in-memory store that records every read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from transfer_queue import KVBatchMeta
 
 from envace import advantage
 from envace.agents.contract import RolloutFields, RolloutFieldsError
+from envace.config import AdvantageConfig, validate_envace_config
 from envace.roles import Role
 
 
@@ -110,11 +113,13 @@ def make_trainer(mode: str, estimator: str, run_dir: Path | None = None):
 
     register_trainer_extensions()
     cls = get_trainer_cls(mode)
-    trainer = cls.__new__(cls)  # no __init__: no workers, no Ray
+    trainer = cls.__new__(cls)  # verl's __init__ is not run: no workers, no Ray
     trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": estimator},
                                        "envace": {"advantage": {"baseline": "trajectory"}},
                                        "trainer": {"v1": {"sampler": {"max_off_policy_threshold": 2}},
                                                    "default_local_dir": str(run_dir or "/nonexistent")}})
+    trainer.envace_config = validate_envace_config(trainer.config)  # what the mixin's __init__ attaches
+    trainer.step_view = None
     trainer.global_steps = 3
     return trainer
 
@@ -131,7 +136,9 @@ def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimato
     assert store.reads[-1][1] == ["advantages"]
     first, second = labels_seen
     assert list(first["roles"]) == ["act", "rehearse", "act"] and list(first["traj_index"]) == ["u1_0"] * 2 + ["u1_1"]
-    assert list(first["empty"]) == [False, True, False] and first["options"] == {"baseline": "trajectory"}
+    assert all(type(r) is Role for r in first["roles"])  # the role type itself, not its wire name
+    assert list(first["empty"]) == [False, True, False]
+    assert first["options"] == {**dataclasses.asdict(AdvantageConfig()), "baseline": "trajectory"}  # the typed config
     assert list(second["valid"]) == [False, True, False]  # u2_0 unscored, the padding row never valid
     assert metrics["envace/act/outputs"] == 4 and metrics["envace/rehearse/outputs"] == 1  # padding left out
     assert metrics["envace/rehearse/empty_rate"] == 1.0 and metrics["envace/masked_rate"] == 0.25
@@ -140,7 +147,7 @@ def test_rolewise_step_reads_each_rows_extra_fields_once_and_labels_the_estimato
     # the rollout dump's labels (DUMP_COLUMNS): role, trajectory, advantage, environment, source, simulated calls,
     # the row's rollout-vs-actor difference (only when verl recomputed the old log-probs), the task, and the weight
     # versions verl tagged the row with (absent in these stand-in tags)
-    assert trainer._step_rows["u1_0_1"] == {
+    assert trainer.step_view.dump_rows()["u1_0_1"] == {
         "role": "rehearse", "trajectory_id": "u1_0", "advantage": 0.5, "env_id": "e", "observation_source": "rehearse",
         "simulated_calls": 0.0, "rollout_probs_diff_max": None, "task_id": "t1", "dispatch_step": None,
         "min_global_steps": None, "max_global_steps": None}
@@ -241,3 +248,25 @@ def test_role_is_metrics_weigh_each_roles_response_tokens():
     out = role_is_metrics(rows, weights, mask, tags=[{}, {}, {"is_padding": True}])
     assert out == {"envace/act/is_weighted_tokens": 2.0, "envace/act/is_weight_mean": 1.5,
                    "envace/rehearse/is_weighted_tokens": 2.0, "envace/rehearse/is_weight_mean": 1.0}
+
+
+def test_the_steps_view_labels_the_dump_of_its_own_rows_only(verl_stand_ins, monkeypatch):
+    """verl validates between a step and its rollout dump, dumping validation rows through the same
+    ``_dump_generations``: those pass through unlabelled; the step's own rows get every dump column."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from envace.verl.trainer import DUMP_COLUMNS
+
+    dumped: list[dict] = []
+    monkeypatch.setattr(PPOTrainer, "_dump_generations",
+                        lambda self, inputs, outputs, gts, scores, extra, dump_path: dumped.append(extra))
+    trainer = make_trainer("envace_sync", "grpo_rolewise")
+    batch = trainer.step({}, {})
+    trainer._dump_generations([], [], [], [], {"uid": ["val_0", "val_1"]}, "/val")
+    keys = list(reversed(batch.keys))  # verl dumps in its own order
+    trainer._dump_generations([], [], [], [], {"uid": keys}, "/rollouts")
+    validation, training = dumped
+    assert validation == {"uid": ["val_0", "val_1"]}
+    assert set(training) == {"uid", *DUMP_COLUMNS}
+    assert training["role"] == [trainer.step_view.dump_rows()[k]["role"] for k in keys]
+    assert training["role"][keys.index("u1_0_1")] == "rehearse"

@@ -55,8 +55,6 @@ OVERRIDES = [
      f"{TRAINER} overrides"),
     ("step", "(self, metrics: dict, timing_raw: dict) -> transfer_queue.metadata.KVBatchMeta",
      f"{TRAINER} and {SCHED} override"),
-    ("_log_rollout_data", "(self, batch: transfer_queue.metadata.KVBatchMeta, timing_raw: dict, rollout_data_dir: str)",
-     f"{TRAINER} overrides"),
     ("_dump_generations", "(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)",
      f"{TRAINER} overrides"),
     ("_validate", "(self) -> dict[str, float]", f"{TRAINER} overrides (HeldoutValidation.batches wraps val_dataloader)"),
@@ -74,6 +72,9 @@ PINS = [
     # -- the V1 trainers envace's mixins are placed before (trainer_mode envace_* / envsched_*) --
     *(Pin(base, base, "(config: omegaconf.dictconfig.DictConfig)", f"{TRAINER} (base class)") for base in TRAINER_BASES),
     *(Pin(f"{base}.{name}", f"{BASE}.{name}", sig, used) for base in TRAINER_BASES for name, sig, used in OVERRIDES),
+    # the typed envace config is attached before verl's constructor runs (separate_async defines its own)
+    *(Pin(f"{base}.__init__", f"{SEPARATE if base == SEPARATE else BASE}.__init__",
+          "(self, config: omegaconf.dictconfig.DictConfig)", f"{TRAINER} overrides") for base in TRAINER_BASES),
     Pin("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
         "verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
         "(self, trainer_mode: str, trainer_config: omegaconf.dictconfig.DictConfig, "
