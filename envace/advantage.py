@@ -44,7 +44,7 @@ reports how many versions a group spans (``envace/groups/version_span_*``, :mod:
 
 This module is the math only; it imports no verl. Roles are :class:`envace.roles.Role` (the one role enum) from the
 agent loop to here; the estimator also takes their names or integer codes, turned into roles in one place
-(:func:`_canonical_roles`), and refuses any other label.
+(:func:`_canonical_roles`), and groups any other hashable label as a role of its own.
 :func:`envace.verl.extensions.register_rolewise_estimator` registers :func:`rolewise_adv_estimator` in verl's
 advantage-estimator registry as ``grpo_rolewise`` (in the TaskRunner process, before verl looks the estimator up).
 verl 0.9.1 calls a registered estimator with ``index`` only; envace's trainer (:mod:`envace.verl.trainer`) supplies
@@ -99,20 +99,24 @@ def _factorize(values: Any, n: int, what: str) -> np.ndarray:
     return np.fromiter((codes.setdefault(v, len(codes)) for v in items), dtype=np.int64, count=n)
 
 
-def _canonical_roles(roles: Any) -> np.ndarray:
-    """Every row's :class:`~envace.roles.Role`: the one place the estimator turns its input's role labels (roles,
-    their names or their integer codes, as a sequence, array or tensor) into the role type; anything else raises
-    ValueError naming the row."""
+def _canonical_roles(roles: Any) -> Any:
+    """Each row's grouping label: a :class:`~envace.roles.Role`, its name or its integer code (0 or 1; a ``bool`` is
+    not a code) becomes the role — the one place the estimator turns its input into the role type, so names, codes
+    and roles group alike — and any other hashable label stays a group of its own."""
     arr = _to_numpy(roles)
-    if arr.ndim != 1:
-        return arr
+    if arr.ndim != 1:  # e.g. a list of tuples: labels of their own, as given
+        return roles
     out = np.empty(len(arr), dtype=object)
     for i, value in enumerate(arr.tolist()):
-        try:
-            out[i] = Role.parse(value.item() if isinstance(value, np.generic) else value)
-        except ValueError as exc:
-            raise ValueError(f"roles[{i}]: {exc}") from None
+        out[i] = _role_or_label(value.item() if isinstance(value, np.generic) else value)
     return out
+
+
+def _role_or_label(value: Any) -> Any:
+    try:
+        return Role.parse(value)
+    except ValueError:
+        return value
 
 
 def _bool_mask(mask: Any, n: int, default: bool, what: str) -> np.ndarray:
@@ -165,7 +169,7 @@ def compute_rolewise_advantage(
         response_mask: ``[bs, resp_len]``; the advantage is broadcast over the row times this mask.
         index: ``[bs]`` prompt-group uid.
         roles: ``[bs]`` roles: :class:`~envace.roles.Role`, their names (``"act"``/``"rehearse"``) or integer
-            codes (0=act, 1=rehearse).
+            codes (0=act, 1=rehearse), or any other hashable label (a group of its own).
         traj_index: ``[bs]`` rollout id (within or across prompts); required for
             ``baseline="trajectory"``.
         valid: ``[bs]`` bool, False where the reward failed: such rows join no baseline or std
@@ -229,7 +233,7 @@ def compute_rolewise_advantage(
         adv = adv / (std[group] + epsilon)
     keep = valid_np & ~(is_singleton[group] & (singleton == "zero"))
     if trained_roles is not None:
-        kept = {Role.parse(r) for r in trained_roles}
+        kept = {_role_or_label(r) for r in trained_roles}
         keep &= np.array([role in kept for role in roles], dtype=bool)
     adv = np.where(keep, adv, 0.0)
 
