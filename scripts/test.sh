@@ -9,11 +9,13 @@
 # Tests not marked `slow` run on ENVACE_TEST_WORKERS pytest-xdist processes (default: the machine's CPUs, at most
 # 4; 1 runs them in this process). The `slow` ones (trainer, server and evaluation runs of minutes, about half of
 # their time waiting on start-ups and servers) run after them on ENVACE_SLOW_WORKERS processes (default: 2 where the
-# machine has 2 CPUs and 32 GiB of memory, else 1, in this process), a test file per worker (`--dist loadfile`: a
-# file's runs share its module fixtures), each trainer rank
-# on ENVACE_TRAINER_THREADS torch threads (default: the CPUs over twice the slow workers, at least 1: two torch
-# threads sharing a core with another run stall). Without `-m`, both sets run, in that order; `-m EXPR` runs one
-# pytest over EXPR (on the workers when EXPR is "not slow" or "slow"); `-n` given explicitly is passed as it is.
+# machine has 2 CPUs and 32 GiB of memory, else 1), each trainer rank on ENVACE_TRAINER_THREADS torch threads
+# (default: the CPUs over twice the slow workers, at least 1: two torch threads sharing a core with another run
+# stall). Two slow workers take a test file each (`--dist loadfile`: a file's runs share its module fixtures). One
+# slow worker runs the `heavy` ones (a whole trainer or a vLLM engine: GiBs each, so one at a time) in this process
+# and the other slow ones beside them in a second pytest, whose output follows. Without `-m`, both sets run, in that
+# order; `-m EXPR` runs one pytest over EXPR (on the workers when EXPR is "not slow" or "slow"); `-n` given
+# explicitly is passed as it is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/bootstrap.sh
@@ -45,7 +47,6 @@ done
 covdir=""
 if [[ $cov == 1 ]]; then
   covdir="$(mktemp -d)"
-  trap 'rm -rf "$covdir"' EXIT
   export COVERAGE_FILE="$covdir/.coverage"
 fi
 # one pytest over MARKER; the first run of a coverage session starts the data file, later ones append to it
@@ -63,8 +64,34 @@ run() {
     [[ $cov_started == 0 ]] || extra+=(--cov-append)
     cov_started=1
   fi
+  if [[ $has_n == 0 && "$expr" == "slow" && $slow_workers == 1 && $cov == 0 ]]; then
+    run_beside "${extra[@]}"
+    return
+  fi
   [[ -z "$expr" ]] || extra+=(-m "$expr")
   "$PY" -m pytest "${extra[@]}" "${args[@]}"
+}
+# the slow tests on one worker: the heavy ones one after another here, the light ones in a second pytest beside them
+# (their output after the heavy ones'); the exit status of the pair as of one pytest (5 only when neither selected
+# anything)
+light_pid=""
+trap '[[ -z "$light_pid" ]] || kill "$light_pid" 2>/dev/null || true; [[ -z "$covdir" ]] || rm -rf "$covdir"' EXIT
+run_beside() {
+  local log heavy=0 light=0
+  log="$(mktemp)"
+  "$PY" -m pytest "$@" -m "slow and not heavy" "${args[@]}" >"$log" 2>&1 &
+  light_pid=$!
+  "$PY" -m pytest "$@" -m "slow and heavy" "${args[@]}" || heavy=$?
+  wait "$light_pid" || light=$?
+  light_pid=""
+  echo "===== the slow tests not marked heavy, run beside the heavy ones ====="
+  cat "$log"
+  rm -f "$log"
+  if [[ $heavy == 5 && $light == 5 ]]; then return 5
+  elif [[ $heavy != 0 && $heavy != 5 ]]; then return $heavy
+  elif [[ $light != 0 && $light != 5 ]]; then return $light
+  fi
+  return 0
 }
 rc=0
 if [[ -n "$marker" ]]; then

@@ -38,7 +38,7 @@ import pytest
 
 from envace.launch import STEP_LINE
 
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.warm_start]
 
 REPO = Path(__file__).resolve().parents[2]
 B, N, THRESHOLD = 4, 2, 2

@@ -1,7 +1,8 @@
 """The multi-node path of scripts/train.sh, for real on one machine.
 
 Two Ray nodes on loopback (a head and a worker, two raylets), NNODES=2 with one CPU-platform device
-slot per node, one training step across both nodes (FSDP over gloo, one rank per node). The step's tool
+slot per node, training across both nodes (FSDP over gloo, one rank per node); one run carries all the checks of a
+real two-node training, so the suite starts such a cluster only for it and its relaunch. The steps' tool
 calls are answered by the Trace2Env simulator (``observation_source=simulator`` over worldbooks built
 model-free from the synthetic pool's gold traces by ``scripts/build_worldbook.sh``), so the same run is the
 end-to-end training test of the simulator as an observation source (issue 9). The cluster is
@@ -208,21 +209,33 @@ def worldbooks(tmp_path_factory) -> Path:
     return books
 
 
+@pytest.mark.heavy
 @pytest.mark.warm_start
-def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
-    """Besides the step itself: the nodes have a home directory each, the head's hidden from the worker where mount
-    namespaces allow, and the user sets no ENVACE_CACHE, only a shared run directory and model. The head builds the
-    training data (``data.*_files: auto``) into the run directory, never into its home."""
+def test_two_ray_nodes_train_through_a_lost_worker_and_the_relaunch_resumes(tmp_path, bystander, worldbooks):
+    """One two-node run of train.sh carries every check of a real multi-node training, so that the suite pays for
+    one cluster start-up, not two.
+
+    Step 1 across both nodes: the nodes have a home directory each, the head's hidden from the worker where mount
+    namespaces allow, and the user sets no ENVACE_CACHE, only a shared run directory and model; the head builds the
+    training data (``data.*_files: auto``) into the run directory, never into its home. The cluster is
+    token-authenticated and an unrelated Ray cluster on the machine survives. The step's tool calls are answered by
+    the Trace2Env simulator and compared with the real environment's responses.
+
+    Then the worker node is killed mid-step 2, every process of it at once, as if it lost power. The head's watcher
+    stops the run: exit 3 and one line naming the worker node and the step-1 checkpoint (old behaviour: verl waited
+    on the lost node's actors without a deadline). The same commands relaunched resume from it and finish step 2;
+    the worker ends with 0 once its head closes the cluster. The head declares a silent node dead after 3 missed
+    1 s health checks here (Ray's default, 5 x 3 s, only takes longer)."""
+    import psutil
+
     from envace.models.warmstart import ensure_warm_model
 
     bystander_proc, bystander_port = bystander
-    port = _free_port()
     token = tmp_path / "shared" / "ray_token"
     run = tmp_path / "run"
-    env = _env(port, token)
-    head_env, worker_env, head_home = _separate_homes(env, tmp_path)
-    head_cmd = [
-        str(REPO / "scripts" / "train.sh"),
+    ports: list[int] = []
+    head_env, worker_env, head_home = _separate_homes(_env(0, token), tmp_path)
+    args = [
         # the warm-started tiny Qwen3 (it emits tool calls) on the synthetic pool, its calls answered by the
         # Trace2Env simulator; the reward still comes from the real environment's replay (the shadow)
         "experiment=cpu_default",
@@ -230,8 +243,7 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
         f"actor_rollout_ref.model.path={ensure_warm_model()}",
         "envace.agent.observation_source=simulator", f"envace.agent.worldbook={worldbooks}",
         f"+envace.agent.pool_kwargs.synthetic.n_envs={SIM_ENVS}",
-        f"trainer.default_local_dir={run}",
-        "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        f"trainer.default_local_dir={run}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
         # hfcpu, the CPU default (the servers' names below are its): each vLLM CPU engine binds its worker to a core
         # and reserves another for its engine process, and two of them on one 2-core machine were not tried;
@@ -243,48 +255,82 @@ def test_two_ray_nodes_one_training_step(tmp_path, bystander, worldbooks):
         # recompute the old log-probs so verl reports the rollout-vs-trainer difference across the two nodes
         "algorithm.rollout_correction.bypass_mode=false",
     ]
-    head = subprocess.Popen(head_cmd, cwd=REPO, env=head_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = Lines(head)
-    worker = None
-    worker_cmd = [str(REPO / "scripts" / "train.sh")]
-    try:
-        # the worker starts while the head is still coming up: it waits for the head and its token
+
+    def launch(steps: int) -> tuple[subprocess.Popen, Lines, subprocess.Popen, Lines]:
+        """The head and the worker node of one launch, on a fresh port; the worker starts while the head is still
+        coming up (it waits for the head and its token)."""
+        port = _free_port()
+        ports.append(port)
+        health = {"RAY_PORT": str(port), "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+        head = subprocess.Popen([str(REPO / "scripts" / "train.sh"), *args, f"trainer.total_training_steps={steps}"],
+                                cwd=REPO, env={**head_env, **health}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        worker_cmd = [str(REPO / "scripts" / "train.sh")]
         worker = subprocess.Popen(_without([head_home], worker_cmd) if _mount_namespaces() else worker_cmd,
-                                  cwd=REPO, env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  cwd=REPO, env={**worker_env, **health}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return head, Lines(head), worker, Lines(worker)
+
+    head, out, worker, _ = launch(3)
+    try:
         assert out.wait_for(r"Ray cluster has 2/2 nodes", 600), out.text[-4000:]
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
         # the cluster is authenticated: a client with another token is turned away
         intruder = subprocess.run(
-            [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}', log_to_driver=False)"],
-            env={**{k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN_PATH"}, "RAY_AUTH_MODE": "token",
+            [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{ports[0]}', log_to_driver=False)"],
+            env={**{k: v for k, v in head_env.items() if k != "RAY_AUTH_TOKEN_PATH"}, "RAY_AUTH_MODE": "token",
                  "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True, timeout=300, check=False,
         )
         assert intruder.returncode != 0, intruder.stdout + intruder.stderr
-        head.wait(timeout=1500)
+        assert out.wait_for(r"\bstep:1 - ", 1200), out.text[-6000:]
+        deadline = time.monotonic() + 120
+        while not (run / "latest_checkpointed_iteration.txt").exists():
+            assert time.monotonic() < deadline, "no checkpoint after step 1"
+            time.sleep(1)
+        time.sleep(3)  # into step 2
+        node = psutil.Process(worker.pid)
+        for proc in [*node.children(recursive=True), node]:
+            proc.kill()
+        head.wait(timeout=600)
+    finally:
+        _stop(head)
+        _stop(worker)
+    text = out.text
+    step1 = next(line for line in text.splitlines() if re.search(r"\bstep:1 - ", line))
+    assert "auth: token" in text and "wrote a new Ray auth token" in text
+    assert "training/rollout_probs_diff_max" in step1
+    # the simulator answered the step's tool calls, each compared with the real environment's response
+    compared = re.search(r"envace/rehearsal_fidelity/compared:([\d.]+)", step1)
+    assert compared and float(compared.group(1)) > 0, step1
+    assert re.search(r"envace/rehearsal_fidelity/exact:[\d.]+", step1)
+    # two FSDP ranks, one rollout replica each, placed on two different Ray nodes
+    servers = re.findall(r"hfcpu://[^/\s']+/(\w+)/hfcpu_server_(\d+)_0", text)
+    assert {rank for _, rank in servers} == {"0", "1"}, servers
+    assert len({node for node, _ in servers}) == 2, servers
+    # the lost node stops the run: the watcher stops the driver, or the driver has already failed on the lost
+    # node's actors; one line either way
+    assert head.returncode == 3, text[-6000:]
+    stop = next(line for line in text.splitlines() if "Last checkpoint:" in line)
+    assert "lost Ray worker node " in stop and "during step 2" in stop, stop
+    assert f"Last checkpoint: {run / 'global_step_1'}; relaunch the same command" in stop
+
+    head, out, worker, wout = launch(2)
+    try:
+        head.wait(timeout=1200)
+        worker.wait(timeout=300)
     finally:
         _stop(head)
         _stop(worker)
     text = out.text
     assert head.returncode == 0, text[-6000:]
-    assert "auth: token" in text and "wrote a new Ray auth token" in text
-    assert "step:1 - " in text
-    assert "training/rollout_probs_diff_max" in text
-    # the simulator answered the step's tool calls, each compared with the real environment's response
-    compared = re.search(r"envace/rehearsal_fidelity/compared:([\d.]+)", text)
-    assert compared and float(compared.group(1)) > 0, text[-4000:]
-    assert re.search(r"envace/rehearsal_fidelity/exact:[\d.]+", text)
-    # two FSDP ranks, one rollout replica each, placed on two different Ray nodes
-    servers = re.findall(r"hfcpu://[^/\s']+/(\w+)/hfcpu_server_(\d+)_0", text)
-    assert {rank for _, rank in servers} == {"0", "1"}, servers
-    assert len({node for node, _ in servers}) == 2, servers
+    assert f"Resuming from {run / 'global_step_1'}" in text and "step:2 - " in text
     assert "envace: training finished" in text
+    assert worker.returncode == 0 and "has closed the cluster" in wout.text, wout.text[-3000:]
     # the data the head generated for both nodes is in the run directory, none in the head's home
     assert list(run.glob("data/*/train.parquet")) and list(run.glob("data/*/val.parquet")), text[-4000:]
     assert not (head_home / ".cache" / "envace" / "data").exists()
-    # it stopped what it started, and only that
-    assert _ray_processes_gone(port) == []
+    # each launch stopped what it started, and only that
+    assert [pid for port in ports for pid in _ray_processes_gone(port)] == []
     assert bystander_proc.poll() is None and _port_open(bystander_port), "train.sh stopped another Ray cluster"
 
 
@@ -450,59 +496,3 @@ def test_the_head_watcher_stops_a_run_on_a_lost_node_or_a_step_past_its_deadline
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
     assert _ray_processes_gone(port) == []
-
-
-def test_a_lost_worker_node_stops_the_run_naming_it_and_the_relaunch_resumes(tmp_path):
-    """The two-node run of train.sh (``cpu_bfcl``, the tiny Qwen3) checkpoints step 1; the worker node is then
-    killed mid-step 2, every process of it at once, as if it lost power. The head's watcher stops the run: exit 3
-    and one line naming the worker node and the step-1 checkpoint. The same commands relaunched resume from it and
-    finish step 2; the worker ends with 0 once its head closes the cluster. Old behaviour: verl waited on the lost
-    node's actors without a deadline. The head declares a silent node dead after 3 missed 1 s health checks here
-    (Ray's default, 5 x 3 s, only takes longer)."""
-    import psutil
-
-    run = tmp_path / "run"
-    args = ["experiment=cpu_bfcl", f"trainer.default_local_dir={run}", "trainer.save_freq=1", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", "trainer.logger=[console]"]
-
-    def launch(steps: int) -> tuple[subprocess.Popen, Lines, subprocess.Popen, Lines]:
-        env = _env(_free_port(), tmp_path / "ray_token")
-        env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
-        head = subprocess.Popen([str(REPO / "scripts" / "train.sh"), *args, f"trainer.total_training_steps={steps}"],
-                                cwd=REPO, env=dict(env, NODE_RANK="0"), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO, env=dict(env, NODE_RANK="1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        return head, Lines(head), worker, Lines(worker)
-
-    head, out, worker, _ = launch(3)
-    try:
-        assert out.wait_for(r"\bstep:1 - ", 1200), out.text[-6000:]
-        deadline = time.monotonic() + 120
-        while not (run / "latest_checkpointed_iteration.txt").exists():
-            assert time.monotonic() < deadline, "no checkpoint after step 1"
-            time.sleep(1)
-        time.sleep(3)  # into step 2
-        node = psutil.Process(worker.pid)
-        for proc in [*node.children(recursive=True), node]:
-            proc.kill()
-        head.wait(timeout=600)
-    finally:
-        _stop(head)
-        _stop(worker)
-    assert head.returncode == 3, out.text[-6000:]
-    # the watcher stops the driver, or the driver has already failed on the lost node's actors: one line either way
-    stop = next(line for line in out.text.splitlines() if "Last checkpoint:" in line)
-    assert "lost Ray worker node " in stop and "during step 2" in stop, stop
-    assert f"Last checkpoint: {run / 'global_step_1'}; relaunch the same command" in stop
-
-    head, out, worker, wout = launch(2)
-    try:
-        head.wait(timeout=1200)
-        worker.wait(timeout=300)
-    finally:
-        _stop(head)
-        _stop(worker)
-    assert head.returncode == 0, out.text[-6000:]
-    assert f"Resuming from {run / 'global_step_1'}" in out.text and "step:2 - " in out.text
-    assert worker.returncode == 0 and "has closed the cluster" in wout.text, wout.text[-3000:]

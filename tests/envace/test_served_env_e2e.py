@@ -33,7 +33,7 @@ from envace.metrics import load_metrics
 from envace.toolcall import parse_tool_calls
 from envace.verl.config import compose
 
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.warm_start]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

@@ -1,6 +1,7 @@
 """``scripts/test.sh``, the README's test command: the tests not marked ``slow`` run on pytest-xdist workers, the
-``slow`` ones after them (on their own workers, a file per worker, trainer ranks on fewer threads), and a failure in
-either set fails the command (run on a scratch suite of two tests, through the project's real virtualenv)."""
+``slow`` ones after them (on two workers a file per worker, trainer ranks on fewer threads; on one, the ``heavy``
+ones one after another with the others beside them), and a failure in either set fails the command (run on a
+scratch suite of a few tests, through the project's real virtualenv)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,48 @@ def run(tmp_path: Path, *args: str, workers: str = "2", slow_workers: str = "1",
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
+#: a heavy and a light slow test that each wait for the other to start: they pass only when they run at once
+BESIDE = {
+    "test_fast.py": SUITE["test_fast.py"],
+    "test_heavy.py": ("import os, pathlib, time\nimport pytest\n\n\n@pytest.mark.slow\n@pytest.mark.heavy\n"
+                      "def test_heavy():\n    out = pathlib.Path(os.environ['THREADS_OUT']).parent\n"
+                      "    (out / 'heavy').touch()\n    deadline = time.monotonic() + 120\n"
+                      "    while not (out / 'light').exists():\n        assert time.monotonic() < deadline\n"
+                      "        time.sleep(0.1)\n"),
+    "test_light.py": ("import os, pathlib, time\nimport pytest\n\n\n@pytest.mark.slow\n"
+                      "def test_light():\n    out = pathlib.Path(os.environ['THREADS_OUT']).parent\n"
+                      "    (out / 'light').touch()\n    deadline = time.monotonic() + 120\n"
+                      "    while not (out / 'heavy').exists():\n        assert time.monotonic() < deadline\n"
+                      "        time.sleep(0.1)\n"),
+}
+
+
+def test_one_slow_worker_runs_the_light_slow_tests_beside_the_heavy_ones(tmp_path):
+    proc = run(tmp_path, "-v", files=BESIDE)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    fast, heavy, light = out.split("test session starts")[1:]  # the light session's output comes last
+    assert "test_fast.py::test_fast" in fast
+    assert "test_heavy.py::test_heavy PASSED" in heavy and "test_light.py::" not in heavy, heavy
+    assert "test_light.py::test_light PASSED" in light and "test_heavy.py::" not in light, light
+    # a failure on either side fails the command
+    files = dict(BESIDE, **{"test_light.py": BESIDE["test_light.py"] + "    assert False\n"})
+    (tmp_path / "failing").mkdir()
+    proc = run(tmp_path / "failing", "-m", "slow", files=files)
+    heavy, light = proc.stdout.split("test session starts")[1:]
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 passed" in heavy and "1 failed" in light, proc.stdout
+
+
 def test_fast_tests_run_on_workers_then_slow_tests_in_one_process(tmp_path):
     proc = run(tmp_path, "-v")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    first, second = out.split("test session starts")[1:]  # two pytest sessions, in this order
+    # three pytest sessions, in this order: the fast tests, the heavy slow ones (none here), the other slow ones
+    first, heavy, second = out.split("test session starts")[1:]
     assert "created: 2/2 workers" in first and re.search(r"PASSED \S*test_fast.py::test_fast", first), first
     assert "created:" not in second and "test_slow.py::test_slow PASSED" in second, second
-    assert "1 passed in" in first and "1 passed, 1 deselected" in second
+    assert "1 passed in" in first and "2 deselected" in heavy and "1 passed, 1 deselected" in second
     assert (tmp_path / "threads").read_text() == "unset"  # one slow process: the trainer's own default
 
 

@@ -38,7 +38,7 @@ from envace.envs.datasets import stable_order
 from envace.eval.server import launch_server
 from envace.verl.config import compose
 
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.warm_start]
 
 #: the environment cpu_all serves with a Trace2Env worldbook, and one it leaves to the policy's rehearsal
 SIMULATED, REHEARSED = "syn-bank-00", "syn-shop-01"

@@ -25,7 +25,7 @@ from envace.eval.server import LaunchedServer, launch_server
 if TYPE_CHECKING:
     from trace2env.llm import OpenAIProvider
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 ROOT = Path(__file__).resolve().parents[3]
 SHORT = ["--max-tokens", "32", "--max-user-turns", "2", "--max-steps-per-turn", "2", "--seed", "0", "--no-progress"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 # a whole training run (its fixture set-up counts toward its first test): more than CI's 1800 s default under load
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.warm_start, pytest.mark.timeout(3600)]
 
 ESTIMATOR = "grpo_rolewise"
 

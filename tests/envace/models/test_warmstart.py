@@ -418,6 +418,7 @@ def test_copy_drills_are_calls_with_the_instruction_values(tok):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.warm_start
 def test_full_warm_start_build():
     # the default cache location: the end-to-end training test uses the same build
