@@ -132,13 +132,31 @@ def relation_estimate(a: np.ndarray, nbr_ybar: np.ndarray, b_t: float, lambda_g:
     """EnvSched Eq. 3: G_i = (sum_j a_ij y-bar_j + lambda_g b_t) / (sum_j a_ij + lambda_g).
 
     A target with no available neighbour gets b_t (App. B).  ``a_sum``: ``np.sum(a, axis=1)`` when the caller
-    has it (the three statistics share the weights; at 1,000,000 targets each sum is an N x K pass).
+    has it (the three statistics share the weights, and each sum is an N x K pass).
     """
     num = np.sum(a * nbr_ybar, axis=1) + lambda_g * b_t
     den = (np.sum(a, axis=1) if a_sum is None else a_sum) + lambda_g
     out = np.full(a.shape[0], b_t, dtype=np.float64)
     ok = den > 0
     out[ok] = num[ok] / den[ok]
+    return out
+
+
+def weighted_relation_estimate(
+    num: np.ndarray, mass: np.ndarray, b_t: float, lambda_g: float, c: float
+) -> np.ndarray:
+    """EnvSched Eq. 3 with the relation's evidence mass scaled by its weight c (Eq. 3' of ``envsched/relations.py``,
+    which measures c):
+
+        G_i = (c S_i + lambda_g b_t) / (c A_i + lambda_g),  S_i = sum_j a_ij y_j,  A_i = sum_j a_ij;
+
+    b_t where the denominator is 0 (no evidence and lambda_g = 0).  c = 1 gives ``relation_estimate``'s floats."""
+    num, mass = np.asarray(num, dtype=np.float64), np.asarray(mass, dtype=np.float64)
+    den = c * mass + lambda_g
+    out = np.full(num.shape[0], b_t, dtype=np.float64)
+    b = np.broadcast_to(b_t, num.shape)
+    ok = den > 0
+    out[ok] = (c * num[ok] + lambda_g * b[ok]) / den[ok]
     return out
 
 
@@ -289,8 +307,8 @@ def quantile_score(v_hat: np.ndarray, f: np.ndarray, weight_v: float = 0.65, cou
 def linear_quantiles(x: np.ndarray, p: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
     """``np.quantile(x, p, method="linear")`` for a 1-D finite ``x`` and many probabilities ``p``: the same
     floats (numpy's virtual index (n - 1) p, neighbouring order statistics and its two-sided lerp), from one
-    sort of ``x``.  numpy partitions at every requested index instead: with p of length N = 1,000,000 that
-    took ~1 s a call, this ~0.1 s.  Non-finite input goes to numpy.
+    sort of ``x``.  numpy partitions at every requested index instead, which with a probability per task costs
+    far more at scale (docs/results/envsched_scale.md).  Non-finite input goes to numpy.
 
     ``counts``: ``x[k]`` stands for ``counts[k]`` equal values (``np.quantile(np.repeat(x, counts), p)``): one
     sort of ``len(x)`` values, then the sorted values repeated."""
@@ -509,8 +527,8 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
     ``kernels`` (optional, shared between the passes of one prediction) caches the W-independent Eq. 7
     kernel per relation with the availability mask it was computed for; rows whose mask differs are
     recomputed.  ``persistent=True`` (a cache kept from step to step, ``NeighborIndex.kernel_cache``) also
-    keeps a copy of the neighbour similarities and recomputes the rows whose neighbour lists changed: at
-    1,000,000 tasks a step changes few rows, and the kernel (a row median and N x K exponentials) was ~0.6 s.
+    keeps a copy of the neighbour similarities and recomputes the rows whose neighbour lists changed: a step
+    changes few rows, and the kernel is a row median and N x K exponentials.
 
     ``classes`` (``prediction_classes``): Eq. 3-4 and 12 are computed once per class of tasks with identical
     inputs, N^cross once per cross class; "v", "m", "d", "f", "u" then come back per class (aligned with
@@ -562,8 +580,6 @@ def estimate_half_life(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_
         return x[classes.inverse] if rel == "in" else x[classes.cross_inverse]
 
     if relation_weights is not None:
-        from .relations import weighted_relation_estimate  # relations.py imports this module
-
         out["sources"] = {"W": W, **{f"A:{rel}": per_node(mass[rel], rel) for rel in weights}}
     W_rows = W if rows is None else W[rows]
     for y in STATS:
@@ -616,7 +632,7 @@ def predict_all(log: ObservationLog, nbr_idx: dict[str, np.ndarray], nbr_sim: di
 
 
 # ---------------------------------------------------------------------------------------------------
-# Prediction diagnostics (issue 12): does the score rank the variance later realised?
+# Prediction diagnostics: does the score rank the variance later realised?
 # ---------------------------------------------------------------------------------------------------
 
 # Evidence behind a prediction, in the order of the codes ``evidence_types`` returns.

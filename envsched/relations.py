@@ -48,19 +48,17 @@ shows, at kappa standard errors, that another ranks the realised statistic bette
   better than the task's own history and b_t alone, and the noise of a few groups cannot switch it on.
 * ``paper``: c_0 = (1, 1); a relation keeps the paper's weight until a smaller one is shown to rank better.
 
-Why (0, 0): the first steps decide which tasks have an own history, and a group of 8's realised variance and
-dispersion are too noisy for the bound to clear within a few steps.  Started at (1, 1), the weights of v and
-d left it only after 60-80 steps where neighbours say little (``partial-local``, 51 x 400), and relations
-kept over the first 10 steps alone cost 2 % of the run's variance per group there; started at (0, 0), the
-mean's relations clear the bound at the 3-step minimum where neighbours predict and v's and d's within about
-10 steps (docs/results/envsched_baselines.md, issue 34, deliverable 3).
+Why (0, 0): the first steps decide which tasks have an own history, and a group's realised variance and
+dispersion are too noisy for the bound to clear within a few steps.  Started at (1, 1), where neighbours say
+little the weights of v and d leave it late, and the relations kept meanwhile cost variance per group; started at
+(0, 0), relations that predict clear the bound within a few steps (the figures: docs/results/envsched_baselines.md,
+"Relations start faded and earn their weight").
 
 Limits: one pair per statistic for the whole pool (not per environment); it is measured on the selected tasks,
-the ones the score already put first, and by how each statistic is ranked, not by the batch it leads to: at the
-paper's pool size (51 x 50) with informative neighbours the relations it switches on rank the statistics
-better yet the batches' variance trails "without both" by 0.6-2.3 %; ``EnvScheduler.predict`` for a past step
-uses the current weights.
-Measured on simulated learners: docs/results/envsched_baselines.md (issue 34, deliverable 3).
+the ones the score already put first, and by how each statistic is ranked, not by the batch it leads to: with
+informative neighbours the relations it switches on can rank the statistics better while the batches' variance
+trails "without both" (same file); ``EnvScheduler.predict`` for a past step uses the current weights.
+Measured on simulated learners: docs/results/envsched_baselines.md.
 """
 
 from __future__ import annotations
@@ -72,26 +70,10 @@ from typing import Any
 import numpy as np
 from scipy.stats import spearmanr
 
-from .estimate import STATS, fuse_prior, graph_prior
+from .estimate import STATS, fuse_prior, graph_prior, weighted_relation_estimate
 
 RELATIONS = ("in", "cross")
 _MIN_STEPS = 3.0  # effective steps before a measured pair can replace the reference pair
-
-
-def weighted_relation_estimate(num: np.ndarray, mass: np.ndarray, b_t: float, lambda_g: float, c: float) -> np.ndarray:
-    """EnvSched Eq. 3 with the relation's evidence mass scaled by its weight c (Eq. 3' above):
-
-        G_i = (c S_i + lambda_g b_t) / (c A_i + lambda_g),  S_i = sum_j a_ij y_j,  A_i = sum_j a_ij;
-
-    b_t where the denominator is 0 (no evidence and lambda_g = 0).  c = 1 gives ``estimate.relation_estimate``'s
-    floats."""
-    num, mass = np.asarray(num, dtype=np.float64), np.asarray(mass, dtype=np.float64)
-    den = c * mass + lambda_g
-    out = np.full(num.shape[0], b_t, dtype=np.float64)
-    b = np.broadcast_to(b_t, num.shape)
-    ok = den > 0
-    out[ok] = (c * num[ok] + lambda_g * b[ok]) / den[ok]
-    return out
 
 
 class RelationWeights:

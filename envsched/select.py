@@ -38,12 +38,12 @@ except ImportError:  # pragma: no cover
 _CHUNK = 16  # first lazy-evaluation chunk; later chunks grow x4 up to _ROW_BLOCK
 _ROW_BLOCK = 8192  # rows whose penalties are computed at once: bounds the temporaries (gathered entries, products)
 # rows read between releases of a memory-mapped x_full's pages: each page fault maps the 64 KiB around it (the
-# kernel's fault-around), so 8,192 scattered rows can bring ~1.8 GiB of the file into the resident set, 2,048 ~0.45
-# (1M, 2026-12-05: peak RSS 6.20 GiB at 8,192, 5.79 at 4,096, 5.50 at 2,048; step CPU 1.13, 1.09, 1.12 s)
+# kernel's fault-around), so every scattered row read brings its surroundings into the resident set; fewer rows
+# between releases lower the peak at the same CPU (docs/results/envsched_scale.md)
 _RELEASE_ROWS = 2048
 _FEW_MEMBERS = 4  # nodes missing at most this many members are refreshed member by member
-# RowCache: x_full rows kept in memory, at most this many bytes and an eighth of x_full (~1,400 rows a MiB at 359
-# entries a row; a batch's tied candidates are about one abstract row's tasks, an eighth of the synthetic pool)
+# RowCache: x_full rows kept in memory, at most this many bytes and an eighth of x_full (a batch's tied candidates
+# are about one abstract row's tasks: docs/results/envsched_scale.md)
 _ROW_CACHE_BYTES = 512 * 2**20
 _ROW_CACHE_SHARE = 8
 
@@ -51,8 +51,8 @@ _ROW_CACHE_SHARE = 8
 def descending_order(x: np.ndarray) -> np.ndarray:
     """``np.argsort(-x, kind="stable")`` for a 1-D array: the nodes by descending value, ties by ascending index
     (the order the Eq. 5 picks scan).  One unstable sort, then each run of equal values ordered by index with one
-    sort of integer keys (run << bits | index): the same permutation, 2-4x faster than numpy's stable float sort
-    at 1,000,000 nodes.  NaN input goes to numpy."""
+    sort of integer keys (run << bits | index): the same permutation, faster than numpy's stable float sort on a
+    large pool (docs/results/envsched_scale.md).  NaN input goes to numpy."""
     x = np.asarray(x, dtype=np.float64)
     n = len(x)
     if x.ndim != 1 or n < 2 or np.isnan(x).any():
@@ -109,10 +109,10 @@ class RowCache:
 
     A batch re-reads about half of the rows it refreshes (a tied candidate is refreshed again whenever its
     penalty is still among the lowest), and the next batch often refreshes the same tied candidates; a re-read
-    from a memory-mapped x_full maps the pages around the row again (1,000,000 tasks: ~120,000 distinct rows and
-    as many re-reads a batch).  Cached row k holds a row's entries at ``cols/vals[ptr[k]:ptr[k + 1]]``; when a
-    block of rows does not fit, the cache is emptied first (the rows read last are kept).  x_full never changes,
-    so the cache changes no value; ``EnvScheduler`` keeps one across batches.
+    from a memory-mapped x_full maps the pages around the row again (docs/results/envsched_scale.md counts them).
+    Cached row k holds a row's entries at ``cols/vals[ptr[k]:ptr[k + 1]]``; when a block of rows does not fit,
+    the cache is emptied first (the rows read last are kept).  x_full never changes, so the cache changes no value;
+    ``EnvScheduler`` keeps one across batches.
     """
 
     def __init__(self, x: sp.csr_matrix, max_bytes: int | None = None):
@@ -424,7 +424,7 @@ class BatchBuilder:
         Candidate pruning, exact: a value score - lambda_sim * penalty never exceeds its score (penalties are
         similarities of non-negative TF-IDF rows, >= 0), so once the next score in the order is below the best
         value found, no later node can reach it.  Only the nodes scanned so far are checked against the caps
-        and refreshed; at 1,000,000 tasks that is a few thousand nodes a pick instead of N.
+        and refreshed, not all N.
         """
         lam = self.cfg.lambda_sim
         best, best_val = -1, -np.inf

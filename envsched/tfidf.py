@@ -1,9 +1,9 @@
 """Row-chunked TF-IDF equal to scikit-learn's ``TfidfVectorizer.fit_transform``, and CSR matrices on disk.
 
 At a million tasks one ``TfidfVectorizer.fit_transform`` of the character 3-5-gram view holds every raw
-(document, n-gram) pair as Python integers before it prunes the vocabulary (about 10 GiB), and the finished
-S_full feature matrix of Eq. 1 takes 4.7 GiB.  ``tfidf_chunks`` gives the same matrix, chunk of rows by chunk
-of rows, holding one chunk at a time:
+(document, n-gram) pair as Python integers before it prunes the vocabulary, and the finished S_full feature
+matrix of Eq. 1 is several GiB (docs/results/envsched_scale.md).  ``tfidf_chunks`` gives the same matrix, chunk of
+rows by chunk of rows, holding one chunk at a time:
 
 1. pass 1 counts each chunk with scikit-learn's ``CountVectorizer`` (the vectorizer's own analyzer), merges the
    vocabularies in first-appearance order, and adds up term counts and document frequencies; the chunk count
