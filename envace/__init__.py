@@ -4,8 +4,8 @@ The sub-packages and top-level modules form layers; a module imports only from l
 checked by ``tests/test_dependency_direction.py``. Lowest first:
 
 1. ``roles`` — the one ``Role`` enum (act, rehearse) every layer shares;
-2. ``cache``, ``loop_config``, ``metrics``, ``trackers``, ``advantage`` (role-wise GRPO, pure math), ``platform``
-   (verl's CPU device backend);
+2. ``envace`` (this package root), ``cache``, ``loop_config``, ``metrics``, ``trackers``, ``advantage`` (role-wise
+   GRPO, pure math), ``platform`` (verl's CPU device backend);
 3. ``envs`` — environment pools, verifiers, EnvSched pool records;
 4. ``toolcall``, ``rewards``;
 5. ``config`` — the typed ``envace:`` config schema;
@@ -13,9 +13,13 @@ checked by ``tests/test_dependency_direction.py``. Lowest first:
 7. ``models`` — tiny models and the warm start;
 8. ``eval`` — benchmark evaluation;
 9. ``verl`` — everything plugged into verl's trainer (:mod:`envace.verl`);
-10. ``launch``, then ``train``, then ``gpu_smoke`` and ``cli`` — the commands.
+10. ``launch`` — ``scripts/train.sh``'s cluster helpers;
+11. ``train`` — pre-flight, then verl's trainer;
+12. ``gpu_smoke``, ``cli`` — the commands that drive the ones above.
 
-``envsched`` and ``trace2env`` never import envace.
+``envsched`` and ``trace2env`` never import envace; each has its own layer order, in its ``__init__.py``. The turn
+engine (:mod:`envace.agents.engine`) imports neither verl nor an HTTP client, through anything it imports (checked
+by the same test).
 """
 
 __version__ = "0.1.0"

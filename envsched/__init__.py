@@ -13,6 +13,20 @@ Public API::
     state = sched.state_dict(); sched.load_state_dict(state)
 
 See envsched/README.md and the JSONL format in ``envsched.pool``.
+
+The modules form layers; a module imports only from lower layers, never a peer of its own layer, and no import
+cycle exists (``tests/test_dependency_direction.py``). Lowest first:
+
+1. ``config`` (the typed config), ``pool`` (the task pool and its JSONL format), ``tfidf`` (row-chunked TF-IDF
+   and CSR matrices on disk), ``synthetic`` (simulated pools and learners) — import no other envsched module;
+2. ``estimate`` (the estimation equations over arrays, Eq. 2-4 and 6-13), ``operations`` (App. E operation
+   descriptions and their extractors);
+3. ``relations`` (Eq. 3' weights measured on the estimates' predictions), ``filters`` (App. C eligibility
+   filters), ``graph`` (the static dual-relation graph, Eq. 1);
+4. ``graph_cache`` (the graph on disk), ``neighbors`` (the observed-neighbour sets), ``select`` (batch
+   construction, Eq. 5) — over the graph;
+5. ``scheduler`` — rollout -> update -> propagation -> selection, driving all of the above;
+6. ``envsched`` (this package root) — the public API it re-exports.
 """
 
 from .config import ConfigError, EnvSchedConfig, LLMExtractorConfig

@@ -17,7 +17,20 @@ proposal → validation-gate → commit step. Modules:
 * :mod:`trace2env.evaluate` — held-out agreement;  :mod:`trace2env.baselines` — the paper's baselines;
   :mod:`trace2env.judge` — the LLM judge;  :mod:`trace2env.consistency` — W2R / CR.
 
-A standalone library: it never imports ``envace`` or ``verl`` (tests/test_dependency_direction.py).
+A standalone library: it never imports ``envace`` or ``verl`` (tests/test_dependency_direction.py). Its modules
+form layers; a module imports only from lower layers, never a peer of its own layer, and no import cycle exists
+(the same test). Lowest first:
+
+1. ``models``, ``cliargs`` (the command-line convention), ``llmcore``, ``endpoint`` — import no other module here;
+2. ``engine``, ``ingest``, ``providers``, ``llm`` — over the typed artifacts and the LLM core;
+3. ``induce``, ``applicability``, ``judge``;
+4. ``package``;
+5. ``build`` (the construction pipeline), ``runtime`` (the harness);
+6. ``agent`` — the world-model agent, a proposer for the runtime;
+7. ``baselines`` — the predictors, the agent among them;
+8. ``evaluate`` — held-out agreement over the predictors;
+9. ``consistency`` — W2R / CR, over the evaluation;
+10. ``trace2env`` (this package root: the public API), ``__main__`` (the command line).
 """
 
 from .build import build_worldbook
