@@ -28,10 +28,10 @@ choice by instruction set: the same seed gives other floats on AVX2 than on AVX-
 learning rate was fragile: on some machines the rate had decayed before the circuit formed, and the model then
 guessed argument values. So phase 1 stops on the loss at a constant rate (the manifest records the steps it took and
 the kernel path). The target is 0.03, not 0.1: where the loss falls slowly rather than abruptly, stopping at 0.1 left
-the circuit half-formed and the held-out success far lower. On AVX2 kernels the loss levels off at 0.06-0.07 at that
-rate, so the budget's last ``drill_anneal_steps`` steps anneal it (a run that reached the target before them is
-untouched): there it then clears 0.03. Trained on task data from the start, the same budget leaves the model guessing
-values.
+the circuit half-formed and the held-out success far lower. On AVX2 kernels the loss levels off above the target at
+that rate (docs/results/cpu_default.md, "CPU kernel paths"), so the budget's last ``drill_anneal_steps`` steps anneal
+it (a run that reached the target before them is untouched): there it then clears 0.03. Trained on task data from
+the start, the same budget leaves the model guessing values.
 Phase 2 (``max_steps``) trains on ACT and REHEARSE examples with some drills mixed in, with a decaying rate.
 
 Phase 1 runs on batches of ``drill_batch_tokens`` = 1,024 padded tokens, half of phase 2's: the circuit forms after

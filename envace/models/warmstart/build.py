@@ -172,8 +172,8 @@ def kernel_path_notice() -> str | None:
 
     On x86-64 without AVX2 (torch's ``DEFAULT`` capability: CPUs before 2013, and virtual machines that hide the
     host's AVX2) the build reaches the other paths' held-out success only after a second phase-2 pass, and its scalar
-    kernels are slow: about 25 minutes on 2 cores against 6 to 9 with AVX2 or AVX-512
-    (docs/results/cpu_default.md, "CPU kernel paths"). Other architectures are not judged (no measurement)."""
+    kernels are several times slower than AVX2's or AVX-512's (docs/results/cpu_default.md, "CPU kernel paths"; the
+    notice quotes its build times). Other architectures are not judged (no measurement)."""
     import platform
 
     import torch
