@@ -83,7 +83,7 @@ BUGS = [
     # -- agent-loop limits (envace/agents/engine.py, verl_loop.py) -----------------------------------------
     Bug("no_budget_stop", "the response-budget stop removed", "envace/agents/engine.py",
         "                    if reply.budget_exhausted:\n"
-        "                        t.stop_reason = \"token_budget\"\n"
+        "                        t.stop_reason = StopReason.TOKEN_BUDGET\n"
         "                        return t\n",
         "",
         ("tests/envace/agents/test_engine.py",)),

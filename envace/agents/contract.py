@@ -20,7 +20,7 @@ wire key                   field                           meaning
 ``task_id``/``pool``       ``task_id``/``pool``            the task
 ``env_id``                 ``env_id``                      the task's environment
 ``observation_source``     ``observation_source``          ``real`` / ``rehearse`` / ``simulator``
-``stop_reason``            ``stop_reason``                 why the turn engine stopped
+``stop_reason``            ``stop_reason``                 :class:`~envace.agents.outcomes.StopReason` (its value)
 ``mask_reason``            ``mask_reason``                 why the rollout could not be judged ('' if it was)
 ``reward_extra_info``      ``reward``, ``verify_failed``,  ``{"acc": reward, "verify_failed": 0/1, **counters}``
                            ``counters``                    (the transcript's counters, outputs per role)
@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from envace.agents.outcomes import StopReason
 from envace.roles import Role
 
 __all__ = ["GREEDY_FIELD", "RolloutFields", "RolloutFieldsError", "key_trajectory"]
@@ -96,7 +97,7 @@ class RolloutFields:
     pool: str = ""
     env_id: str = ""
     observation_source: str = ""
-    stop_reason: str = "unknown"
+    stop_reason: StopReason = StopReason.UNKNOWN
     mask_reason: str = ""
     reward: float | None = None  # the trajectory reward (``reward_extra_info.acc``); None on a foreign row
     verify_failed: bool = False  # the rollout could not be judged: masked, left out of every baseline
@@ -122,7 +123,7 @@ class RolloutFields:
             "env_id": self.env_id,
             "trajectory_id": self.trajectory_id,
             "observation_source": self.observation_source,
-            "stop_reason": self.stop_reason,
+            "stop_reason": str(self.stop_reason),
             "mask_reason": self.mask_reason,
             "reward_extra_info": self.reward_extra_info,
             "fidelity": json.dumps(list(self.fidelity)),
@@ -177,7 +178,7 @@ class RolloutFields:
             pool=r.text("pool"),
             env_id=r.text("env_id"),
             observation_source=r.text("observation_source"),
-            stop_reason=r.text("stop_reason"),
+            stop_reason=r.stop_reason(),
             mask_reason=r.text("mask_reason"),
             reward=info.pop("acc"),
             verify_failed=bool(info.pop("verify_failed")),
@@ -229,6 +230,13 @@ class _Reader:
             return Role.parse(self.extra["role"])
         except ValueError as exc:
             raise RolloutFieldsError(f"row {self.row}: extra_fields.role: {exc}") from None
+
+    def stop_reason(self) -> StopReason:
+        text = self.text("stop_reason")
+        try:
+            return StopReason.parse(text)
+        except ValueError as exc:
+            raise RolloutFieldsError(f"row {self.row}: extra_fields.stop_reason: {exc}") from None
 
     def info(self, *, required: bool) -> dict[str, float]:
         info = self.extra.get("reward_extra_info")

@@ -28,11 +28,10 @@ always the task's :class:`~envace.envs.base.Episode`. One rollout::
         episode.end_turn(final text) → next user message, or None (completed)
     → :class:`Transcript` (messages, per-step records, executed actions, counters, stop reason)
 
-Stop reasons: ``completed`` (the episode handed out no further user message), ``episode_done``
-(``episode.done`` became true), ``max_user_turns``, ``max_steps_per_turn`` (with
-``on_step_limit=end_episode``), ``token_budget`` (the policy's budget is spent), ``malformed_call`` /
-``malformed_rehearsal`` (with ``on_malformed_*=end``), ``model_error`` (the endpoint rejected a request
-the model caused, e.g. context too long). Infrastructure failures are not stop reasons: they raise, so
+Why a rollout stopped is a :class:`~envace.agents.outcomes.StopReason` and what answered each call an
+:class:`~envace.agents.outcomes.ObservationKind` (both in ``envace/agents/outcomes.py``, re-exported here). An
+observation that ends the rollout (``terminate``) stops it under its own kind (``timeout``, ``env_unavailable``,
+``malformed_rehearsal`` ...). Infrastructure failures of the policy's endpoint are not stop reasons: they raise, so
 the caller can retry the rollout instead of scoring it.
 """
 
@@ -43,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from envace.agents.outcomes import ObservationKind, StopReason
 from envace.envs.base import END_TURN, Episode, ToolCall
 from envace.loop_config import LoopLimits
 from envace.roles import Role  # the one Role enum (envace/roles.py), re-exported here
@@ -52,11 +52,13 @@ __all__ = [
     "LoopLimits",
     "ModelError",
     "Observation",
+    "ObservationKind",
     "ObservationSource",
     "Policy",
     "Reply",
     "Role",
     "StepRecord",
+    "StopReason",
     "Transcript",
     "TurnEngine",
     "assistant_message",
@@ -100,8 +102,7 @@ class Observation:
     """What a source answered for one tool call."""
 
     text: str  # the tool message content the agent sees
-    # result | tool_error | env_error | bound_exceeded | malformed_rehearsal | timeout | env_unavailable | env_fault
-    kind: str = "result"
+    kind: ObservationKind = ObservationKind.RESULT
     real_text: str | None = None  # the real environment's response to the same call (fidelity), if known
     terminate: bool = False  # end the episode after this observation (malformed rehearsal with on_malformed=end)
     masked: bool = False  # the rollout cannot be scored (e.g. an environment time-out): never reward it
@@ -146,7 +147,7 @@ class Transcript:
     steps: list[StepRecord] = field(default_factory=list)
     # executed calls with their observations, END_TURN markers between user turns (replayable)
     actions: list[dict[str, Any]] = field(default_factory=list)
-    stop_reason: str = "completed"
+    stop_reason: StopReason = StopReason.COMPLETED
     error: str | None = None  # the model_error text
     user_turns: int = 0
     tool_calls: int = 0  # calls answered by the source
@@ -229,11 +230,11 @@ class TurnEngine:
                 final_text: str | None = None
                 for _step in range(limits.max_steps_per_turn):
                     if episode.done:
-                        t.stop_reason = "episode_done"
+                        t.stop_reason = StopReason.EPISODE_DONE
                         return t
                     reply = await policy.respond(messages, tools, Role.ACT)
                     if not reply.generated:
-                        t.stop_reason = "token_budget"
+                        t.stop_reason = StopReason.TOKEN_BUDGET
                         return t
                     call_ids = [f"call_{n_ids + i}" for i in range(len(reply.calls))]
                     n_ids += len(reply.calls)
@@ -242,7 +243,7 @@ class TurnEngine:
                     before = list(messages)
                     messages.append(assistant_message(reply, call_ids))
                     if reply.budget_exhausted:
-                        t.stop_reason = "token_budget"
+                        t.stop_reason = StopReason.TOKEN_BUDGET
                         return t
                     if not reply.calls and not reply.errors:
                         final_text = reply.content
@@ -253,22 +254,22 @@ class TurnEngine:
                         return t
                 if final_text is None:
                     if limits.on_step_limit == "end_episode":
-                        t.stop_reason = "max_steps_per_turn"
+                        t.stop_reason = StopReason.MAX_STEPS_PER_TURN
                         return t
                     final_text = ""
                 t.final_text = final_text
                 next_user = await asyncio.to_thread(episode.end_turn, final_text)
                 if next_user is None:
-                    t.stop_reason = "completed"
+                    t.stop_reason = StopReason.COMPLETED
                     return t
                 if t.user_turns >= limits.max_user_turns:
-                    t.stop_reason = "max_user_turns"
+                    t.stop_reason = StopReason.MAX_USER_TURNS
                     return t
                 t.actions.append({"name": END_TURN, "arguments": {}})
                 messages.append({"role": "user", "content": next_user})
                 tools = await asyncio.to_thread(episode.tools)  # e.g. BFCL miss_func reveals a function
         except ModelError as exc:
-            t.stop_reason, t.error = "model_error", str(exc)
+            t.stop_reason, t.error = StopReason.MODEL_ERROR, str(exc)
             return t
 
     async def _answer(
@@ -281,24 +282,25 @@ class TurnEngine:
         call_ids: list[str],
         episode: Episode,
         source: ObservationSource,
-    ) -> str | None:
+    ) -> StopReason | None:
         """Answer every call of ``reply``; append the tool messages. Returns a stop reason or None."""
         limits = self.limits
         messages = t.messages
-        stop: str | None = None
+        stop: StopReason | None = None
         for error in reply.errors:
             t.malformed_calls += 1
             text = malformed_call_observation(error)
-            step.observations.append(Observation(text=text, kind="malformed_call"))
+            step.observations.append(Observation(text=text, kind=ObservationKind.MALFORMED_CALL))
             messages.append({"role": "tool", "content": text})
             if limits.on_malformed_call == "end":
-                stop = "malformed_call"
+                stop = StopReason.MALFORMED_CALL
         if stop:
             return stop
         for i, (call, cid) in enumerate(zip(reply.calls, call_ids, strict=True)):
             if i >= limits.max_calls_per_message:
                 t.skipped_calls += 1
-                obs = Observation(text=skipped_call_observation(call.name, limits.max_calls_per_message), kind="skipped")
+                obs = Observation(text=skipped_call_observation(call.name, limits.max_calls_per_message),
+                                  kind=ObservationKind.SKIPPED)
             else:
                 ctx = CallContext(messages=before, tools=tools, reply=reply, call_index=i, episode=episode,
                                   limits=limits)
@@ -309,21 +311,21 @@ class TurnEngine:
                     t.actions.append({**call.to_dict(), "output": output})
                 else:
                     t.bound_hits += 1
-                if obs.kind == "env_error":
+                if obs.kind == ObservationKind.ENV_ERROR:
                     t.env_errors += 1
-                if obs.kind == "env_unavailable":
+                if obs.kind == ObservationKind.ENV_UNAVAILABLE:
                     t.env_unavailable += 1
-                if obs.kind == "env_fault":
+                if obs.kind == ObservationKind.ENV_FAULT:
                     t.env_faults += 1
-                if obs.kind == "malformed_rehearsal":
+                if obs.kind == ObservationKind.MALFORMED_REHEARSAL:
                     t.malformed_rehearsals += 1
                 if obs.masked and not t.masked:
-                    t.masked, t.mask_reason = True, obs.meta.get("reason", obs.kind)
+                    t.masked, t.mask_reason = True, obs.meta.get("reason", str(obs.kind))
             step.observations.append(obs)
             messages.append(
                 {"role": "tool", "tool_call_id": cid, "content": truncate_middle(obs.text, limits.max_observation_chars)}
             )
             if obs.terminate:
-                return obs.kind
+                return StopReason.ending(obs.kind)
         return None
 

@@ -35,7 +35,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from envace.agents.engine import CallContext, Observation, Policy, Role, assistant_message
+from envace.agents.engine import CallContext, Observation, ObservationKind, Policy, Role, assistant_message
 from envace.envs.base import EnvironmentFault, EnvironmentUnavailable, ToolCall, scrub_surrogates
 from envace.envs.sandbox import BoundExceeded, Bounds, ChildFailed, run_bounded
 from envace.loop_config import RehearsalPrompt
@@ -90,7 +90,7 @@ class RealSource:
         except TimeoutError:
             return Observation(
                 text=f"Error: the environment did not answer '{call.name}' within {self.timeout_s:g}s.",
-                kind="timeout",
+                kind=ObservationKind.TIMEOUT,
                 terminate=True,
                 masked=True,
                 meta={"reason": f"environment time-out on {call.name}"},
@@ -98,7 +98,7 @@ class RealSource:
         except EnvironmentUnavailable as exc:  # infrastructure (a server down, a dropped connection): never scored
             return Observation(
                 text=f"Error: the environment is unavailable ('{call.name}').",
-                kind="env_unavailable",
+                kind=ObservationKind.ENV_UNAVAILABLE,
                 terminate=True,
                 masked=True,
                 meta={"reason": f"environment unavailable on {call.name}: {_safe_str(exc)}"},
@@ -106,7 +106,7 @@ class RealSource:
         except EnvironmentFault as exc:  # the server broke its protocol: named, never scored as the model's
             return Observation(
                 text=f"Error: the environment answered '{call.name}' with a malformed result.",
-                kind="env_fault",
+                kind=ObservationKind.ENV_FAULT,
                 terminate=True,
                 masked=True,
                 meta={"reason": f"environment fault on {call.name}: {_safe_str(exc)}"},
@@ -115,10 +115,10 @@ class RealSource:
             logger.debug("environment raised on %s", call.name, exc_info=True)
             return Observation(
                 text=f"Error: the environment failed on '{call.name}': {type(exc).__name__}: {_safe_str(exc)}",
-                kind="env_error",
+                kind=ObservationKind.ENV_ERROR,
             )
         text = _safe_str(text)[:MAX_OUTPUT_CHARS]
-        return Observation(text=text, kind="tool_error" if _looks_like_error(text) else "result")
+        return Observation(text=text, kind=_answer_kind(text))
 
     @staticmethod
     async def _probe(call: ToolCall, ctx: CallContext) -> Observation | None:
@@ -130,14 +130,14 @@ class RealSource:
         except BoundExceeded as exc:
             return Observation(
                 text=f"Error: the tool call '{call.name}' {exc}; it had no effect. Use smaller arguments.",
-                kind="bound_exceeded",
+                kind=ObservationKind.BOUND_EXCEEDED,
                 executed=False,
                 meta={"bound": exc.what},
             )
         except ChildFailed as exc:
             return Observation(
                 text=f"Error: the environment crashed on '{call.name}'; it had no effect.",
-                kind="bound_exceeded",
+                kind=ObservationKind.BOUND_EXCEEDED,
                 executed=False,
                 meta={"bound": "crash", "reason": str(exc)},
             )
@@ -165,6 +165,11 @@ def _looks_like_error(text: str) -> bool:
     except (json.JSONDecodeError, RecursionError):
         return False
     return isinstance(obj, dict) and ("error" in obj or "error_tool_call" in obj)
+
+
+def _answer_kind(text: str) -> ObservationKind:
+    """The kind of a tool's answer: ``tool_error`` when it reads as an error, else ``result``."""
+    return ObservationKind.TOOL_ERROR if _looks_like_error(text) else ObservationKind.RESULT
 
 
 # -- the rehearsal prompt and its strict output format --------------------------------------------
@@ -381,12 +386,12 @@ class GeneratedSource:
         except RehearsalFormatError as exc:
             obs = Observation(
                 text=_malformed_rehearsal_text(str(exc)),
-                kind="malformed_rehearsal",
+                kind=ObservationKind.MALFORMED_REHEARSAL,
                 terminate=self.on_malformed == "end",
                 meta={"reason": str(exc)},
             )
         else:
-            obs = Observation(text=result, kind="tool_error" if _looks_like_error(result) else "result")
+            obs = Observation(text=result, kind=_answer_kind(result))
             if real is not None and not real.masked:
                 obs.meta["fidelity"] = fidelity(result, real.text)
         if real is not None:

@@ -23,7 +23,8 @@ needs a verdict of the simulator itself, which this source does not form). Obser
 step is ``result`` / ``tool_error`` (by its text); an invalid or unknown action is ``tool_error`` (the
 model's mistake); a step the simulator cannot answer (no rule, no supporting evidence, the world model gave
 up) is ``simulator_gap`` — the agent reads the error, the count is in ``meta``, and the shadow still
-executed the call.
+executed the call. A call the shadow could not run (time-out, environment unavailable or at fault) takes the
+shadow's kind and ends the rollout, masked, as with the rehearsal source.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from envace.agents.engine import CallContext, Observation
-from envace.agents.sources import RealSource, _looks_like_error, fidelity
+from envace.agents.engine import CallContext, Observation, ObservationKind
+from envace.agents.sources import RealSource, _answer_kind, fidelity
 from envace.envs.base import ToolCall
 from envace.envs.traces import initial_state_id
+from envllm import EndpointConfig
 from trace2env import Session, Worldbook, load_worldbooks
 from trace2env.agent import WorldModelAgent
-from trace2env.endpoint import EndpointConfig
 from trace2env.runtime import Proposer
 
 __all__ = ["WorldbookLibrary", "WorldbookSource", "provider_from_endpoint", "world_model_from_endpoint"]
@@ -148,17 +149,17 @@ class WorldbookSource:
         self.routes[res.route] = self.routes.get(res.route, 0) + 1
         meta: dict[str, Any] = {"route": res.route, "rule_id": res.rule_id}
         if res.accepted:
-            kind = "tool_error" if _looks_like_error(res.observation) else "result"
+            kind = _answer_kind(res.observation)
         else:
             err_type = json.loads(res.observation).get("type", "")
-            kind = "tool_error" if err_type in _AGENT_ERRORS else "simulator_gap"
+            kind = ObservationKind.TOOL_ERROR if err_type in _AGENT_ERRORS else ObservationKind.SIMULATOR_GAP
             meta["simulator_error"] = err_type
         obs = Observation(text=res.observation, kind=kind, meta=meta)
         if self.shadow is not None:
             real = await self.shadow.execute(call, ctx)
             obs.real_text, obs.executed = real.text, real.executed
             obs.meta["fidelity"] = fidelity(res.observation, real.text)
-            if real.masked:
-                obs.masked, obs.terminate = True, True
+            if real.masked:  # the shadow failed (time-out, unavailable, fault): the rollout cannot be scored
+                obs.kind, obs.masked, obs.terminate = real.kind, True, True  # named and counted as the shadow's
                 obs.meta["reason"] = real.meta.get("reason", "environment time-out")
         return obs

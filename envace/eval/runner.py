@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from envace.agents.client import ChatClient
-from envace.agents.engine import LoopLimits, ObservationSource, Reply, Role, TurnEngine
+from envace.agents.engine import LoopLimits, ObservationSource, Reply, Role, StopReason, TurnEngine
 from envace.agents.sources import RealSource
 from envace.envs.base import EnvironmentPool, TaskSpec, scrub_surrogates
 from envace.rewards.llm import InfrastructureError
@@ -52,8 +52,7 @@ class TaskRecord:
     reward: float
     passed: bool
     reason: str = ""  # the checker's explanation
-    # completed | episode_done | max_user_turns | max_steps_per_turn | malformed_call | model_error | ...
-    stop_reason: str = "completed"
+    stop_reason: StopReason = StopReason.COMPLETED  # why the turn engine stopped
     error: str | None = None  # model-side request error (e.g. context too long), if any
     bound_hits: int = 0  # tool calls stopped at a tool bound (time / memory); scored as the model's failure
     unjudged: list[str] = field(default_factory=list)  # verifier components that could not be judged
@@ -69,12 +68,16 @@ class TaskRecord:
     extra: dict[str, Any] = field(default_factory=dict)  # runner-specific data
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "stop_reason": str(self.stop_reason)}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> TaskRecord:
+        """The record of one ``results.jsonl`` line (unknown keys ignored; ValueError for an unknown stop reason)."""
         known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in obj.items() if k in known})
+        kept = {k: v for k, v in obj.items() if k in known}
+        if "stop_reason" in kept:
+            kept["stop_reason"] = StopReason.parse(kept["stop_reason"])
+        return cls(**kept)
 
 
 class TaskRunner(Protocol):

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from envace.agents.contract import ENVACE_KEYS, RolloutFields, RolloutFieldsError
+from envace.agents.outcomes import StopReason
 from envace.roles import Role
 
 #: one output's extra_fields exactly as envace/agents/verl_loop.py writes them (a rehearsed rollout's second output)
@@ -42,12 +43,14 @@ WIRE = {
 def test_the_loops_wire_dict_reads_as_typed_fields_and_writes_back_identically():
     row = RolloutFields.from_extra_fields(WIRE, row="u1_2_1")
     assert row.role is Role.REHEARSE and row.trajectory_id == "u1_2" and row.output_index == 1
+    assert row.stop_reason is StopReason.COMPLETED
     assert row.reward == 1.0 and row.verify_failed is False and row.counters["tool_calls"] == 1.0
     assert row.fidelity == ({"exact": 1.0, "key_overlap": 1.0, "error_agree": 1.0},)
     assert row.actions[0]["arguments"] == {"a": "ü"} and row.num_tokens == 12 and not row.empty
     assert row.weight_versions == {"min_global_steps": 7, "max_global_steps": 7, "global_steps": 7}
     back = row.to_extra_fields()
     assert back == WIRE and list(back) == list(WIRE)  # the same keys in the same order, the same values
+    assert type(back["stop_reason"]) is str and type(back["role"]) is str  # plain text on the wire, not enums
     assert list(back["reward_extra_info"]) == list(WIRE["reward_extra_info"])
 
 
@@ -61,7 +64,8 @@ fields = st.builds(
     role=st.sampled_from(list(Role)),
     trajectory_id=text,
     output_index=st.integers(0, 50),
-    task_id=text, pool=text, env_id=text, observation_source=text, stop_reason=text, mask_reason=text,
+    task_id=text, pool=text, env_id=text, observation_source=text, stop_reason=st.sampled_from(list(StopReason)),
+    mask_reason=text,
     reward=number,
     verify_failed=st.booleans(),
     counters=st.dictionaries(text.filter(lambda k: k not in ("acc", "verify_failed")), number, max_size=4),
@@ -96,7 +100,7 @@ def test_a_row_of_verls_own_loops_is_an_act_output_valid_unless_its_reward_faile
     for extra in (None, {}, {"raw_prompt": "hi", "turn_scores": []}):
         row = RolloutFields.from_extra_fields(extra)
         assert row.foreign and row.role is Role.ACT and not row.verify_failed and row.trajectory_id is None
-        assert row.actions is None and row.stop_reason == "unknown"
+        assert row.actions is None and row.stop_reason is StopReason.UNKNOWN
     failed = RolloutFields.from_extra_fields({"reward_extra_info": {"verify_failed": 1.0, "note": "text"}})
     assert failed.foreign and failed.verify_failed
     with pytest.raises(RolloutFieldsError, match="foreign"):
@@ -115,6 +119,9 @@ def test_a_missing_key_is_named_with_the_row(key):
     [
         ("role", "actor", r"extra_fields.role: 'actor' is not a role; roles are 'act' \(code 0\), 'rehearse'"),
         ("role", True, "is not a role"),
+        ("stop_reason", "max_turns", (r"extra_fields.stop_reason: 'max_turns' is not a stop reason; stop reasons are "
+                                     "'completed', 'episode_done'")),
+        ("stop_reason", 3, "extra_fields.stop_reason=3 is not a string"),
         ("trajectory_id", 3, "extra_fields.trajectory_id=3 is not a string"),
         ("num_tokens", "12", "extra_fields.num_tokens='12' is not a number"),
         ("num_tokens", 2.5, "is not a non-negative whole number"),

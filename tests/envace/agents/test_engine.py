@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envace.agents.engine import LoopLimits, ModelError, Reply, Role, TurnEngine
+from envace.agents.engine import LoopLimits, ModelError, ObservationKind, Reply, Role, StopReason, TurnEngine
 from envace.agents.sources import (
     RealSource,
     RehearsalFormatError,
@@ -596,6 +596,7 @@ def test_observations_are_counted_recorded_and_truncated():
     assert t.stop_reason == "completed" and t.final_text == "end" and ep.ended == ["end"]
     assert (t.tool_calls, t.env_errors, t.bound_hits, t.malformed_rehearsals) == (5, 1, 1, 1)
     assert t.masked and t.mask_reason == "env_error"  # the first masked observation decides
+    assert type(t.mask_reason) is str  # plain text, whatever the kind's type
     assert [a["output"] for a in t.actions] == ["plain", "real answer", "boom", "bad"]  # no action for the stopped one
     assert [a["arguments"]["x"] for a in t.actions] == [0, 1, 2, 4]
     tool_msgs = [m for m in t.messages if m["role"] == "tool"]
@@ -613,12 +614,23 @@ def test_observations_are_counted_recorded_and_truncated():
 def test_a_terminating_observation_ends_the_rollout_with_its_kind():
     from envace.agents.engine import Observation
 
-    source = ScriptedSource([Observation(text="ok"), Observation(text="t/o", kind="timeout", terminate=True),
+    source = ScriptedSource([Observation(text="ok"),
+                             Observation(text="t/o", kind=ObservationKind.TIMEOUT, terminate=True),
                              Observation(text="never")])
     policy = ScriptedPolicy(["\n".join(echo(i) for i in range(3)), "unreached"])
     t, ep = run(policy, EndTurnEpisode(turns=1), source)
-    assert t.stop_reason == "timeout" and len(policy.calls) == 1 and ep.ended == []
+    assert t.stop_reason is StopReason.TIMEOUT and len(policy.calls) == 1 and ep.ended == []
     assert len(source.observations) == 1 and [m["role"] for m in t.messages].count("tool") == 2
+
+
+def test_an_observation_that_cannot_end_a_rollout_is_refused_when_it_tries():
+    """A source that sets ``terminate`` on a kind that names no stop reason (an ordinary result) is a bug in the
+    source: the engine says so instead of recording a stop reason nothing counts."""
+    from envace.agents.engine import Observation
+
+    source = ScriptedSource([Observation(text="ok", kind=ObservationKind.RESULT, terminate=True)])
+    with pytest.raises(ValueError, match="an observation of kind 'result' cannot end a rollout"):
+        run(ScriptedPolicy([echo(0)]), EndTurnEpisode(turns=1), source)
 
 
 @pytest.mark.parametrize("mode", ["feedback", "end"])
@@ -634,7 +646,7 @@ def test_malformed_calls_next_to_good_ones(mode):
     assert all("tool_call_id" not in m and m["content"].startswith("Error: your tool call could not be parsed")
                for m in tool_msgs[:2])
     if mode == "end":
-        assert t.stop_reason == "malformed_call" and ep.executed == [] and len(policy.calls) == 1
+        assert t.stop_reason is StopReason.MALFORMED_CALL and ep.executed == [] and len(policy.calls) == 1
         assert kinds == ["malformed_call", "malformed_call"] and len(tool_msgs) == 2
     else:
         assert t.stop_reason == "completed" and [c.arguments["x"] for c in ep.executed] == [7]
@@ -644,7 +656,8 @@ def test_malformed_calls_next_to_good_ones(mode):
 def test_skipped_calls_are_observations_of_kind_skipped():
     policy = ScriptedPolicy(["\n".join(echo(i) for i in range(3)), "fin"])
     t, _ = run(policy, EndTurnEpisode(turns=1), max_calls_per_message=1)
-    assert [o.kind for o in t.steps[0].observations] == ["result", "skipped", "skipped"]
+    assert [o.kind for o in t.steps[0].observations] == [ObservationKind.RESULT, *[ObservationKind.SKIPPED] * 2]
+    assert all(isinstance(o.kind, ObservationKind) for o in t.steps[0].observations)
 
 
 def test_episode_done_stops_before_the_next_generation():
@@ -655,7 +668,7 @@ def test_episode_done_stops_before_the_next_generation():
 
     policy = ScriptedPolicy([echo(0), echo(1)])
     t, ep = run(policy, DoneAfterOne(turns=3))
-    assert t.stop_reason == "episode_done" and len(policy.calls) == 1 and len(ep.executed) == 1
+    assert t.stop_reason is StopReason.EPISODE_DONE and len(policy.calls) == 1 and len(ep.executed) == 1
 
 
 def test_user_turns_are_recorded_in_messages_and_actions():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from envace.agents.engine import LoopLimits, Reply, TurnEngine
+from envace.agents.engine import LoopLimits, Observation, ObservationKind, Reply, StopReason, TurnEngine
 from envace.agents.sources import RealSource
 from envace.agents.worldbook import WorldbookLibrary, WorldbookSource
 from envace.config import AgentConfig, ConfigError, validate_envace_config
@@ -95,6 +95,26 @@ def test_simulator_replaces_the_environment_in_the_turn_engine(book):
             [x for turn in pool.gold_observations(task_id) for x in turn]
     # replayed training tasks are fully covered; held-out tasks partly (rules + supporting evidence)
     assert simulated == exact and simulated >= 10 and routes.get("evidence", 0) >= 5, routes
+
+
+class LostShadow(RealSource):
+    """A shadow whose environment server is gone: every call comes back masked, as RealSource reports an outage."""
+
+    async def execute(self, call, ctx):
+        return Observation(text="Error: the environment is unavailable.", kind=ObservationKind.ENV_UNAVAILABLE,
+                           terminate=True, masked=True, meta={"reason": f"environment unavailable on {call.name}"})
+
+
+def test_a_simulated_rollout_whose_shadow_is_lost_is_masked_and_named_by_the_shadow(book):
+    """The reward comes from the shadow: when it cannot run a call, the rollout cannot be scored. It ends masked,
+    its stop reason and counter name the outage (not the simulator's answer), as with the rehearsal source."""
+    pool, _, train, _, wb_root = book
+    episode = pool.start(train[0])
+    source = WorldbookSource.for_episode(wb_root, episode, shadow=LostShadow())
+    t = asyncio.run(TurnEngine(LoopLimits()).run(episode, GoldPolicy(pool, train[0]), source))
+    assert t.masked and t.stop_reason is StopReason.ENV_UNAVAILABLE and "unavailable" in t.mask_reason
+    assert t.counters()["env_unavailable"] == 1 and t.tool_calls == 1
+    assert [o.kind for s in t.steps for o in s.observations] == [ObservationKind.ENV_UNAVAILABLE]
 
 
 def test_training_replay_is_fully_simulated(book):

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from envace.agents.outcomes import StopReason
 from envace.envs.base import scrub_surrogates
 from envace.eval.driver import evaluate
 from envace.eval.report import BENCHMARKS
@@ -111,7 +112,7 @@ records = st.builds(
     reward=st.floats(min_value=0.0, max_value=1.0),
     passed=st.booleans(),
     reason=texts,
-    stop_reason=st.sampled_from(["completed", "max_user_turns", "token_budget", "model_error"]),
+    stop_reason=st.sampled_from(list(StopReason)),
     error=st.none() | texts,
     bound_hits=st.integers(0, 5),
     unjudged=st.lists(texts, max_size=2),
@@ -155,6 +156,15 @@ def test_store_round_trips(tmp_path_factory: pytest.TempPathFactory, recs: list[
         warnings.simplefilter("ignore", UserWarning)
         assert store.repair() == 1
     assert ResultStore(root / "a").completed() == want and store.repair() == 0
+
+
+def test_a_stop_reason_is_its_text_on_disk_and_a_member_when_read_back() -> None:
+    rec = record("t0", 0.0, stop_reason=StopReason.TOKEN_BUDGET)
+    line = rec.to_json()
+    assert type(line["stop_reason"]) is str and json.dumps(line["stop_reason"]) == '"token_budget"'
+    assert TaskRecord.from_json(json.loads(json.dumps(line))).stop_reason is StopReason.TOKEN_BUDGET
+    with pytest.raises(ValueError, match="'max_turns' is not a stop reason; stop reasons are 'completed'"):
+        TaskRecord.from_json({**line, "stop_reason": "max_turns"})
 
 
 def test_every_file_is_strict_json_a_non_finite_number_is_null(tmp_path: Path) -> None:
