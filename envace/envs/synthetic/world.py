@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 #: Prompt budget on the tools' JSON (characters). Qwen3's chat template renders each tool as one JSON
 #: line (>= 3.25 characters per token for these schemas); ~100 tokens of template and <= 40 of
-#: instruction leave ~370 tokens. Measured over all tasks of seeds 0-3: at most 494 prompt tokens.
+#: instruction leave ~370 tokens (the longest prompt measured: docs/results/cpu_default.md).
 _TOOLS_BUDGET_CHARS = 1290
 
 
