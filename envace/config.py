@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from envace.loop_config import LoopLimits, RehearsalPrompt
 from envace.rewards.checklist import ChecklistJudgeConfig
 from envace.roles import Role
-from trace2env.endpoint import RENAMED_KEYS, EndpointConfig
+from envllm import RENAMED_KEYS, EndpointConfig
 
 __all__ = [
     "AdvantageConfig",
@@ -91,7 +91,7 @@ class AgentConfig:
     rehearsal: RehearsalPrompt = field(default_factory=RehearsalPrompt)
     # seconds one environment call or verification may take before the rollout is masked (unscored)
     env_timeout_s: float = 60.0
-    # external simulator endpoint (observation_source=simulator; trace2env.endpoint.EndpointConfig keys, e.g.
+    # external simulator endpoint (observation_source=simulator; envllm.EndpointConfig keys, e.g.
     # {base_urls: [http://10.0.0.5:8000/v1], model: Qwen3-32B}); with a worldbook it drives the Trace2Env
     # world-model agent for steps no rule or evidence covers. null: none
     simulator: EndpointConfig | None = None
@@ -198,7 +198,7 @@ class RewardConfig:
     verifiable_weight: float = 1.0
     # weight of the checklist judge's reward (rows whose reward_model.style is "checklist", e.g. CM2)
     checklist_weight: float = 1.0
-    # judge endpoint for checklist rows (trace2env.endpoint.EndpointConfig keys, e.g.
+    # judge endpoint for checklist rows (envllm.EndpointConfig keys, e.g.
     # {base_urls: [http://10.0.0.9:8000/v1], model: Qwen3-30B-A3B, concurrency: 500}); null: none
     judge: EndpointConfig | None = None
     # how the judge prompts and aggregates (envace.rewards.checklist.ChecklistJudgeConfig)

@@ -11,40 +11,53 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from envllm import RENAMED_KEYS, EndpointConfig
 
 
 class ConfigError(ValueError):
     """A configuration could not be built (unknown key, wrong type, out-of-range value)."""
 
 
-class LLMExtractorConfig(BaseModel):
-    """Settings of the LLM operation extractor (EnvSched App. E); used only when ``operation_extractor='llm'``."""
+#: keys of the extractor config before it extended the shared endpoint config, and the key to write instead
+#: (its ``max_retries`` counted repair rounds; the key now counts retries after an infrastructure error)
+RENAMED_LLM_KEYS: dict[str, str] = {**RENAMED_KEYS, "max_workers": "concurrency"}
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # OpenAI-compatible endpoint, e.g. "http://127.0.0.1:8000/v1" (vLLM / `transformers serve`).
-    base_url: str | None = None
-    # Model name sent in the chat-completions request.
-    model: str = "gpt-4o-mini"
-    # Name of the environment variable that holds the API key (the key itself is never stored in config).
-    api_key_env: str = "OPENAI_API_KEY"
-    # Directory of the on-disk cache of validated answers, keyed by the SHA-256 of model + prompt + task.
-    cache_dir: str = ".cache/envsched/operations"
-    # Sampling temperature of the extraction request (0 = as deterministic as the server allows).
-    temperature: float = 0.0
-    # Extra attempts after an answer that fails the schema (the failure reason is fed back to the model).
-    max_retries: int = Field(1, ge=0)
-    # What to do when the answer still fails the schema: "fallback" to the deterministic extractor
-    # (logged, with the reason recorded per task) or "raise" an OperationExtractionError.
+@dataclass
+class LLMExtractorConfig(EndpointConfig):
+    """The endpoint of the LLM operation extractor (EnvSched App. E; used only when ``operation_extractor='llm'``):
+    the project's one endpoint config (:class:`envllm.EndpointConfig`: ``base_urls``, ``model``, ``api_key_env``,
+    ``timeout_s``, ``max_retries``, ``concurrency``, sampling), plus the extractor's own knobs below.
+
+    The extractor talks to the first of ``base_urls`` through ``openai.OpenAI`` (whose own backoff retries an
+    infrastructure error ``max_retries`` times), ``concurrency`` requests at a time while it extracts a pool; it
+    sends ``temperature``, ``top_p``, ``max_tokens``, ``seed`` and ``extra_body``, and asks for a JSON object. The
+    async pool's ``routing``, ``unhealthy_cooldown_s``, ``backoff_*`` and ``use_json_schema`` do not apply here.
+    """
+
+    renamed_keys: ClassVar[dict[str, str]] = RENAMED_LLM_KEYS
+
+    # directory of the on-disk cache of validated answers, keyed by the SHA-256 of model + prompt + task (null: none)
+    cache_dir: str | None = ".cache/envsched/operations"
+    # follow-up requests after an answer that fails the schema (the failure reason is fed back to the model)
+    repair_rounds: int = 1
+    # what to do when no answer validated: "fallback" to the deterministic extractor (logged, with the reason
+    # recorded per task) or "raise" (OperationExtractionError; envllm.InfrastructureError when the endpoint failed)
     on_invalid: Literal["fallback", "raise"] = "fallback"
-    # Parallel requests while extracting a whole pool.
-    max_workers: int = Field(8, ge=1)
-    # Per-request timeout in seconds.
-    timeout_s: float = Field(120.0, gt=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.repair_rounds < 0:
+            raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
+        if self.on_invalid not in ("fallback", "raise"):
+            raise ValueError(f"on_invalid must be 'fallback' or 'raise', got {self.on_invalid!r}")
 
 
 class EnvSchedConfig(BaseModel):
@@ -92,8 +105,10 @@ class EnvSchedConfig(BaseModel):
     # Source of the structured operation description: "deterministic" (tool schemas + ground-truth
     # call sequences) or "llm" (App. E prompt on an OpenAI-compatible endpoint, see `llm`).
     operation_extractor: Literal["deterministic", "llm"] = "deterministic"
-    # LLM extractor settings.
-    llm: LLMExtractorConfig = LLMExtractorConfig()
+    # The LLM extractor's endpoint and settings (LLMExtractorConfig: envllm.EndpointConfig keys plus cache_dir,
+    # repair_rounds, on_invalid), e.g. {base_urls: [http://127.0.0.1:8000/v1], model: M}; required when
+    # operation_extractor is "llm".  null: none.
+    llm: LLMExtractorConfig | None = None
     # Folder of the on-disk cache of the static graph (the Eq. 1 views and operation descriptions), one
     # entry per (pool content hash, graph-relevant config fields); a restart with the same pool and config
     # loads the entry instead of rebuilding.  null: no cache.  Implementation choice, not in the paper.
@@ -239,8 +254,22 @@ class EnvSchedConfig(BaseModel):
     # At most this many trajectories per task and step are replayed (highest reward first).
     identifier_max_checks_per_task: int = Field(1, ge=1)
 
+    @field_validator("llm", mode="before")
+    @classmethod
+    def _endpoint(cls, value: Any) -> Any:
+        """The ``llm`` mapping's keys checked as the shared endpoint config checks them (an unknown or renamed key
+        named), one URL string taken as a list of one as everywhere else; pydantic then checks the values' types and
+        the dataclass its ranges."""
+        if not isinstance(value, Mapping):
+            return value
+        LLMExtractorConfig.check_keys(value, where="llm")
+        urls = value.get("base_urls")
+        return {**value, "base_urls": [urls]} if isinstance(urls, str) else value
+
     @model_validator(mode="after")
     def _check(self) -> EnvSchedConfig:
+        if self.operation_extractor == "llm" and self.llm is None:
+            raise ValueError("operation_extractor: llm needs the llm endpoint (llm: {base_urls: [...], model: ...})")
         for name in ("clip_v", "clip_m", "clip_d", "neighbor_weight_clip", "reward_range"):
             lo, hi = getattr(self, name)
             if lo > hi:

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 GRAPH_CACHE_VERSION = 2  # 2: x_full as memory-mappable .npy files, derived descriptions not stored
 # config fields the static graph depends on (Eq. 1 views and the operation extractor of App. E)
 _GRAPH_FIELDS = ("view_weights", "tfidf_min_df", "tfidf_max_features", "tfidf_sublinear_tf", "tfidf_float32", "operation_extractor")
-# LLM settings that can change the extracted descriptions (not the transport: workers, timeout, key, cache)
-_LLM_FIELDS = ("base_url", "model", "temperature", "max_retries", "on_invalid")
+# LLM settings that can change the extracted descriptions (not the transport: concurrency, time-out, retries, key, cache)
+_LLM_FIELDS = ("base_urls", "model", "temperature", "top_p", "max_tokens", "seed", "extra_body", "repair_rounds", "on_invalid")
 _ARRAYS = "graph.npz"
 _META = "graph.json"
 _DESCRIPTIONS = "descriptions.jsonl"

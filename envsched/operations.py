@@ -7,7 +7,8 @@
 * ``LLMExtractor`` — asks an OpenAI-compatible chat endpoint (``response_format=json_object``),
   validates the answer, caches it on disk keyed by a content hash; an answer that fails the schema is
   retried once with the error, then falls back to the deterministic extractor with a logged reason
-  (or raises ``OperationExtractionError`` when configured so).  Never returns an unvalidated answer.
+  (or raises ``OperationExtractionError`` when configured so).  Never returns an unvalidated answer.  Its
+  endpoint is the project's one endpoint config and its failures the one taxonomy (:mod:`envllm`).
 * ``abstract_text`` — the deterministic abstraction of App. E.1 (tool names -> operation types,
   identifiers and field names removed, literals -> type placeholders) whose TF-IDF gives S_abs (Eq. 1).
 * ``concrete_text`` — the complete (concrete) description, the sixth within-environment view.
@@ -29,6 +30,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from envllm import ConfigurationError, InfrastructureError, ModelOutputError, is_retryable_status, not_found_hint, short
+
+from .config import LLMExtractorConfig
 from .pool import Task
 
 log = logging.getLogger(__name__)
@@ -49,8 +53,8 @@ PROMPT_VERSION = "envsched-ops-v1"
 MUTATING = ("update", "create", "delete")
 
 
-class OperationExtractionError(RuntimeError):
-    """The LLM answer could not be turned into a valid OperationDescription."""
+class OperationExtractionError(ModelOutputError):
+    """The LLM answer could not be turned into a valid OperationDescription (the taxonomy's model-output failure)."""
 
 
 class _Strict(BaseModel):
@@ -454,49 +458,36 @@ def parse_description(text: str, task: Task) -> OperationDescription:
 class LLMExtractor:
     """App. E extraction through an OpenAI-compatible chat-completions endpoint, with an on-disk cache.
 
-    ``client`` is anything with ``client.chat.completions.create(...)`` returning an object whose
-    ``choices[0].message.content`` is the answer (an ``openai.OpenAI`` instance, or a fake in tests).
+    ``config`` is the endpoint and the extractor's knobs (:class:`envsched.config.LLMExtractorConfig`, the shared
+    :class:`envllm.EndpointConfig` extended). ``client`` is anything with ``client.chat.completions.create(...)``
+    returning an object whose ``choices[0].message.content`` is the answer (a fake in tests); None: an
+    ``openai.OpenAI`` on the first base URL, with the config's key, time-out and ``max_retries``.
+
+    Failures follow the project's one taxonomy (:mod:`envllm`): a request the endpoint refuses as configured (HTTP
+    400/401/403/404/422: bad key, unknown model, wrong URL) raises :class:`~envllm.ConfigurationError` at once,
+    whatever ``on_invalid`` says. A failed request (:class:`~envllm.InfrastructureError`, after the client's own
+    retries) or an answer that fails the schema uses up one of the ``1 + repair_rounds`` requests; when none is
+    left the task falls back to the deterministic extractor, or (``on_invalid='raise'``) the last failure is raised
+    as an :class:`OperationExtractionError` (a :class:`~envllm.ModelOutputError`) or an ``InfrastructureError``.
     """
 
     name = "llm"
 
-    def __init__(
-        self,
-        client: Any = None,
-        *,
-        model: str = "gpt-4o-mini",
-        base_url: str | None = None,
-        api_key: str | None = None,
-        cache_dir: str | Path | None = None,
-        temperature: float = 0.0,
-        max_retries: int = 1,
-        on_invalid: Literal["fallback", "raise"] = "fallback",
-        max_workers: int = 8,
-        timeout_s: float = 120.0,
-        fallback: DeterministicExtractor | None = None,
-    ):
+    def __init__(self, config: LLMExtractorConfig, client: Any = None, *, fallback: DeterministicExtractor | None = None):
         if client is None:
             import openai
 
-            client = openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout_s)
+            client = openai.OpenAI(base_url=config.base_url, api_key=config.resolved_api_key(),
+                                   timeout=config.timeout_s, max_retries=config.max_retries)
         self.client = client
-        self.model = model
-        self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.temperature = temperature
-        self.max_retries = max_retries
-        self.on_invalid = on_invalid
-        self.max_workers = max_workers
+        self.config = config
+        self.model = config.model
+        self.cache_dir = Path(config.cache_dir) if config.cache_dir else None
         self.fallback = fallback or DeterministicExtractor()
 
     @classmethod
-    def from_config(cls, cfg: Any, client: Any = None) -> LLMExtractor:
-        import os
-
-        return cls(
-            client, model=cfg.model, base_url=cfg.base_url, api_key=os.environ.get(cfg.api_key_env),
-            cache_dir=cfg.cache_dir, temperature=cfg.temperature, max_retries=cfg.max_retries,
-            on_invalid=cfg.on_invalid, max_workers=cfg.max_workers, timeout_s=cfg.timeout_s,
-        )
+    def from_config(cls, cfg: LLMExtractorConfig, client: Any = None) -> LLMExtractor:
+        return cls(cfg, client)
 
     def cache_key(self, task: Task) -> str:
         blob = json.dumps([PROMPT_VERSION, self.model, SYSTEM_PROMPT, build_user_message(task)], ensure_ascii=False)
@@ -504,6 +495,34 @@ class LLMExtractor:
 
     def _cache_path(self, key: str) -> Path | None:
         return self.cache_dir / f"{key[:2]}/{key}.json" if self.cache_dir else None
+
+    def _request_fields(self) -> dict[str, Any]:
+        """The endpoint's model and sampling fields of every request (a field left null is not sent)."""
+        cfg = self.config
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
+        fields = {"model": cfg.model, **{k: v for k, v in sampling.items() if v is not None}}
+        return {**fields, "extra_body": dict(cfg.extra_body)} if cfg.extra_body else fields
+
+    def _ask(self, messages: list[dict[str, str]]) -> str:
+        """One request's answer text; a failure raised as the taxonomy's ConfigurationError or InfrastructureError."""
+        try:
+            resp = self.client.chat.completions.create(
+                messages=messages, response_format={"type": "json_object"}, **self._request_fields())
+        except Exception as exc:  # the openai client's errors and a fake client's alike, classified below
+            status = getattr(exc, "status_code", None)
+            where = f"{self.config.base_url}: {type(exc).__name__}: {short(str(exc))}"
+            if isinstance(status, int) and not is_retryable_status(status):
+                raise ConfigurationError(f"{where}{not_found_hint(status)}", status_code=status,
+                                         base_url=self.config.base_url) from exc
+            raise InfrastructureError(where, attempts=1 + self.config.max_retries) from exc
+        return resp.choices[0].message.content or ""
+
+    def _store(self, path: Path | None, desc: OperationDescription) -> None:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(desc.model_dump_json(), encoding="utf-8")
+            tmp.replace(path)
 
     def extract(self, task: Task) -> Extraction:
         key = self.cache_key(task)
@@ -514,43 +533,34 @@ class LLMExtractor:
             except ValueError as exc:  # corrupt cache entry: ignore it and ask again
                 log.warning("envsched: ignoring invalid cache entry %s (%s)", path, exc)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": build_user_message(task)}]
-        reason = ""
-        for attempt in range(self.max_retries + 1):
+        reason, failure = "", OperationExtractionError
+        for _ in range(self.config.repair_rounds + 1):
             try:
-                resp = self.client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=self.temperature,
-                    response_format={"type": "json_object"},
-                )
-                content = resp.choices[0].message.content or ""
-            except Exception as exc:  # noqa: BLE001 - network / server errors become the fallback reason
-                reason = f"request failed: {type(exc).__name__}: {exc}"
-                content = None
-            if content is not None:
-                try:
-                    desc = parse_description(content, task)
-                except ValueError as exc:
-                    reason = str(exc)
-                    messages = messages[:2] + [
-                        {"role": "assistant", "content": content},
-                        {"role": "user", "content": f"Your answer was invalid: {reason}. Answer again with a corrected JSON object."},
-                    ]
-                else:
-                    if path is not None:
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        tmp = path.with_suffix(".tmp")
-                        tmp.write_text(desc.model_dump_json(), encoding="utf-8")
-                        tmp.replace(path)
-                    return Extraction(desc, "llm")
-        msg = f"task {task.task_id!r}: LLM operation extraction failed after {self.max_retries + 1} attempt(s): {reason}"
-        if self.on_invalid == "raise":
-            raise OperationExtractionError(msg)
+                content = self._ask(messages)
+            except InfrastructureError as exc:
+                reason, failure = f"request failed: {exc}", InfrastructureError
+                continue
+            try:
+                desc = parse_description(content, task)
+            except ValueError as exc:
+                reason, failure = str(exc), OperationExtractionError
+                messages = messages[:2] + [
+                    {"role": "assistant", "content": content},
+                    {"role": "user", "content": f"Your answer was invalid: {reason}. Answer again with a corrected JSON object."},
+                ]
+            else:
+                self._store(path, desc)
+                return Extraction(desc, "llm")
+        msg = f"task {task.task_id!r}: LLM operation extraction failed after {self.config.repair_rounds + 1} attempt(s): {reason}"
+        if self.config.on_invalid == "raise":
+            raise failure(msg)
         log.warning("envsched: %s; falling back to the deterministic extractor", msg)
         return Extraction(self.fallback.describe(task), "deterministic-fallback", reason)
 
     def extract_many(self, tasks: Sequence[Task]) -> list[Extraction]:
-        if self.max_workers <= 1 or len(tasks) <= 1:
+        if self.config.concurrency <= 1 or len(tasks) <= 1:
             return [self.extract(t) for t in tasks]
-        with ThreadPoolExecutor(self.max_workers) as pool:
+        with ThreadPoolExecutor(self.config.concurrency) as pool:
             return list(pool.map(self.extract, tasks))
 
 

@@ -1,6 +1,8 @@
 """Which code may import which: the three libraries, the layers inside each, and the turn engine's promise.
 
-envace may import envsched and trace2env; those two never import envace (or verl) and stay usable alone.
+envace may import envsched and trace2env; those two never import envace (or verl) and stay usable alone. All three
+may import ``envllm``, the LLM-client core they share (the endpoint config and the error taxonomy), which imports none
+of them (nor verl).
 
 Inside each library every unit is of one layer (each order is also in the package's ``__init__.py`` docstring, and
 :func:`test_the_layer_orders_are_written_in_the_package_docstrings` keeps the two in step); an import may only reach
@@ -36,7 +38,7 @@ a module. Lowest first:
 
 ``trace2env`` (:data:`TRACE2ENV_LAYERS`):
 
-1. ``models``, ``cliargs``, ``llmcore``, ``endpoint`` — import no other trace2env module;
+1. ``models``, ``cliargs`` — import no other trace2env module;
 2. ``engine``, ``ingest``, ``providers``, ``llm``;
 3. ``induce``, ``applicability``, ``judge``;
 4. ``package``;
@@ -46,6 +48,11 @@ a module. Lowest first:
 8. ``evaluate``;
 9. ``consistency``;
 10. ``trace2env`` (the package root: the public API), ``__main__`` (the command line).
+
+``envllm`` (:data:`ENVLLM_LAYERS`):
+
+1. ``core`` (the error taxonomy, reading a reply, the repair loop), ``endpoint`` — import no other envllm module;
+2. ``envllm`` (the package root) — the public API it re-exports.
 
 Every ``import`` and ``from ... import`` counts, at module level or inside a function (``ast`` walks them all),
 annotation-only ones (``if TYPE_CHECKING:``) included; and no import cycle may exist among a library's modules (an
@@ -96,7 +103,7 @@ ENVSCHED_LAYERS: list[tuple[str, ...]] = [
     ("envsched",),
 ]
 TRACE2ENV_LAYERS: list[tuple[str, ...]] = [
-    ("trace2env.models", "trace2env.cliargs", "trace2env.llmcore", "trace2env.endpoint"),
+    ("trace2env.models", "trace2env.cliargs"),
     ("trace2env.engine", "trace2env.ingest", "trace2env.providers", "trace2env.llm"),
     ("trace2env.induce", "trace2env.applicability", "trace2env.judge"),
     ("trace2env.package",),
@@ -107,8 +114,9 @@ TRACE2ENV_LAYERS: list[tuple[str, ...]] = [
     ("trace2env.consistency",),
     ("trace2env", "trace2env.__main__"),
 ]
+ENVLLM_LAYERS: list[tuple[str, ...]] = [("envllm.core", "envllm.endpoint"), ("envllm",)]
 PACKAGES: dict[str, list[tuple[str, ...]]] = {"envace": LAYERS, "envsched": ENVSCHED_LAYERS,
-                                              "trace2env": TRACE2ENV_LAYERS}
+                                              "trace2env": TRACE2ENV_LAYERS, "envllm": ENVLLM_LAYERS}
 RANKS: dict[str, dict[str, int]] = {
     top: {unit: rank for rank, layer in enumerate(layers) for unit in layer} for top, layers in PACKAGES.items()}
 RANK = RANKS["envace"]
@@ -235,7 +243,12 @@ def runtime_graphs() -> dict[str, dict[str, set[str]]]:
     return {top: import_graph(top, type_only=False) for top in PACKAGES}
 
 
-@pytest.mark.parametrize("package", ["envsched", "trace2env"])
+#: the top-level packages each standalone library never imports
+NOT_IMPORTED: dict[str, tuple[str, ...]] = {"envsched": ("envace", "verl"), "trace2env": ("envace", "verl"),
+                                            "envllm": ("envace", "envsched", "trace2env", "verl")}
+
+
+@pytest.mark.parametrize("package", list(NOT_IMPORTED))
 def test_standalone_libraries_do_not_import_envace_or_verl(package):
     offenders = []
     for path in (REPO / package).rglob("*.py"):
@@ -245,7 +258,7 @@ def test_standalone_libraries_do_not_import_envace_or_verl(package):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
-            offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("envace", "verl")]
+            offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in NOT_IMPORTED[package]]
     assert not offenders, offenders
 
 

@@ -12,8 +12,8 @@ proposal → validation-gate → commit step. Modules:
 * :mod:`trace2env.engine` — effects, conditions, templates, rule selection, invariants;
 * :mod:`trace2env.runtime` — gate, forkable sessions, ``WorldbookEnv`` (``reset``/``step``);
 * :mod:`trace2env.applicability` — the applicability gate;  :mod:`trace2env.agent` — the world-model agent;
-* :mod:`trace2env.llmcore` — the one LLM error taxonomy and repair loop (envace's judge and evaluation client
-  use it too);  :mod:`trace2env.llm` — the OpenAI-compatible provider;
+* :mod:`trace2env.llm` — the OpenAI-compatible provider (its endpoint config, error taxonomy and repair loop are
+  the project's shared LLM core, :mod:`envllm`, which envace and envsched use too);
 * :mod:`trace2env.evaluate` — held-out agreement;  :mod:`trace2env.baselines` — the paper's baselines;
   :mod:`trace2env.judge` — the LLM judge;  :mod:`trace2env.consistency` — W2R / CR.
 
@@ -21,7 +21,7 @@ A standalone library: it never imports ``envace`` or ``verl`` (tests/test_depend
 form layers; a module imports only from lower layers, never a peer of its own layer, and no import cycle exists
 (the same test). Lowest first:
 
-1. ``models``, ``cliargs`` (the command-line convention), ``llmcore``, ``endpoint`` — import no other module here;
+1. ``models``, ``cliargs`` (the command-line convention) — import no other module here;
 2. ``engine``, ``ingest``, ``providers``, ``llm`` — over the typed artifacts and the LLM core;
 3. ``induce``, ``applicability``, ``judge``;
 4. ``package``;

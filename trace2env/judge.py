@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .llmcore import clip_middle
+from envllm import clip_middle
+
 from .models import ActionCall, Event
 from .providers import ConfigurationError, InfrastructureError, ModelOutputError, Provider, ProviderError
 

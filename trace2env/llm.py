@@ -12,9 +12,9 @@ is one :meth:`OpenAIProvider.complete` call ``(stage, payload, response_model)``
 * the reply is validated **locally** with pydantic (a ``<think>`` block, code fences and prose around one
   JSON object are tolerated); an invalid reply gets up to ``repair_rounds`` follow-ups that show the model
   its reply and the validation errors; a reply cut off at ``max_tokens`` is retried once per round at
-  twice the budget (up to ``max_tokens_cap``) — the loop is :class:`trace2env.llmcore.RepairLoop`, shared
+  twice the budget (up to ``max_tokens_cap``) — the loop is :class:`envllm.RepairLoop`, shared
   with envace's judge pool;
-* errors follow the project's one taxonomy (:mod:`trace2env.llmcore`, the classes envace catches too):
+* errors follow the project's one taxonomy (:mod:`envllm`, the classes envace and envsched catch too):
   infrastructure failures are retried with exponential backoff and then raised as
   :class:`InfrastructureError`, configuration errors are raised at once as :class:`ConfigurationError`,
   and a stage that never validates raises :class:`ModelOutputError`;
@@ -45,9 +45,9 @@ from typing import Any, TypeVar
 import openai
 from pydantic import BaseModel, ValidationError
 
-from .endpoint import EndpointConfig
-from .llmcore import (
+from envllm import (
     ConfigurationError,
+    EndpointConfig,
     InfrastructureError,
     ModelOutputError,
     RepairLoop,
@@ -112,7 +112,7 @@ STAGE_INSTRUCTIONS: dict[str, str] = {
 
 @dataclass
 class OpenAIProviderConfig(EndpointConfig):
-    """The endpoint (:class:`trace2env.endpoint.EndpointConfig`: URL, model, key, time-out, retries, sampling)
+    """The endpoint (:class:`envllm.EndpointConfig`: URL, model, key, time-out, retries, sampling)
     plus the model stages' own knobs. The provider talks to the first of ``base_urls``; the async pool's
     ``concurrency``, ``routing``, ``unhealthy_cooldown_s`` and ``use_json_schema`` do not apply here."""
 

@@ -9,11 +9,11 @@ stage name, a JSON payload and a pydantic response model; the answer is validate
 * :class:`trace2env.llm.OpenAIProvider` — any OpenAI-compatible endpoint (``openai`` client, JSON-schema
   structured output validated locally by pydantic, bounded repair rounds, token and cost accounting).
 
-Errors follow the project's one taxonomy, defined once in :mod:`trace2env.llmcore` (``envace.rewards.llm``
+Errors follow the project's one taxonomy, defined once in :mod:`envllm` (``envace.rewards.llm``
 re-exports the same classes): :class:`InfrastructureError` (endpoint down, time-out, 429/5xx; retried, then
 raised), :class:`ConfigurationError` (4xx, unknown model; raised at once) and :class:`ModelOutputError` (the
 model answered but nothing validated after the repair rounds). All are :class:`ProviderError` s (the
-taxonomy's base :class:`~trace2env.llmcore.LLMError` under its trace2env name), as is a scripted provider's
+taxonomy's base :class:`~envllm.LLMError` under its trace2env name), as is a scripted provider's
 missing answer.
 
 The response models of the stages the deterministic pipeline already consumes live here too.
@@ -26,7 +26,8 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
-from .llmcore import ConfigurationError, InfrastructureError, LLMError, ModelOutputError
+from envllm import ConfigurationError, InfrastructureError, LLMError, ModelOutputError
+
 from .models import ActionSpec, Frozen, Invariant, RenderContract, StateField, TransitionRule
 
 __all__ = [
@@ -52,7 +53,7 @@ T = TypeVar("T", bound=BaseModel)
 
 
 #: a stage the provider cannot answer (unscripted, exhausted, endpoint failure, invalid after repairs): the
-#: base of the taxonomy (:class:`~trace2env.llmcore.LLMError`), so ``except ProviderError`` catches all of it
+#: base of the taxonomy (:class:`~envllm.LLMError`), so ``except ProviderError`` catches all of it
 ProviderError = LLMError
 
 

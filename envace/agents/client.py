@@ -17,7 +17,7 @@ never exceptions: the agent loop feeds them back to the model as error observati
 Text from the server passes :func:`~envace.envs.base.scrub_surrogates` (a ``"\\ud800"`` escape in the
 JSON body would otherwise leave an unencodable lone surrogate in the conversation).
 
-Failed requests raise exceptions of the project's one error taxonomy (:mod:`trace2env.llmcore`, re-exported by
+Failed requests raise exceptions of the project's one error taxonomy (:mod:`envllm`, re-exported by
 :mod:`envace.rewards.llm`; the status classification and :func:`is_context_too_long` are that module's too):
 
 * :class:`~envace.rewards.llm.InfrastructureError` - connection refused/reset, time-out, HTTP
@@ -41,8 +41,7 @@ from envace.agents.engine import ModelError
 from envace.envs.base import ToolCall, ToolCallError, chat_model_args, scrub_surrogates
 from envace.rewards.llm import ConfigurationError, InfrastructureError
 from envace.toolcall import THINK_END, parse_tool_calls
-from trace2env.endpoint import EndpointConfig
-from trace2env.llmcore import is_context_too_long, is_retryable_status, not_found_hint
+from envllm import EndpointConfig, is_context_too_long, is_retryable_status, not_found_hint
 
 __all__ = [
     "ChatClient",

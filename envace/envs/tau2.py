@@ -49,8 +49,7 @@ from envace.envs.base import (
     Verdict,
     register_pool,
 )
-from trace2env.endpoint import EndpointConfig
-from trace2env.llmcore import ConfigurationError
+from envllm import ConfigurationError, EndpointConfig
 
 __all__ = [
     "DOMAINS",

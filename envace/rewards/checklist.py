@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from envace.rewards.llm import ConfigurationError, InfrastructureError, LLMPool, ModelOutputError
 from envace.rewards.prompts import DEFAULT_CHECKLIST_PROMPT_VERSION, checklist_judge_template
-from trace2env.llmcore import clip_middle
+from envllm import clip_middle
 
 __all__ = [
     "ChecklistItem",

@@ -16,7 +16,7 @@ Every failure belongs to one taxonomy (:class:`LLMError` and its subclasses):
   is the case of :meth:`LLMPool.complete_json` (no valid JSON object even after the repair rounds).
 
 The taxonomy, the JSON extraction (:func:`extract_json_object`) and the repair loop of
-:meth:`LLMPool.complete_json` are :mod:`trace2env.llmcore`'s, re-exported here: the classes envace catches
+:meth:`LLMPool.complete_json` are :mod:`envllm`'s, re-exported here: the classes envace catches
 are the ones trace2env's provider raises (``trace2env.providers.ProviderError`` is :class:`LLMError`).
 
 Counters (:meth:`LLMPool.counters`) are plain floats for metrics. The pool binds its HTTP clients and
@@ -37,9 +37,9 @@ from typing import Any, Self, TypeVar
 import openai
 import pydantic
 
-from trace2env.endpoint import EndpointConfig
-from trace2env.llmcore import (
+from envllm import (
     ConfigurationError,
+    EndpointConfig,
     InfrastructureError,
     JudgeFormatError,
     LLMError,
@@ -51,7 +51,7 @@ from trace2env.llmcore import (
     not_found_hint,
     retry_after_s,
 )
-from trace2env.llmcore import short as _short
+from envllm import short as _short
 
 __all__ = [
     "Completion",
@@ -70,7 +70,7 @@ T = TypeVar("T", bound=pydantic.BaseModel)
 
 
 # -- configuration --------------------------------------------------------------------------------------
-#: the pool's endpoint config is the project's one endpoint config (trace2env.endpoint), under the name envace
+#: the pool's endpoint config is the project's one endpoint config (envllm.EndpointConfig), under the name envace
 #: has always imported it by
 LLMEndpointConfig = EndpointConfig
 

@@ -18,7 +18,7 @@ The masking rule, one for every caller, follows the project's error taxonomy:
   it can: evaluation raises :class:`~envace.rewards.llm.InfrastructureError` and the task is retried on the next
   run; training drops the sample (loss mask 0, left out of every baseline), since a verl step cannot re-run one
   rollout, and aborting the step would throw away every other rollout for one transient failure.
-* **configuration** — a :class:`~trace2env.llmcore.ConfigurationError` from the verifier or the judge (a wrong
+* **configuration** — a :class:`~envllm.ConfigurationError` from the verifier or the judge (a wrong
   judge model, a bad key) and a row no weighted component applies to (:class:`ValueError`) are raised: masking
   them would quietly drop every sample of the run; they abort it with the reason.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envace.rewards.mix import mix_rewards
-from trace2env.llmcore import ConfigurationError
+from envllm import ConfigurationError
 
 __all__ = ["Score", "run_verifier", "score_episode"]
 

@@ -1,5 +1,5 @@
-"""LLM operation extraction (App. E): fake client, schema failures, cache, and the real openai client
-against a local stdlib HTTP server."""
+"""LLM operation extraction (App. E): fake client, schema failures, the shared error taxonomy (envllm), cache, and
+the real openai client against a local stdlib HTTP server."""
 
 import json
 import logging
@@ -9,7 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from envsched import EnvSchedConfig, LLMExtractor, OperationExtractionError, TaskPool, build_static_graph
+from envllm import ConfigurationError, InfrastructureError, ModelOutputError
+from envsched import (
+    EnvSchedConfig,
+    LLMExtractor,
+    LLMExtractorConfig,
+    OperationExtractionError,
+    TaskPool,
+    build_static_graph,
+)
+from envsched.config import ConfigError
 
 GOOD = {
     "operations": [
@@ -48,19 +57,44 @@ def _task():
     return TaskPool.from_records([RECORD])[0]
 
 
+def _extractor(client, **kw) -> LLMExtractor:
+    """An extractor over ``client`` (no on-disk cache unless ``cache_dir`` is given)."""
+    return LLMExtractor(LLMExtractorConfig(**{"base_urls": "http://unused/v1", "model": "m", "cache_dir": None, **kw}), client)
+
+
+class StatusError(Exception):
+    """What the openai client raises for an HTTP error answer: the status on ``status_code``."""
+
+    def __init__(self, status_code):
+        super().__init__(f"Error code: {status_code}")
+        self.status_code = status_code
+
+
+class FailingClient(FakeClient):
+    """A client whose every request raises ``exc``."""
+
+    def __init__(self, exc):
+        super().__init__([""])
+        self.exc = exc
+
+    def _create(self, **kw):
+        self.calls.append(kw)
+        raise self.exc
+
+
 def test_valid_answer_is_validated_and_cached(tmp_path):
     client = FakeClient([json.dumps(GOOD)])
-    ext = LLMExtractor(client, model="m", cache_dir=tmp_path)
+    ext = _extractor(client, cache_dir=str(tmp_path))
     r = ext.extract(_task())
     assert r.extractor == "llm" and r.description.operations[1].depends_on == ["a"]
     kw = client.calls[0]
     assert kw["response_format"] == {"type": "json_object"} and kw["model"] == "m"
     user = json.loads(kw["messages"][1]["content"])
     assert user["shared_environment"]["environment_id"] == "users" and user["task"]["verifier_checks"][0]["index"] == 0
-    r2 = LLMExtractor(FakeClient(["unused"]), model="m", cache_dir=tmp_path).extract(_task())
+    r2 = _extractor(FakeClient(["unused"]), cache_dir=str(tmp_path)).extract(_task())
     assert r2.extractor == "llm-cache" and r2.description == r.description
     # a different model is a different cache key
-    assert LLMExtractor(FakeClient([json.dumps(GOOD)]), model="other", cache_dir=tmp_path).extract(_task()).extractor == "llm"
+    assert _extractor(FakeClient([json.dumps(GOOD)]), model="other", cache_dir=str(tmp_path)).extract(_task()).extractor == "llm"
 
 
 @pytest.mark.parametrize(
@@ -75,7 +109,7 @@ def test_valid_answer_is_validated_and_cached(tmp_path):
 )
 def test_invalid_answer_falls_back_with_logged_reason(tmp_path, caplog, bad, reason):
     client = FakeClient([bad])
-    ext = LLMExtractor(client, cache_dir=tmp_path, max_retries=1)
+    ext = _extractor(client, cache_dir=str(tmp_path), repair_rounds=1)
     with caplog.at_level(logging.WARNING, logger="envsched.operations"):
         r = ext.extract(_task())
     assert r.extractor == "deterministic-fallback"
@@ -87,19 +121,56 @@ def test_invalid_answer_falls_back_with_logged_reason(tmp_path, caplog, bad, rea
 
 
 def test_invalid_answer_raises_when_configured():
-    ext = LLMExtractor(FakeClient(['{"operations": []}']), max_retries=0, on_invalid="raise")
-    with pytest.raises(OperationExtractionError, match="t1.*operations"):
+    ext = _extractor(FakeClient(['{"operations": []}']), repair_rounds=0, on_invalid="raise")
+    with pytest.raises(OperationExtractionError, match="t1.*operations") as err:
         ext.extract(_task())
+    assert isinstance(err.value, ModelOutputError)  # the shared taxonomy's model-output failure
+
+
+def test_the_endpoints_sampling_fields_are_sent():
+    client = FakeClient([json.dumps(GOOD)])
+    _extractor(client, temperature=None, top_p=0.9, max_tokens=4096, seed=7, extra_body={"k": 1}).extract(_task())
+    kw = client.calls[0]
+    assert (kw["top_p"], kw["max_tokens"], kw["seed"], kw["extra_body"]) == (0.9, 4096, 7, {"k": 1})
+    assert "temperature" not in kw  # null: the server's default, nothing sent
+
+
+@pytest.mark.parametrize("on_invalid", ["fallback", "raise"])
+def test_a_request_refused_as_configured_raises_at_once(on_invalid):
+    client = FailingClient(StatusError(404))
+    with pytest.raises(ConfigurationError, match="unused/v1.*base URL end in /v1") as err:
+        _extractor(client, repair_rounds=2, on_invalid=on_invalid).extract(_task())
+    assert err.value.status_code == 404 and len(client.calls) == 1  # never retried, never a fallback
+
+
+def test_an_endpoint_failure_uses_up_the_rounds_then_falls_back_or_raises():
+    client = FailingClient(StatusError(503))
+    r = _extractor(client, repair_rounds=1).extract(_task())
+    assert r.extractor == "deterministic-fallback" and "request failed" in r.reason and len(client.calls) == 2
+    with pytest.raises(InfrastructureError, match="t1.*request failed.*ConnectionError"):
+        _extractor(FailingClient(ConnectionError("refused")), repair_rounds=0, on_invalid="raise").extract(_task())
+
+
+def test_extractor_config_keys():
+    cfg = EnvSchedConfig.from_dict({"operation_extractor": "llm", "llm": {"base_urls": "http://h/v1", "model": "m"}})
+    assert cfg.llm.base_urls == ["http://h/v1"] and cfg.replace(seed=1).llm == cfg.llm
+    for old, new in (("base_url", "base_urls"), ("max_workers", "concurrency")):
+        with pytest.raises(ConfigError, match=f"unknown endpoint key '{old}' \\(renamed '{new}'\\)"):
+            EnvSchedConfig.from_dict({"llm": {"base_urls": "http://h/v1", "model": "m", old: 1}})
+    with pytest.raises(ConfigError, match="operation_extractor: llm needs the llm endpoint"):
+        EnvSchedConfig.from_dict({"operation_extractor": "llm"})
+    with pytest.raises(ConfigError, match="on_invalid"):
+        EnvSchedConfig.from_dict({"llm": {"base_urls": "http://h/v1", "model": "m", "on_invalid": "ignore"}})
 
 
 def test_retry_recovers():
     client = FakeClient(["{bad", json.dumps(GOOD)])
-    assert LLMExtractor(client, max_retries=1).extract(_task()).extractor == "llm"
+    assert _extractor(client, repair_rounds=1).extract(_task()).extractor == "llm"
 
 
 def test_graph_report_names_extractor(tmp_path):
     pool = TaskPool.from_records([RECORD, {**RECORD, "task_id": "t2", "instruction": "Update user Bob to inactive"}])
-    g = build_static_graph(pool, EnvSchedConfig(), extractor=LLMExtractor(FakeClient([json.dumps(GOOD)]), cache_dir=tmp_path, max_workers=2))
+    g = build_static_graph(pool, EnvSchedConfig(), extractor=_extractor(FakeClient([json.dumps(GOOD)]), cache_dir=str(tmp_path), concurrency=2))
     assert g.report()["extractors"] == {"llm": 2}
 
 
@@ -109,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append((self.path, body))
+        type(self).seen.append((self.path, body, self.headers.get("Authorization")))
         payload = {
             "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": type(self).answer}}],
@@ -135,14 +206,15 @@ def test_real_openai_client_against_local_server(tmp_path, monkeypatch):
     try:
         monkeypatch.setenv("ENVSCHED_TEST_KEY", "sk-local")
         cfg = EnvSchedConfig.from_dict({"operation_extractor": "llm", "llm": {
-            "base_url": f"http://127.0.0.1:{server.server_port}/v1", "model": "local-model",
-            "api_key_env": "ENVSCHED_TEST_KEY", "cache_dir": str(tmp_path), "max_workers": 1, "timeout_s": 10}})
+            "base_urls": [f"http://127.0.0.1:{server.server_port}/v1"], "model": "local-model", "seed": 3,
+            "api_key_env": "ENVSCHED_TEST_KEY", "cache_dir": str(tmp_path), "concurrency": 1, "timeout_s": 10}})
         pool = TaskPool.from_records([RECORD])
         g = build_static_graph(pool, cfg)  # builds openai.OpenAI(base_url=...) from the config
         assert g.report()["extractors"] == {"llm": 1}
-        path, body = _Handler.seen[-1]
+        path, body, auth = _Handler.seen[-1]
         assert path == "/v1/chat/completions" and body["model"] == "local-model"
-        assert body["response_format"] == {"type": "json_object"}
+        assert body["response_format"] == {"type": "json_object"} and body["seed"] == 3
+        assert auth == "Bearer sk-local"  # the key from api_key_env
     finally:
         server.shutdown()
         server.server_close()

@@ -151,7 +151,7 @@ def test_graph_cache_key_follows_pool_content_and_graph_config(tmp_path):
     assert graph_mod.graph_cache_key(pool, cfg.replace(rho=0.25, batch_size=4, graph_cache_dir="/elsewhere")) == key  # not graph fields
     assert graph_mod.graph_cache_key(pool, cfg.replace(view_weights=(0.3, 0.06, 0.16, 0.12, 0.16, 0.2))) != key
     assert graph_mod.graph_cache_key(pool, cfg.replace(tfidf_float32=False)) != key
-    assert graph_mod.graph_cache_key(pool, cfg.replace(operation_extractor="llm")) != key
+    assert graph_mod.graph_cache_key(pool, cfg.replace(operation_extractor="llm", llm={"base_urls": ["http://h/v1"], "model": "m"})) != key
     edited = [dict(r) for r in recs]
     edited[5] = {**recs[5], "instruction": recs[5]["instruction"] + " now"}
     assert graph_mod.graph_cache_key(TaskPool.from_records(edited), cfg) != key

@@ -25,7 +25,7 @@ def graph(records):
 def test_unknown_config_key_fails_loudly():
     with pytest.raises(ConfigError, match="unknown config key 'bacth_size'"):
         EnvSchedConfig.from_dict({"bacth_size": 64})
-    with pytest.raises(ConfigError, match="unknown config key 'llm.modle'"):
+    with pytest.raises(ConfigError, match="llm: unknown endpoint key 'modle'"):
         EnvSchedConfig.from_dict({"llm": {"modle": "x"}})
     with pytest.raises(ConfigError, match="'rho'"):
         EnvSchedConfig.from_dict({"rho": 1.5})

@@ -18,7 +18,7 @@ from the schemas the model reads, so one rollout cannot reach another's reposito
 server per episode with ``{root}`` = ``{workspace}`` (a server start each: docs/results/env_serving.md). A ``url:``
 server (streamable HTTP) gets a session per episode (``scope: session``); it has no workspace here, so its tasks use
 ``tool`` verifiers, its fork opens a new session and replays the episode's calls, and a 401/403/404 stops the run
-(:class:`~trace2env.llmcore.ConfigurationError`). A relative ``command[0]`` or ``cwd`` in a
+(:class:`~envllm.ConfigurationError`). A relative ``command[0]`` or ``cwd`` in a
 server resolves against the task file's folder; a bare ``command[0]`` is looked up on ``PATH``, then beside the
 running Python (a venv's console scripts). Every client lives on the process's remote-I/O loop
 (:mod:`envace.envs.remote.runtime`): a lost server raises :class:`~envace.envs.base.EnvironmentUnavailable` (the
@@ -55,7 +55,7 @@ from envace.envs.base import (
 )
 from envace.envs.remote.runtime import Session, run_async, run_sync
 from envace.envs.remote.taskfile import TaskRecord, check_tools, describe_check, load_tasks, task_files
-from trace2env.llmcore import ConfigurationError
+from envllm import ConfigurationError
 
 __all__ = ["DEFAULT_TASKS", "MAX_OUTPUT_CHARS", "MCPEpisode", "MCPPool", "ServerConfig", "build_git_workspace",
            "git_checks", "openai_tool"]
@@ -196,7 +196,7 @@ def _stdio_opener(argv: list[str], env: Mapping[str, str] | None, cwd: str | Non
 def _http_opener(url: str, headers: Mapping[str, str] | None, timeout: float) -> Any:
     """The :class:`Session` opener of a streamable-HTTP server. The SDK reports a refused ``initialize`` as a bare
     "Server returned an error response": the HTTP status is recorded on the way so that a 401/403/404 stops the run
-    as a :class:`~trace2env.llmcore.ConfigurationError` naming it."""
+    as a :class:`~envllm.ConfigurationError` naming it."""
 
     async def opener(stack: contextlib.AsyncExitStack) -> Any:
         import httpx2

@@ -38,7 +38,7 @@ Failures follow the taxonomy: a refused, dropped or timed-out connection raises
 :class:`~envace.envs.base.EnvironmentUnavailable` (connect and reset are retried on another replica, a step never:
 it may have had an effect; after a lost step the episode stays lost instead of letting the client reconnect to a
 fresh server-side session), a handshake refused with HTTP 401/403 a
-:class:`~trace2env.llmcore.ConfigurationError`, a malformed observation an
+:class:`~envllm.ConfigurationError`, a malformed observation an
 :class:`~envace.envs.base.EnvironmentFault`. A server's own error frame for a call (its step raised, or the action
 did not validate) is an ``Error: ...`` observation the model reads, as an in-process tool's exception would be.
 """
@@ -77,7 +77,7 @@ from envace.envs.base import (
     register_pool,
 )
 from envace.envs.remote import runtime
-from trace2env.llmcore import ConfigurationError
+from envllm import ConfigurationError
 
 __all__ = ["OpenEnvEpisode", "OpenEnvPool"]
 

@@ -12,7 +12,7 @@ they were opened on. So every client lives on one daemon loop thread per process
   executor's 6 threads on 2 cores);
 * :func:`classify` maps what a client raises onto the error taxonomy: a refused or dropped connection, a 5xx or a
   time-out is :class:`~envace.envs.base.EnvironmentUnavailable` (infrastructure: the rollout is masked), a 401/403/404
-  a :class:`~trace2env.llmcore.ConfigurationError` (the run stops with the reason), a protocol violation an
+  a :class:`~envllm.ConfigurationError` (the run stops with the reason), a protocol violation an
   :class:`~envace.envs.base.EnvironmentFault`. anyio wraps errors in exception groups: the leaf is what counts.
 
 Every open session is registered, and the process closes what is left at exit, so a crashed server or a rollout
@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 from envace.envs.base import EnvironmentFault, EnvironmentUnavailable
-from trace2env.llmcore import ConfigurationError
+from envllm import ConfigurationError
 
 __all__ = ["Session", "classify", "io_loop", "leaf", "open_sessions", "run_async", "run_sync"]
 

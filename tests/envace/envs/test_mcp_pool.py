@@ -452,7 +452,7 @@ def test_url_server_sessions(kv_url, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_url_server_refusal_and_loss(kv_url, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trace2env.llmcore import ConfigurationError
+    from envllm import ConfigurationError
 
     url, proc = kv_url
     mcp_pool._TOOL_CACHE.clear()  # list the tools again, with the wrong token

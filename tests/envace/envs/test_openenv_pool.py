@@ -26,7 +26,7 @@ from envace.envs.remote import runtime
 from envace.envs.remote.openenv_pool import OpenEnvPool, Replicas, _translate, fill_template
 from envace.eval.server import free_port
 from envace.toolcall import parse_tool_calls, render_tool_call
-from trace2env.llmcore import ConfigurationError
+from envllm import ConfigurationError
 
 FIXTURE = Path(__file__).with_name("openenv_fixture.py")
 sys.path.insert(0, str(FIXTURE.parent))

@@ -304,7 +304,7 @@ def test_pool_kwargs_example_from_the_config_builds_a_user_endpoint():
 
     from envace.agents.client import ChatClient, connect_endpoints
     from envace.envs.base import get_pool
-    from trace2env.llmcore import ConfigurationError
+    from envllm import ConfigurationError
 
     text = (Path(__file__).resolve().parents[3] / "configs" / "envace" / "default.yaml").read_text()
     line = next(line for line in text.splitlines() if "e.g. {tau2:" in line)

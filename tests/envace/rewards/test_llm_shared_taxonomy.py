@@ -1,5 +1,5 @@
 """One error taxonomy across envace and trace2env: the classes envace catches are the ones trace2env's provider
-raises (trace2env.llmcore defines them once), checked with real HTTP failures of a local OpenAI-style server."""
+raises (envllm defines them once), checked with real HTTP failures of a local OpenAI-style server."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+import envllm
 from envace.agents.client import classify_http_error
 from envace.agents.engine import ModelError
 from envace.rewards import llm as envace_llm
-from trace2env import llmcore
 from trace2env import providers as t2e_providers
 from trace2env.llm import OpenAIProvider, OpenAIProviderConfig
 from trace2env.providers import RuleProposal
@@ -19,12 +19,12 @@ from trace2env.providers import RuleProposal
 @pytest.mark.parametrize("name", ["InfrastructureError", "ConfigurationError", "ModelOutputError", "LLMError",
                                   "JudgeFormatError", "extract_json_object"])
 def test_envace_names_are_the_core_objects(name):
-    assert getattr(envace_llm, name) is getattr(llmcore, name)
+    assert getattr(envace_llm, name) is getattr(envllm, name)
 
 
 def test_trace2env_names_are_the_core_objects():
     for name in ("InfrastructureError", "ConfigurationError", "ModelOutputError"):
-        assert getattr(t2e_providers, name) is getattr(llmcore, name)
+        assert getattr(t2e_providers, name) is getattr(envllm, name)
     assert t2e_providers.ProviderError is envace_llm.LLMError
 
 
@@ -67,12 +67,12 @@ async def test_trace2env_except_clauses_catch_what_the_envace_pool_raises(fake_o
 
 
 @pytest.mark.parametrize(("status", "message", "kind"), [
-    (None, "connection refused", llmcore.InfrastructureError),
-    (429, "slow down", llmcore.InfrastructureError),
-    (503, "overloaded", llmcore.InfrastructureError),
+    (None, "connection refused", envllm.InfrastructureError),
+    (429, "slow down", envllm.InfrastructureError),
+    (503, "overloaded", envllm.InfrastructureError),
     (400, "This model's maximum context length is 8192 tokens", ModelError),
-    (400, "unknown field 'tools'", llmcore.ConfigurationError),
-    (404, "no such model", llmcore.ConfigurationError),
+    (400, "unknown field 'tools'", envllm.ConfigurationError),
+    (404, "no such model", envllm.ConfigurationError),
 ])
 def test_the_eval_client_classifies_into_the_core_taxonomy(status, message, kind):
     err = classify_http_error(status, message, base_url="http://h/v1", model="m")

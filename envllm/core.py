@@ -1,8 +1,10 @@
-"""The LLM-client core that trace2env and envace share: one error taxonomy and one way to read a model's reply.
+"""The LLM-client core that envace, trace2env and envsched share: one error taxonomy and one way to read a reply.
 
-trace2env's :class:`~trace2env.llm.OpenAIProvider` (synchronous, per-stage accounting, answer cache) and
-envace's :class:`envace.rewards.llm.LLMPool` (asynchronous, several base URLs, a semaphore) send requests
-differently; everything else about a structured call is here, once:
+trace2env's :class:`~trace2env.llm.OpenAIProvider` (synchronous, per-stage accounting, answer cache),
+envace's :class:`envace.rewards.llm.LLMPool` (asynchronous, several base URLs, a semaphore), envace's evaluation
+client :class:`envace.agents.client.ChatClient` and envsched's App. E operation extractor
+(:class:`envsched.operations.LLMExtractor`) send requests differently; everything else about a structured call is
+here, once:
 
 * the taxonomy (:class:`LLMError` and its subclasses; ``trace2env.providers.ProviderError`` is
   :class:`LLMError` under its trace2env name):
@@ -24,8 +26,7 @@ differently; everything else about a structured call is here, once:
   validate each reply, show the model its invalid reply with the reason, and (when a token budget and a cap
   are given) double the budget after a reply cut off at it.
 
-This module imports neither envace nor any other part of trace2env (only ``pydantic``), so both sides can
-use it and ``trace2env`` stays usable alone.
+This module imports only ``pydantic`` (no other module of :mod:`envllm`, nor envace, envsched or trace2env).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The shared LLM-client core (trace2env.llmcore): the taxonomy's shape, the status classification, the backoff
+"""The shared LLM-client core (envllm.core): the taxonomy's shape, the status classification, the backoff
 formula with hand-computed delays, and the repair loop driven by hand (no endpoint)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from trace2env import llmcore
-from trace2env.llmcore import (
+from envllm import core
+from envllm.core import (
     ConfigurationError,
     InfrastructureError,
     JudgeFormatError,
@@ -21,7 +21,6 @@ from trace2env.llmcore import (
     retry_after_s,
     validation_reason,
 )
-from trace2env.providers import ProviderError
 
 
 class Pair(BaseModel):
@@ -34,9 +33,8 @@ def _prompt(reason: str) -> str:
 
 
 def test_one_hierarchy_and_its_attributes():
-    assert ProviderError is LLMError
     for cls in (InfrastructureError, ConfigurationError, ModelOutputError, JudgeFormatError):
-        assert issubclass(cls, ProviderError) and not issubclass(cls, RuntimeError)
+        assert issubclass(cls, LLMError) and not issubclass(cls, RuntimeError)
     assert issubclass(JudgeFormatError, ModelOutputError)
     e = InfrastructureError("x", attempts=3, timed_out=True)
     assert (e.attempts, e.timed_out, str(e)) == (3, True, "x")
@@ -139,14 +137,14 @@ def test_validation_reason_lists_locations():
 
 
 def test_short_escapes_newlines_and_cuts():
-    assert llmcore.short(None) == "<none>"
-    assert llmcore.short("a\nb") == "a\\nb"
-    assert llmcore.short("x" * 10, limit=6) == "xxx..."
+    assert core.short(None) == "<none>"
+    assert core.short("a\nb") == "a\\nb"
+    assert core.short("x" * 10, limit=6) == "xxx..."
 
 
 def test_clip_middle_keeps_both_ends_and_counts_the_cut():
     text = "abcdefghij"  # 10 characters
-    assert llmcore.clip_middle(text, 0) == text and llmcore.clip_middle(text, 10) == text
-    assert llmcore.clip_middle(text, 4) == "ab\n...(6 characters omitted)...\nij"
-    assert llmcore.clip_middle(text, 9) == "abcd\n...(2 characters omitted)...\nghij"
-    assert llmcore.clip_middle(text, 1) == "\n...(10 characters omitted)...\n"  # not the marker + the whole text
+    assert core.clip_middle(text, 0) == text and core.clip_middle(text, 10) == text
+    assert core.clip_middle(text, 4) == "ab\n...(6 characters omitted)...\nij"
+    assert core.clip_middle(text, 9) == "abcd\n...(2 characters omitted)...\nghij"
+    assert core.clip_middle(text, 1) == "\n...(10 characters omitted)...\n"  # not the marker + the whole text

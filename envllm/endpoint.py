@@ -3,8 +3,9 @@
 Every client of a chat endpoint in the project takes this dataclass: Trace2Env's model stages
 (:class:`trace2env.llm.OpenAIProviderConfig` extends it with the stages' own knobs), envace's async judge and
 simulator pool (``envace.rewards.llm.LLMPool``; ``envace.reward.judge`` and ``envace.agent.simulator`` in the
-Hydra config) and envace's synchronous evaluation client (``envace.agents.client.ChatClient``). It lives here
-because envace may import trace2env and trace2env never imports envace.
+Hydra config), envace's synchronous evaluation client (``envace.agents.client.ChatClient``) and envsched's App. E
+operation extractor (:class:`envsched.config.LLMExtractorConfig` extends it). This module imports only the standard
+library (no other module of :mod:`envllm`, nor envace, envsched or trace2env).
 
 Keys have one spelling. A mapping built by hand or read from a config goes through
 :meth:`EndpointConfig.from_mapping`, which names an unknown key, and for a spelling of an older endpoint config
@@ -17,7 +18,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["RENAMED_KEYS", "ROUTINGS", "EndpointConfig"]
 
@@ -31,6 +32,9 @@ ROUTINGS = ("least_busy", "round_robin")
 @dataclass
 class EndpointConfig:
     """Where and how to call one model behind one or several OpenAI-compatible base URLs."""
+
+    #: older spellings of this config's keys, and the key to write instead (a subclass adds its own)
+    renamed_keys: ClassVar[dict[str, str]] = RENAMED_KEYS
 
     # OpenAI-compatible base URLs, all serving ``model`` (e.g. [http://judge-0:8000/v1]); in Python one string is
     # accepted. Clients that talk to one server (the evaluation client, Trace2Env's stages) use the first
@@ -113,17 +117,24 @@ class EndpointConfig:
         """The config from a mapping (a config file's section, keyword arguments from a pool's options).
 
         Raises :class:`ValueError`, one line naming ``where`` and the key, for an unknown key (with the key that
-        replaced it for an older spelling) or a missing ``base_urls`` / ``model``.
+        replaced it for an older spelling) or a missing ``base_urls`` / ``model`` (:meth:`check_keys`).
         """
         if isinstance(data, cls):
             return data
+        cls.check_keys(data, where)
+        return cls(**dict(data))
+
+    @classmethod
+    def check_keys(cls, data: Mapping[str, Any], where: str = "endpoint") -> None:
+        """Refuse, naming ``where`` and the key, an unknown key (with the key that replaced it for an older
+        spelling, :attr:`renamed_keys`) or a missing ``base_urls`` / ``model``; the values are not checked."""
         names = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key in names:
                 continue
-            hint = f" (renamed {RENAMED_KEYS[key]!r})" if key in RENAMED_KEYS else f"; keys: {sorted(names)}"
+            renamed = cls.renamed_keys
+            hint = f" (renamed {renamed[key]!r})" if key in renamed else f"; keys: {sorted(names)}"
             raise ValueError(f"{where}: unknown endpoint key {key!r}{hint}")
         missing = [k for k in ("base_urls", "model") if not data.get(k)]
         if missing:
             raise ValueError(f"{where}: the endpoint needs {' and '.join(missing)}")
-        return cls(**dict(data))
