@@ -11,8 +11,8 @@ types and ranges (:class:`VerlKeys`) the same way, before anything is built.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -22,7 +22,11 @@ from envace.rewards.checklist import ChecklistJudgeConfig
 from envace.roles import Role
 from envllm import RENAMED_KEYS, EndpointConfig
 
+if TYPE_CHECKING:
+    from envsched import EnvSchedConfig
+
 __all__ = [
+    "ENVSCHED_TRAINER_KEYS",
     "AdvantageConfig",
     "AgentConfig",
     "ConfigError",
@@ -32,6 +36,7 @@ __all__ = [
     "VerlKeys",
     "agent_config_from",
     "envace_config_from",
+    "envsched_config_from",
     "validate_envace_config",
     "validate_verl_keys",
 ]
@@ -207,6 +212,22 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.verifiable_weight < 0 or self.checklist_weight < 0:
             raise ValueError("envace.reward weights must be >= 0")
+        _judge_settings_named_once(self.checklist)
+
+
+def _judge_settings_named_once(checklist: ChecklistJudgeConfig) -> None:
+    """A judge request's settings have one name here, the judge endpoint's key (``envace.reward.judge.*``).
+
+    ``ChecklistJudgeConfig`` can also set them per call (``use_json_schema``, and endpoint fields such as
+    ``temperature`` in ``sampling``), which would override the endpoint's value without a word: refused, naming the
+    key to set instead. ``sampling`` keeps the request fields the endpoint has no key for (e.g. ``stop``)."""
+    if checklist.use_json_schema is not None:
+        raise ValueError(f"envace.reward.checklist.use_json_schema={checklist.use_json_schema} would override "
+                         "envace.reward.judge.use_json_schema: set that key (one name) and leave this one null")
+    clash = sorted(set(checklist.sampling) & {f.name for f in fields(EndpointConfig)})
+    if clash:
+        raise ValueError(f"envace.reward.checklist.sampling.{clash[0]} would override envace.reward.judge.{clash[0]}: "
+                         "set that key (one name)")
 
 
 @dataclass
@@ -441,6 +462,39 @@ def validate_verl_keys(cfg: DictConfig) -> VerlKeys:
     Raises :class:`ConfigError` naming the bad key.
     """
     return _typed(VerlKeys, _values_at(cfg, OmegaConf.structured(VerlKeys)), "", "config")
+
+
+#: the envsched keys that are a setting of verl's trainer, each with the trainer key that holds it: EnvSched's batch B is
+#: the prompts of a training step, its K the rollouts of each prompt (EnvSched §3.1). configs/envace_trainer.yaml sets
+#: each to an interpolation of its trainer key, so the trainer's key is the one name of the setting in training; the
+#: envsched library keeps the fields for use without verl (its own benchmarks set them)
+ENVSCHED_TRAINER_KEYS = {"batch_size": "data.train_batch_size", "rollouts_per_task": "actor_rollout_ref.rollout.n"}
+
+
+def envsched_config_from(cfg: Any) -> EnvSchedConfig:
+    """The typed ``envsched`` group of a composed trainer config (an ``envsched.EnvSchedConfig``: unknown keys and bad
+    values fail), whose fields of :data:`ENVSCHED_TRAINER_KEYS` equal their trainer keys.
+
+    A value the user set on ``envsched.batch_size`` that differs from ``data.train_batch_size`` would otherwise size
+    the scheduler's batches apart from verl's step (or a K apart from the group observe() checks): refused, naming
+    both keys and both values. Raises :class:`ConfigError`.
+    """
+    from envsched import EnvSchedConfig  # the scheduler's dependencies load only where EnvSched is configured
+    from envsched.config import ConfigError as SchedConfigError
+
+    raw = cfg.get("envsched") or {}
+    try:
+        typed = EnvSchedConfig.from_dict(OmegaConf.to_container(raw, resolve=True) if OmegaConf.is_config(raw) else raw)
+    except SchedConfigError as exc:
+        raise ConfigError(f"envsched: {exc}") from None
+    for field_name, trainer_key in ENVSCHED_TRAINER_KEYS.items():
+        mine, theirs = getattr(typed, field_name), OmegaConf.select(cfg, trainer_key)
+        if theirs is not None and mine != int(theirs):
+            raise ConfigError(
+                f"envsched.{field_name}={mine} differs from {trainer_key}={theirs}: one setting with two values; set "
+                f"{trainer_key} and leave envsched.{field_name} at its interpolation ${{{trainer_key}}}"
+            )
+    return typed
 
 
 _CACHE: dict[int, tuple[Any, EnvAceConfig]] = {}

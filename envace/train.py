@@ -5,8 +5,10 @@ groups), then runs in two phases (:func:`prepare`):
 
 1. pre-flight (:func:`preflight`): every check, with nothing built, written or started, so that a mistake costs
    seconds: envace's typed keys and the verl keys it reads, with types and ranges (:mod:`envace.config`); the
-   EnvSched group; the rollout, trainer-mode and advantage-estimator names against verl's registries (after envace
-   registers its own entries); verl's own config checks, those that need no model on disk (its ``validate_config``:
+   EnvSched group, whose batch and group size are the trainer's (``data.train_batch_size``, ``rollout.n``: an
+   ``envsched.batch_size`` or ``rollouts_per_task`` that differs is refused, naming both keys); the default agent
+   loop, the observation source's; the rollout, trainer-mode and advantage-estimator names against verl's
+   registries (after envace registers its own entries); verl's own config checks, those that need no model on disk (its ``validate_config``:
    the batch sizes; its typed dataclasses); what verl's async trainers assert only inside Ray (separate_async's batch
    sizes, standalone rollout and checkpoint engine), with warnings where staleness is not bounded
    (:func:`check_trainer_mode`); a GPU config on a machine without GPUs; the worldbooks; the model path's
@@ -41,7 +43,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from envace.cache import cache_dir
-from envace.config import ConfigError, EnvAceConfig, validate_envace_config, validate_verl_keys
+from envace.config import ConfigError, EnvAceConfig, envsched_config_from, validate_envace_config, validate_verl_keys
 from envace.roles import Role
 from envace.verl.config import check_registries, compose, validate_verl_config
 from trace2env.cliargs import one_line
@@ -518,14 +520,26 @@ def fit_prompts(path: str, model_path: str, max_prompt_length: int, chat_kwargs:
 
 
 def validate_envsched_config(cfg: DictConfig) -> None:
-    """The ``envsched`` group against ``envsched.EnvSchedConfig`` (unknown keys and bad values fail)."""
-    from envsched import EnvSchedConfig
-    from envsched.config import ConfigError as SchedConfigError
+    """The ``envsched`` group against ``envsched.EnvSchedConfig`` (unknown keys and bad values fail), its batch size
+    and group size equal to the trainer's (:func:`envace.config.envsched_config_from`): ``envsched.batch_size=32``
+    with ``data.train_batch_size=64`` is refused here, as the scheduler the trainer builds would refuse it inside Ray."""
+    envsched_config_from(cfg)
 
-    try:
-        EnvSchedConfig.from_dict(OmegaConf.to_container(cfg.get("envsched", {}) or {}, resolve=True))
-    except SchedConfigError as exc:
-        raise ConfigError(f"envsched: {exc}") from None
+
+def fill_default_agent_loop(cfg: DictConfig, ecfg: EnvAceConfig) -> None:
+    """``actor_rollout_ref.rollout.agent.default_agent_loop`` (the loop verl runs for a row without an ``agent_name``)
+    is the loop of ``envace.agent.observation_source``: one setting, named by envace's key. null (the default) is
+    filled in with that loop; another loop is refused, naming both keys, where it used to be replaced silently."""
+    agent, want = cfg.actor_rollout_ref.rollout.agent, loop_name(ecfg.agent.observation_source)
+    given = agent.get("default_agent_loop")
+    if given not in (None, want):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={given} differs from {want}, the loop of "
+            f"envace.agent.observation_source={ecfg.agent.observation_source}: one setting with two values; set "
+            "envace.agent.observation_source and leave default_agent_loop null"
+        )
+    with open_dict(cfg):
+        agent.default_agent_loop = want
 
 
 def count_rows(path: str) -> int:
@@ -585,6 +599,7 @@ def preflight(cfg: DictConfig) -> tuple[EnvAceConfig, list[str]]:
     ecfg = validate_envace_config(cfg)
     validate_verl_keys(cfg)
     validate_envsched_config(cfg)
+    fill_default_agent_loop(cfg, ecfg)
     if ecfg.preflight:
         check_platform(cfg)
     check_cluster(cfg)
@@ -602,7 +617,6 @@ def preflight(cfg: DictConfig) -> tuple[EnvAceConfig, list[str]]:
         from envace.verl.resume import select_resume_checkpoint
 
         select_resume_checkpoint(cfg)
-        cfg.actor_rollout_ref.rollout.agent.default_agent_loop = loop_name(ecfg.agent.observation_source)
         from envace.trackers import degrade_trackers
 
         cfg.trainer.logger = degrade_trackers([str(x) for x in _as_list(cfg.trainer.logger)])

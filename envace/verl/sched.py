@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from envace.agents.contract import RolloutFields, key_trajectory
+from envace.config import envsched_config_from
 from envace.envs.base import get_pool
 from envace.envs.records import make_replay, task_key, task_records
 
@@ -129,10 +130,10 @@ def collect_groups(
 
 
 def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kwargs: Mapping[str, Any] | None = None):
-    """An :class:`envsched.EnvScheduler` over the tasks of ``dataset_rows`` (their ``extra_info``)."""
-    from omegaconf import OmegaConf
-
-    from envsched import EnvSchedConfig, EnvScheduler
+    """An :class:`envsched.EnvScheduler` over the tasks of ``dataset_rows`` (their ``extra_info``), configured by
+    ``cfg.envsched``, whose batch size and group size must equal ``data.train_batch_size`` and
+    ``actor_rollout_ref.rollout.n`` (the training config interpolates them; a disagreement is a ValueError)."""
+    from envsched import EnvScheduler
 
     refs = []
     for row in dataset_rows:
@@ -141,10 +142,7 @@ def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kw
             raise ValueError("envsched needs extra_info.pool/task_id in every training row (envace.envs build-data)")
         refs.append((str(info["pool"]), str(info["task_id"])))
     pools = {name: get_pool(name, **dict((pool_kwargs or {}).get(name, {}) or {})) for name in {p for p, _ in refs}}
-    raw = OmegaConf.to_container(cfg.envsched, resolve=True) if hasattr(cfg, "envsched") else {}
-    sched_cfg = EnvSchedConfig.from_dict(
-        {**raw, "batch_size": int(cfg.data.train_batch_size), "rollouts_per_task": int(cfg.actor_rollout_ref.rollout.n)}
-    )
+    sched_cfg = envsched_config_from(cfg)  # B and K are the trainer's keys, interpolated (envace.config)
     records = task_records(pools, refs)
     return EnvScheduler(records, sched_cfg, replay=make_replay(pools)), [task_key(p, t) for p, t in refs]
 

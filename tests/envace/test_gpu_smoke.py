@@ -61,10 +61,11 @@ def _flat(node, prefix: str = "") -> dict:
     return {prefix[:-1]: node}
 
 
-#: keys verl's config interpolates from a shrunk one (rollout.n_gpus_per_node from trainer's, the critic's
-#: mini-batch from the actor's); trainer.logger adds verl's file logger, whose metrics the checks read
+#: keys the config interpolates from a shrunk one (rollout.n_gpus_per_node from trainer's, the critic's mini-batch
+#: from the actor's, EnvSched's batch from data.train_batch_size); trainer.logger adds verl's file logger, whose
+#: metrics the checks read
 DERIVED = {"actor_rollout_ref.rollout.n_gpus_per_node", "actor_rollout_ref.rollout.nnodes",
-           "critic.ppo_mini_batch_size", "trainer.logger"}
+           "critic.ppo_mini_batch_size", "envsched.batch_size", "trainer.logger"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

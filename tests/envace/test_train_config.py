@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -12,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict
 
-from envace.config import ConfigError, validate_envace_config, validate_verl_keys
+from envace.config import (
+    ENVSCHED_TRAINER_KEYS,
+    ConfigError,
+    envsched_config_from,
+    validate_envace_config,
+    validate_verl_keys,
+)
 from envace.train import check_platform, check_ray_resources, main, resolve_model_path
 from envace.verl.config import CONFIG_DIR, compose
 
@@ -269,3 +276,68 @@ def test_verl_keys_accept_exactly_positive_whole_numbers(composed, steps, batch)
 @pytest.fixture(scope="module")
 def composed():
     return compose([])
+
+
+# -- one name per setting (issue 47, item 2) ----------------------------------------------------------------------
+@pytest.mark.parametrize(("experiment", "sizes"), [("cpu_default", (8, 4)), ("cpu_envsched", (2, 2)),
+                                                   ("envsched_qwen3_8b_h20_2x8", (64, 8))])
+def test_the_envsched_batch_and_group_size_are_the_trainers_keys_interpolated(experiment, sizes):
+    """EnvSched's B and K are the trainer's prompts per step and rollouts per prompt: in the training config the
+    envsched keys interpolate the trainer's, so every recipe (and an override of the trainer's key) gives the
+    scheduler the trainer's values. The library's own file keeps its values, for use without verl."""
+    from envsched import EnvSchedConfig
+
+    cfg = compose([f"experiment={experiment}"])
+    raw = OmegaConf.to_container(cfg.envsched, resolve=False)
+    assert {key: raw[key] for key in ENVSCHED_TRAINER_KEYS} == {
+        "batch_size": "${data.train_batch_size}", "rollouts_per_task": "${actor_rollout_ref.rollout.n}"}
+    typed = envsched_config_from(cfg)
+    assert (typed.batch_size, typed.rollouts_per_task) == sizes
+    moved = envsched_config_from(compose([f"experiment={experiment}", "data.train_batch_size=6",
+                                          "actor_rollout_ref.rollout.n=3"]))
+    assert (moved.batch_size, moved.rollouts_per_task) == (6, 3)
+    alone = EnvSchedConfig.from_yaml(CONFIG_DIR / "envsched" / "envsched.yaml")
+    assert (alone.batch_size, alone.rollouts_per_task) == (64, 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 6), n=st.integers(1, 6), key=st.sampled_from(sorted(ENVSCHED_TRAINER_KEYS)),
+       mine=st.none() | st.integers(1, 6))
+def test_an_envsched_batch_key_passes_exactly_when_it_equals_the_trainers(composed, batch, n, key, mine):
+    """Whatever values the trainer's keys and an override of the envsched key take: the typed group is built exactly
+    when the two agree (or the envsched key is left at its interpolation), else one line names both keys and both
+    values."""
+    cfg = copy.deepcopy(composed)
+    with open_dict(cfg):
+        cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n = batch, n
+        if mine is not None:
+            cfg.envsched[key] = mine
+    trainer_key = ENVSCHED_TRAINER_KEYS[key]
+    theirs = OmegaConf.select(cfg, trainer_key)
+    if mine is None or mine == theirs:
+        typed = envsched_config_from(cfg)
+        assert (typed.batch_size, typed.rollouts_per_task) == (batch, n)
+    else:
+        with pytest.raises(ConfigError) as err:
+            envsched_config_from(cfg)
+        assert str(err.value).startswith(f"envsched.{key}={mine} differs from {trainer_key}={theirs}: ")
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("envace.reward.checklist.use_json_schema=true",
+     "envace.reward.checklist.use_json_schema=True would override envace.reward.judge.use_json_schema"),
+    ("+envace.reward.checklist.sampling.temperature=0.7",
+     "envace.reward.checklist.sampling.temperature would override envace.reward.judge.temperature"),
+    ("+envace.reward.checklist.sampling.max_tokens=64",
+     "envace.reward.checklist.sampling.max_tokens would override envace.reward.judge.max_tokens"),
+])
+def test_a_judge_request_setting_has_one_key_the_endpoints(override, message):
+    """The checklist judge's config could set the judge endpoint's request settings again per call, and won without a
+    word; in the training config the endpoint's key (``envace.reward.judge.*``) is the one name. Request fields the
+    endpoint has no key for stay in ``checklist.sampling``."""
+    with pytest.raises(ConfigError) as err:
+        validate_envace_config(compose([override]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    sampling = validate_envace_config(compose(["+envace.reward.checklist.sampling.stop=[END]"])).reward.checklist.sampling
+    assert sampling == {"stop": ["END"]}

@@ -88,6 +88,41 @@ def test_every_mistake_is_one_line_before_anything_heavy(heavy, tmp_path, capsys
     assert heavy == [] and not (tmp_path / "cache").exists() and not run.exists()
 
 
+#: issue 47, item 2: one setting with two keys, given two values (the CPU default: data.train_batch_size=8,
+#: rollout.n=4, observation_source=rehearse), and the start of the one line that names both keys and both values.
+#: Old behaviour: each passed, and the trainer's key silently replaced the other (envsched's batch and group size in
+#: envace.verl.sched inside Ray; the default agent loop in the pre-flight).
+TWO_VALUES = [
+    (["data.train_batch_size=64", "envsched.batch_size=32"],
+     "envsched.batch_size=32 differs from data.train_batch_size=64: "),
+    (["envsched.rollouts_per_task=8"], "envsched.rollouts_per_task=8 differs from actor_rollout_ref.rollout.n=4: "),
+    (["actor_rollout_ref.rollout.agent.default_agent_loop=envace_env"],
+     ("actor_rollout_ref.rollout.agent.default_agent_loop=envace_env differs from envace_act_rehearse, the loop of "
+      "envace.agent.observation_source=rehearse: ")),
+]
+
+
+@pytest.mark.parametrize(("overrides", "line"), TWO_VALUES)
+def test_one_setting_given_two_values_is_refused_naming_both_keys(heavy, tmp_path, capsys, overrides, line):
+    run = tmp_path / "run"
+    assert main(["--preflight-only", *overrides, f"trainer.default_local_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"envace: config error: {line}"), err
+    assert heavy == [] and not (tmp_path / "cache").exists() and not run.exists()
+
+
+def test_the_envsched_keys_set_to_the_trainers_values_pass(heavy, tmp_path, capsys):
+    """The same keys given the trainer's values (or left at their interpolation) pass the pre-flight of the EnvSched
+    recipe; the default agent loop is filled in from the observation source."""
+    run = f"trainer.default_local_dir={tmp_path / 'run'}"
+    assert main(["--preflight-only", run, "experiment=cpu_envsched", "data.train_batch_size=4",
+                 "envsched.batch_size=4", "envsched.rollouts_per_task=2"]) == 0
+    assert main(["--preflight-only", run, "experiment=cpu_envsched", "data.train_batch_size=4",
+                 "actor_rollout_ref.rollout.agent.default_agent_loop=envace_act_rehearse"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "envace: pre-flight passed"
+    assert heavy == []
+
+
 def test_the_one_line_is_all_a_fresh_process_prints(tmp_path):
     """In a process of its own (warnings printed, not collected by pytest): verl's notes and warnings of the early
     check ("Disabled critic ...") do not come before the refusal, and nothing is built into the empty cache."""

@@ -12,6 +12,9 @@ from envace.agents.contract import RolloutFields
 from envace.envs.base import get_pool
 from envace.verl.sched import build_scheduler, collect_groups
 
+#: envsched's batch and group size as the training config sets them (configs/envace_trainer.yaml): the trainer's keys
+TRAINER_KEYS = {"batch_size": "${data.train_batch_size}", "rollouts_per_task": "${actor_rollout_ref.rollout.n}"}
+
 
 @pytest.fixture(scope="module")
 def bfcl():
@@ -21,13 +24,29 @@ def bfcl():
 def test_build_scheduler_uses_train_batch_size_and_selects_known_tasks(bfcl):
     rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
     cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
-                            "envsched": {"scheduler": "envsched"}})
+                            "envsched": {"scheduler": "envsched", **TRAINER_KEYS}})
     sched, keys = build_scheduler(cfg, rows)
     assert sched.cfg.batch_size == 4 and len(keys) == 40
     batch = sched.select(1)
     assert len(batch) == 4 and set(batch) <= set(keys)
     sched.observe(1, {t: [0.0, 1.0] for t in batch})
     assert len(sched.select(2)) == 4
+
+
+@pytest.mark.parametrize(("envsched", "line"), [
+    ({"batch_size": 8}, "envsched.batch_size=8 differs from data.train_batch_size=4: "),
+    ({"rollouts_per_task": 3}, "envsched.rollouts_per_task=3 differs from actor_rollout_ref.rollout.n=2: "),
+    ({}, "envsched.batch_size=64 differs from data.train_batch_size=4: "),  # the library's default is not the trainer's
+])
+def test_build_scheduler_refuses_a_batch_or_group_size_apart_from_the_trainers(bfcl, envsched, line):
+    """Issue 47, item 2: the trainer's own guard, for a config that did not pass envace's pre-flight. Before,
+    ``envsched.batch_size`` and ``rollouts_per_task`` were replaced here by the trainer's values, without a word."""
+    rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
+    cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
+                            "envsched": {**TRAINER_KEYS, **envsched} if envsched else {}})
+    with pytest.raises(ValueError) as err:
+        build_scheduler(cfg, rows)
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
 
 
 def test_rows_without_task_refs_are_rejected():
@@ -71,7 +90,7 @@ def three_observed_steps(bfcl):
     """(config, dataset rows, scheduler) of a 40-task BFCL envsched run that has selected and observed steps 1-3."""
     rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
     cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
-                            "envsched": {"scheduler": "envsched"}})
+                            "envsched": {"scheduler": "envsched", **TRAINER_KEYS}})
     sched, _ = build_scheduler(cfg, rows)
     for step in (1, 2, 3):
         sched.observe(step, {t: [float(i % 2), 1.0] for i, t in enumerate(sched.select(step))})
@@ -175,7 +194,7 @@ def test_async_dispatches_of_any_size_are_selections_that_keep_tasks_in_flight_o
     trainer = cls.__new__(cls)
     rows = [{"extra_info": {"pool": "bfcl_multi_turn", "task_id": t}} for t in bfcl.task_ids("train")[:40]]
     trainer.config = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
-                                       "envsched": {"scheduler": "envsched"},
+                                       "envsched": {"scheduler": "envsched", **TRAINER_KEYS},
                                        "trainer": {"default_local_dir": str(tmp_path)}})
     trainer.scheduler, keys = build_scheduler(trainer.config, rows)
     trainer._row_of = {k: i for i, k in enumerate(keys)}

@@ -55,7 +55,8 @@ def rows() -> list[dict[str, Any]]:
 
 def make(kind: str, rows: list[dict[str, Any]]):
     cfg = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
-                            "envsched": {"scheduler": kind, "seed": 7}})
+                            "envsched": {"scheduler": kind, "seed": 7, "batch_size": "${data.train_batch_size}",
+                                         "rollouts_per_task": "${actor_rollout_ref.rollout.n}"}})
     return build_scheduler(cfg, rows)[0]
 
 
