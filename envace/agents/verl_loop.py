@@ -36,15 +36,23 @@ execution with ``rehearse`` / ``simulator``: the same calls in the same order, i
 :func:`envace.rewards.score.score_episode` as evaluation scores it. A rollout that could not be judged (a
 verifier crash or time-out, an environment time-out) masks the sample (loss mask 0, ``verify_failed=1``, left out
 of every baseline) instead of scoring it 0.
+
+Sampling is seeded per rollout (:func:`rollout_identity`, :func:`request_seed`): every generation carries a ``seed``
+sampling parameter derived from ``rollout.seed``, the rollout's identity (step, task row, which of its group's
+rollouts) and the generation's index within the rollout, so two runs of one config and seed draw the same tokens
+wherever the rollout server batches them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 from uuid import uuid4
 
@@ -95,6 +103,55 @@ def task_ref(kwargs: dict[str, Any]) -> tuple[str, str]:
     return str(pool), str(task_id)
 
 
+#: rollout servers that read a per-request ``seed`` sampling parameter (hfcpu's ``SamplingSpec``; vLLM's
+#: ``SamplingParams``, which verl's vLLM server builds from the parameters it is sent); the others are sent none
+SEEDED_ROLLOUTS = frozenset({"hfcpu", "vllm"})
+
+
+def rollout_identity(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What names one rollout alike in every run of a config and seed, from the keyword arguments verl's V1
+    agent-loop worker hands :meth:`EnvaceAgentLoop.run` (``AgentLoopWorkerTQ._run_prompt`` in
+    verl/trainer/ppo/v1/agent_loop_tq.py, under the sync and the colocate_async trainers alike); None when the row
+    lacks them.
+
+    * ``global_steps``: the step that dispatched the prompt (the trainer stamps it on every batch, training and
+      validation alike), so a row drawn again in a later step is another rollout;
+    * ``session_id``: which of the prompt's ``rollout.n`` rollouts (0..n-1), so the K rollouts of a prompt differ;
+    * the row's task reference (``extra_info``: pool, task id, split, index in its parquet file): the dataloader
+      (``data.seed``) or EnvSched (``envsched.seed``) puts the same rows in the same steps in every run. A training
+      and a validation rollout of one step differ here: envace's data build puts no task in both the train and the
+      val split (``envace/envs/datasets.py``) and the split is part of the identity (verl drops its own
+      ``validate`` flag before the rows reach the agent loop);
+    * the greedy validation pass's flag (:data:`~envace.agents.contract.GREEDY_FIELD`).
+
+    verl's prompt ``uid`` is a fresh uuid4 in every run and the request id (:class:`VerlPolicy`) one per rollout, so
+    neither can serve. verl's older agent-loop worker passes neither ``global_steps`` nor ``session_id``: its rows
+    get None, and their generations go unseeded.
+    """
+    if "global_steps" not in row or "session_id" not in row:
+        return None
+    info = row.get("extra_info") or {}
+    index = info.get("index", row.get("index"))
+    return {
+        "step": int(row["global_steps"]),
+        "session": int(row["session_id"]),
+        "pool": str(info.get("pool")),
+        "task_id": str(info.get("task_id")),
+        "split": str(info.get("split")),
+        "index": int(index) if index is not None else None,
+        "greedy": bool(row.get(GREEDY_FIELD, False)),
+    }
+
+
+def request_seed(server_seed: int, identity: Mapping[str, Any], generation: int) -> int:
+    """The ``seed`` of a rollout's ``generation``-th ``generate`` call (0-based; act and rehearse turns counted
+    together, in the order the engine makes them, one after another): 63 bits of BLAKE2b over (``rollout.seed``,
+    :func:`rollout_identity`, ``generation``). A hash of canonical JSON, not Python's ``hash``, which salts strings
+    per process."""
+    text = json.dumps([int(server_seed), dict(identity), int(generation)], sort_keys=True)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
 class RolloutAbortedError(RuntimeError):
     """The rollout server aborted a generation (verl's ``stop_reason="aborted"``): an infrastructure failure, never
     a reply of the model's."""
@@ -103,9 +160,11 @@ class RolloutAbortedError(RuntimeError):
 class VerlPolicy(TokenPolicy):
     """The token-level policy (:class:`~envace.agents.token_policy.TokenPolicy`) over ``server_manager.generate``,
     with the agent loop's own continuous-token bookkeeping. Every generation of a rollout goes out under one
-    request id (verl's sticky routing), one after another."""
+    request id (verl's sticky routing), one after another. With a ``seed`` (``rollout.seed`` and the rollout's
+    identity, :func:`rollout_identity`) each carries its own :func:`request_seed`; without one, none."""
 
-    def __init__(self, loop: AgentLoopBase, sampling_params: dict[str, Any], cfg: AgentConfig) -> None:
+    def __init__(self, loop: AgentLoopBase, sampling_params: dict[str, Any], cfg: AgentConfig,
+                 seed: tuple[int, dict[str, Any]] | None = None) -> None:
         super().__init__(
             LoopTokenContext(loop), self._server_generate,
             lambda ids: loop.tokenizer.decode(ids, skip_special_tokens=True),
@@ -117,9 +176,14 @@ class VerlPolicy(TokenPolicy):
         self.cfg = cfg
         self.request_id = uuid4().hex
         self.global_steps: dict[str, Any] = {}
+        self.seed = seed
+        self.calls = 0  # generate calls made so far: the next one's index within the rollout
 
     async def _server_generate(self, prompt_ids: list[int], params: dict[str, Any],
                                role: Role) -> tuple[list[int], list[float] | None]:
+        if self.seed is not None:
+            params = {**params, "seed": request_seed(*self.seed, self.calls)}
+        self.calls += 1
         out = await self.loop.server_manager.generate(
             request_id=self.request_id, prompt_ids=list(prompt_ids), sampling_params=params
         )
@@ -183,7 +247,7 @@ class EnvaceAgentLoop(AgentLoopBase):
         episode = await self._episode(kwargs)
         if kwargs.get(GREEDY_FIELD):  # the trainer's greedy validation pass (envace.verl.trainer)
             sampling_params = {**sampling_params, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
-        policy = VerlPolicy(self, sampling_params, cfg)
+        policy = VerlPolicy(self, sampling_params, cfg, seed=self._seed(kwargs))
         try:
             source = self._source(policy, episode)
             transcript = await TurnEngine(cfg.limits).run(episode, policy, source)
@@ -193,6 +257,18 @@ class EnvaceAgentLoop(AgentLoopBase):
         trajectory_id = f"{kwargs.get('uid', '')}_{kwargs.get('session_id', 0)}"
         return self._outputs(policy, transcript, reward, masked, reason, details,
                              pool_name, task_id, episode.spec.env_id, trajectory_id)
+
+    def _seed(self, row: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """(``rollout.seed``, the rollout's identity) when the rollout server reads a per-request seed
+        (:data:`SEEDED_ROLLOUTS`) and the row names its rollout (:func:`rollout_identity`); else None."""
+        rollout = self.rollout_config
+        if rollout.get("name") not in SEEDED_ROLLOUTS:
+            return None
+        identity = rollout_identity(row)
+        if identity is None:
+            _warn_unseeded()
+            return None
+        return int(rollout.get("seed") or 0), identity
 
     async def _score(self, episode: Episode, t: Transcript, row: dict[str, Any]) -> tuple[float, bool, str, dict]:
         """The trajectory reward (:func:`envace.rewards.score.score_episode`: the verifier and, on checklist rows,
@@ -293,6 +369,12 @@ class EnvaceAgentLoop(AgentLoopBase):
                 )
             )
         return outputs
+
+
+@functools.cache
+def _warn_unseeded() -> None:
+    logger.warning("agent-loop rows carry no global_steps / session_id (not verl's V1 agent-loop worker): "
+                   "generations go unseeded, and the rollout server seeds them by arrival")
 
 
 _LLM_POOLS: dict[str, Any] = {}

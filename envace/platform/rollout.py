@@ -11,9 +11,11 @@ these roles on GPUs. This module fills them on CPU:
   batching (:class:`DecodeBatch`): requests join the running left-padded decode, with its shared KV cache,
   between decode steps (up to ``max_num_seqs`` rows) and leave as they finish, so the act and rehearse turns
   of a step's agent loops, which arrive at different times, share decode passes; temperature / top-k / top-p /
-  repetition-penalty sampling per request with its own seeded generator; log-probs of the sampled tokens under
-  ``logits / temperature`` (what verl's actor computes, so ``training/rollout_probs_diff_max`` measures a real
-  agreement).
+  repetition-penalty sampling per request with its own seeded generator (:meth:`HFCPUServer._submit`: the
+  request's ``seed`` sampling parameter, which envace's agent loop derives from the rollout's identity, so what a
+  request draws does not depend on when it arrived, nor, up to float rounding, on which batch it joined); log-probs
+  of the sampled tokens under ``logits / temperature`` (what verl's actor computes, so
+  ``training/rollout_probs_diff_max`` measures a real agreement).
 * :class:`HFCPUReplica` — registered in ``RolloutReplicaRegistry`` as ``hfcpu``; places one
   server on the node of its replica's first worker.
 * :class:`HFCPUServerAdapter` — registered in ``_ROLLOUT_REGISTRY[("hfcpu", "async")]``; drains
@@ -374,7 +376,19 @@ class HFCPUServer:
         return min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
 
     def _submit(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> concurrent.futures.Future:
-        """Validate a request, seed its generator and queue it for the decode thread."""
+        """Validate a request, seed its generator and queue it for the decode thread.
+
+        A request with a ``seed`` sampling parameter (vLLM's meaning: this request's own seed) draws from a generator
+        seeded with it and nothing else, so its uniforms are the same whatever arrived before it and whichever batch
+        it decodes in. envace's agent loop sends one with every generation, derived from (``rollout.seed``, the
+        rollout's identity, the generation's index within the rollout): :func:`envace.agents.verl_loop.request_seed`.
+        Its tokens are then the same too, up to float rounding: rows of a :class:`DecodeBatch` decode as they would
+        alone, but the batch's shape and left padding change the order of the sums, so a draw within that rounding of
+        a token boundary of the CDF can differ (with ``max_num_seqs=1`` every request decodes alone, bit for bit).
+        A request without a seed (another caller, or rows that do not name their rollout) is seeded by
+        (``rollout.seed``, replica, arrival count): distinct streams for identical requests, but its draws then
+        depend on the order concurrent requests arrived in.
+        """
         max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         room = int(max_model_len) - len(prompt_ids)
         if room < 1:
@@ -383,7 +397,7 @@ class HFCPUServer:
             )
         spec = SamplingSpec(sampling_params, self._max_tokens_default(len(prompt_ids)))
         spec.max_tokens = max(1, min(spec.max_tokens, room))
-        with self._seed_lock:  # seeds follow arrival order, whatever batch a request lands in
+        with self._seed_lock:  # the fallback follows arrival order (see the docstring)
             self._requests += 1
             seed = spec.seed if spec.seed is not None else hash((self.seed, self.replica_rank, self._requests))
         req = _Request(list(prompt_ids), spec, torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF))

@@ -49,10 +49,11 @@ def tokenizer():
     return load_tokenizer()
 
 
-def make_loop(tokenizer, act, rehearse=None, *, source="real", response_length=4096, layout="message", **limits):
+def make_loop(tokenizer, act, rehearse=None, *, source="real", response_length=4096, layout="message",
+              rollout=None, **limits):
     cfg = OmegaConf.create({
         "actor_rollout_ref": {"rollout": {"response_length": response_length, "prompt_length": 8192,
-                                          "multi_turn": {}, "agent": {}}},
+                                          "multi_turn": {}, "agent": {}, **(rollout or {})}},
         "envace": {"agent": {"act_layout": layout, "limits": {"max_steps_per_turn": 6, "max_user_turns": 8,
                                                                 "max_calls_per_message": 4, **limits}}},
     })
@@ -552,6 +553,65 @@ def test_a_rollouts_generations_never_overlap_under_its_request_id(tokenizer):
     run(loop)
     roles = {role for role, _, _ in server.calls}
     assert roles == {"act", "rehearse"} and len(ids) == 1 and len(server.calls) > 2
+
+
+# -- seeding: by the rollout's identity and the generation's index ----------------------------------------------
+
+SEEDED_ROW = {"extra_info": {"pool": "bfcl_multi_turn", "task_id": TASK, "split": "train", "index": 5},
+              "uid": "u1", "session_id": 0, "global_steps": 1}
+
+
+def _sent(tokenizer, row, rollout=None, act=("Done.",)):
+    """The (role, sampling parameters) and the request ids of the generations one rehearse-source rollout of ``row``
+    sends: scripted acting replies (by default a final answer to every user turn) and rehearsals, the same
+    generations whatever the seed."""
+    loop, server = make_loop(tokenizer, list(act), ['<execution_result>{"ok": true}</execution_result>'] * 20,
+                             source="rehearse", rollout={"name": "hfcpu", "seed": 42, **(rollout or {})})
+    ids = []
+    generate = server.generate
+
+    async def recording(request_id, **kw):
+        ids.append(request_id)
+        return await generate(request_id, **kw)
+
+    server.generate = recording
+    loop.loop.run_until_complete(loop.run({"temperature": 1.0, "logprobs": True}, **row))
+    return [(role, sp) for role, _, sp in server.calls], ids
+
+
+def test_each_generation_is_seeded_by_its_rollout_and_its_index(tokenizer):
+    """Every generation carries ``seed`` = request_seed(rollout.seed, the rollout's identity, its index within the
+    rollout): the same in a second run of the row (whose verl uid and request id are new), different for every
+    generation of the rollout, and different when any part of the identity changes."""
+    from envace.agents.contract import GREEDY_FIELD
+    from envace.agents.verl_loop import request_seed, rollout_identity
+
+    calls, ids = _sent(tokenizer, SEEDED_ROW, act=gold_replies())
+    seeds = [sp["seed"] for _, sp in calls]
+    assert {role for role, _ in calls} == {"act", "rehearse"} and len(set(ids)) == 1  # one request id: sticky
+    assert seeds == [request_seed(42, rollout_identity(SEEDED_ROW), i) for i in range(len(calls))]
+    assert seeds[0] == 7953218577009922051  # a pure function of its inputs: the same in every process and run
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
+    again, again_ids = _sent(tokenizer, {**SEEDED_ROW, "uid": "another-uuid"})  # other generations, same indices
+    assert [sp["seed"] for _, sp in again] == seeds[: len(again)] and set(again_ids).isdisjoint(ids)
+    vllm, _ = _sent(tokenizer, SEEDED_ROW, {"name": "vllm"})  # vLLM takes the same per-request seed
+    assert [sp["seed"] for _, sp in vllm] == seeds[: len(vllm)]
+    info = SEEDED_ROW["extra_info"]
+    for other, rollout in [({"session_id": 1}, None), ({"global_steps": 2}, None),
+                           ({"extra_info": {**info, "split": "test"}}, None),
+                           ({"extra_info": {**info, "index": 6}}, None), ({GREEDY_FIELD: True}, None),
+                           ({}, {"seed": 43})]:
+        changed, _ = _sent(tokenizer, {**SEEDED_ROW, **other}, rollout)
+        assert {sp["seed"] for _, sp in changed}.isdisjoint(seeds), (other, rollout)
+
+
+def test_no_seed_goes_to_a_server_that_does_not_read_one_or_for_a_row_that_names_no_rollout(tokenizer):
+    """SGLang's and TensorRT-LLM's servers are sent no ``seed``; nor is any server for a row without
+    ``global_steps`` / ``session_id`` (verl's older agent-loop worker), which the server then seeds by arrival."""
+    calls, _ = _sent(tokenizer, SEEDED_ROW, {"name": "sglang"})
+    assert calls and not any("seed" in sp for _, sp in calls)
+    calls, _ = _sent(tokenizer, {k: v for k, v in SEEDED_ROW.items() if k != "global_steps"})
+    assert calls and not any("seed" in sp for _, sp in calls)
 
 
 # -- the training adapter's token sequences, pinned ------------------------------------------------------------
