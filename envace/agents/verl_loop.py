@@ -104,7 +104,9 @@ def task_ref(kwargs: dict[str, Any]) -> tuple[str, str]:
 
 
 #: rollout servers that read a per-request ``seed`` sampling parameter (hfcpu's ``SamplingSpec``; vLLM's
-#: ``SamplingParams``, which verl's vLLM server builds from the parameters it is sent); the others are sent none
+#: ``SamplingParams``, which verl's vLLM server builds from the parameters it is sent); the others are sent none. On
+#: GPUs vLLM samples seeded requests with its PyTorch top-k / top-p path, not FlashInfer's (which takes no per-request
+#: generators): a recipe with top-k or top-p filters pays that kernel's difference
 SEEDED_ROLLOUTS = frozenset({"hfcpu", "vllm"})
 
 
