@@ -16,7 +16,8 @@ engine already holds. Each received tensor is copied out of the bucket first: th
 every bucket, and the layer-wise loader keeps the tensors of a layer until the layer is complete, which may be
 several buckets later.
 
-The verl and vLLM lines this relies on are pinned by ``tests/envace/platform/test_vllm_cpu.py``.
+The verl and vLLM lines this relies on are pinned by ``tests/envace/platform/test_vllm_cpu.py``;
+``tests/envace/platform/test_vllm_cpu_sync.py`` runs two syncs into vLLM's CPU engine and checks what it computes.
 """
 
 from __future__ import annotations
