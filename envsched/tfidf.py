@@ -16,7 +16,7 @@ rows by chunk of rows, holding one chunk at a time:
    the corpus) and applies ``TfidfTransformer.transform`` (sublinear tf, idf, L2 rows: all row-local).
 
 Every stored value, column index and in-row order equals ``TfidfVectorizer(...).fit_transform(texts)``
-(tests/envsched/test_envsched_scale.py checks ``array_equal`` on data, indices and indptr).
+(tests/envsched/test_tfidf.py checks ``array_equal`` on data, indices and indptr).
 
 ``DiskCSR`` writes a CSR matrix chunk by chunk to ``.npy`` files and opens it memory-mapped, read-only: a
 step reads only the rows it needs, and ``release()`` drops the pages a step touched from the resident set

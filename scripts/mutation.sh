@@ -24,9 +24,9 @@ declare -A TARGETS=(
   [advantage]="envace/advantage.py|tests/envace/test_advantage.py tests/envace/test_advantage_oracle.py"
   [toolcall]="envace/toolcall.py|tests/envace/test_toolcall.py"
   [engine]="envace/agents/engine.py|tests/envace/agents/test_engine.py tests/envace/agents/test_verl_loop.py"
-  [estimate]="envsched/estimate.py|tests/envsched/test_envsched_estimate.py tests/envsched/test_envsched_oracle.py tests/envsched/test_envsched_observe.py tests/envsched/test_envsched_fastpaths.py tests/envsched/test_envsched_estimate_edges.py"
-  [select]="envsched/select.py|tests/envsched/test_envsched_select.py tests/envsched/test_envsched_edges.py tests/envsched/test_envsched_scheduler.py tests/envsched/test_envsched_fastpaths.py"
-  [scheduler]="envsched/scheduler.py|tests/envsched/test_envsched_scheduler.py tests/envsched/test_envsched_edges.py tests/envsched/test_envsched_oracle.py tests/envsched/test_envsched_observe.py tests/envsched/test_envsched_select.py tests/envsched/test_envsched_scheduler_edges.py"
+  [estimate]="envsched/estimate.py|tests/envsched/test_estimate.py tests/envsched/test_estimate_oracle.py tests/envsched/test_scheduler_observe.py tests/envsched/test_select.py tests/envsched/test_neighbors.py"
+  [select]="envsched/select.py|tests/envsched/test_select.py tests/envsched/test_filters.py tests/envsched/test_scheduler.py tests/envsched/test_neighbors.py"
+  [scheduler]="envsched/scheduler.py|tests/envsched/test_scheduler.py tests/envsched/test_estimate_oracle.py tests/envsched/test_scheduler_observe.py tests/envsched/test_select.py tests/envsched/test_filters.py tests/envsched/test_estimate.py"
 )
 ORDER=(advantage toolcall engine estimate select scheduler)
 (( $# )) && ORDER=("$@")

@@ -51,11 +51,11 @@ BUGS = [
     Bug("est_no_centering", "Eq. 6's centring dropped inside the half-life estimate", "envsched/estimate.py",
         "y_tilde = center(vals, step_means[inv], b_t, intervals[y])",
         "y_tilde = vals",
-        ("tests/envsched/test_envsched_estimate_edges.py",)),
+        ("tests/envsched/test_estimate.py",)),
     Bug("est_unobserved_neighbours", "neighbours with no history still counted", "envsched/estimate.py",
         "avail = (idx >= 0) & (W[safe] > 0)",
         "avail = idx >= 0",
-        ("tests/envsched/test_envsched_estimate_edges.py",)),
+        ("tests/envsched/test_estimate.py",)),
     Bug("est_lambda_swap", "lambda_g and lambda_s swapped", "envsched/estimate.py",
         "level = environment_reference(ybars[y], W, env, out[\"b\"][y], cfg.lambda_g)\n"
         "            G[rel] = relation_estimate(a, relation_values(ybars[y], safe, level, intervals[y]), out[\"b\"][y], cfg.lambda_g)\n"
@@ -65,21 +65,21 @@ BUGS = [
         "            G[rel] = relation_estimate(a, relation_values(ybars[y], safe, level, intervals[y]), out[\"b\"][y], cfg.lambda_s)\n"
         "        P = graph_prior(G[\"in\"], G[\"cross\"], mass[\"in\"], mass[\"cross\"], out[\"b\"][y], cfg.lambda_s, cfg.fusion_within, cfg.fusion)\n"
         "        out[y] = fuse_prior(P, W, ybars[y], cfg.lambda_g)",
-        ("tests/envsched/test_envsched_estimate_edges.py",)),
+        ("tests/envsched/test_estimate.py",)),
     # -- scheduling (envsched/scheduler.py) ----------------------------------------------------------------
     Bug("c3_window", "the C3 rolling window off by one", "envsched/scheduler.py",
         "for s in range(step - cfg.cap_env_window_steps + 1, step):",
         "for s in range(step - cfg.cap_env_window_steps, step):",
-        ("tests/envsched/test_envsched_edges.py",)),
+        ("tests/envsched/test_scheduler.py",)),
     Bug("no_exposure_factor", "the exposure factor omega left out of exploitation", "envsched/scheduler.py",
         "score = q * exposure_factor(self.sel_count, cfg.exposure_c0)",
         "score = q",
-        ("tests/envsched/test_envsched_edges.py",)),
+        ("tests/envsched/test_scheduler.py",)),
     Bug("resume_forgets_available", "load_state_dict forgets `available` (filtered tasks come back)",
         "envsched/scheduler.py",
         "        self.available = np.asarray(state[\"available\"], dtype=bool).copy()\n",
         "",
-        ("tests/envsched/test_envsched_edges.py",)),
+        ("tests/envsched/test_scheduler.py",)),
     # -- agent-loop limits (envace/agents/engine.py, verl_loop.py) -----------------------------------------
     Bug("no_budget_stop", "the response-budget stop removed", "envace/agents/engine.py",
         "                    if reply.budget_exhausted:\n"

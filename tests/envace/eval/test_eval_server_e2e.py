@@ -222,7 +222,7 @@ def test_tts_with_the_served_model_as_rehearsal_model(server: LaunchedServer, fa
 
 
 # -- trace2env's OpenAI provider and world-model agent against the same real server ---------------------------------
-# The fake-server tests (tests/trace2env/test_trace2env_llm.py, test_trace2env_agent.py) script the replies; here the
+# The fake-server tests (tests/trace2env/test_llm.py, test_agent.py) script the replies; here the
 # replies are the tiny random model's own. ``transformers serve`` ignores ``response_format`` (it logs "Ignoring
 # unsupported fields"), so the provider's default json_schema request is answered with free text and the validation
 # is the provider's own. Greedy decoding (the provider's default temperature 0) makes the replies deterministic.

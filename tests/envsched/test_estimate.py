@@ -1,12 +1,11 @@
-"""Edge cases and the non-paper branches of ``envsched.estimate`` (issue 14, mutation probe of estimate.py).
-
-Covers what the paper oracle of ``test_envsched_oracle.py`` does not reach: ``cross_reference`` =
-"environment" / "environment_mean" (``environment_reference``, ``relation_values``), ``fusion = "evidence"``
-(``graph_prior``), ``reconstructed_target = "learnability"``, observations at the prediction step itself,
-W above the Eq. 7 clip, the Eq. 7 kernel cache, and the edge cases of every helper (empty neighbour sets,
-zero denominators, ties, NaN, 0-d / 2-D / empty inputs, default hyper-parameters).  Expected values are
-written out by hand or come from a plain loop oracle written from the docstrings (one loop per sum); the
-library references are scipy's ``rankdata`` and ``spearmanr``.
+"""EnvSched's prediction (``envsched/estimate.py``): every equation (Eq. 2-13, App. B) against values computed by
+hand, the non-paper branches (``cross_reference`` = "environment" / "environment_mean", ``fusion = "evidence"``,
+``reconstructed_target = "learnability"``) against a plain loop oracle written from the docstrings (one loop per
+sum), the edge cases of every helper (empty neighbour sets, zero denominators, ties, NaN, 0-d / 2-D / empty inputs),
+the prediction diagnostics, and the fast paths (rank statistics, growing logs, the shared and cached Eq. 7 kernel,
+classes of tasks with identical inputs) against the straightforward computations they replace, bit for bit.
+Library references: scipy's ``rankdata`` and ``spearmanr``, numpy's quantiles. The paper oracle of the whole
+prediction is ``test_estimate_oracle.py``.
 """
 
 from __future__ import annotations
@@ -18,21 +17,30 @@ import numpy as np
 import pytest
 from scipy.stats import rankdata, spearmanr
 
-from envsched import EnvSchedConfig
+from envsched import ConfigError, EnvSchedConfig, EnvScheduler, TaskPool
 from envsched.estimate import (
+    EVIDENCE_TYPES,
     ObservationLog,
     _masked_row_median,
     average_rank,
+    center,
     decline_priority,
     environment_reference,
     estimate_half_life,
+    evidence_types,
+    exposure_factor,
+    fuse,
     fuse_prior,
     global_reference,
     graph_prior,
     group_statistics,
+    half_life_weight,
+    linear_quantiles,
     neighbor_kernel,
+    neighbor_weights,
     percentile_rank,
     predict_all,
+    prediction_classes,
     prediction_diagnostics,
     quantile_score,
     rank_correlation,
@@ -41,6 +49,116 @@ from envsched.estimate import (
     relation_values,
     task_history,
 )
+from envsched.synthetic import synthetic_records
+
+
+def test_eq2_eq9_group_statistics():
+    # [1,0,1,1]: m = 0.75; v = (3*0.0625 + 0.5625)/4 = 0.1875; d = 0.1875 / (0.75*0.25) = 1
+    m, v, d = group_statistics([1, 0, 1, 1])
+    assert (m, v, d) == pytest.approx((0.75, 0.1875, 1.0))
+    # [0,0,0,0.2]: m = 0.05; v = (3*0.0025 + 0.0225)/4 = 0.0075; d = 0.0075/0.0475
+    m, v, d = group_statistics([0, 0, 0, 0.2])
+    assert (m, v, d) == pytest.approx((0.05, 0.0075, 0.0075 / 0.0475))
+    # floor: m(1-m) = 0.0099 < 0.01 -> d = 0.0003 / 0.01 = 0.03
+    m, v, d = group_statistics([0, 0, 0, 0.04])
+    assert (m, v, d) == pytest.approx((0.01, 0.0003, 0.03))
+    assert group_statistics([0.5, 0.5]) == pytest.approx((0.5, 0.0, 0.0))
+    with pytest.raises(ValueError):
+        group_statistics([])
+
+
+def test_eq10_half_life_weight():
+    assert half_life_weight(10, np.array([8.0]), 2)[0] == pytest.approx(0.5)
+    assert half_life_weight(10, np.array([2.0]), 8)[0] == pytest.approx(0.5)
+    assert half_life_weight(10, np.array([6.0]), 2)[0] == pytest.approx(0.25)
+
+
+def test_exposure_factor():
+    assert exposure_factor(np.array([0, 16, 48]), 16) == pytest.approx([1.0, 1 / math.sqrt(2), 0.5])
+
+
+def test_eq6_reference_and_centering():
+    # steps 0,1 with step means 0.1, 0.2; t = 2, h = 1: weights 1/4, 1/2 -> (0.025 + 0.1) / 0.75
+    b_t = global_reference(np.array([0.1, 0.2]), np.array([0, 1]), 2, 1.0)
+    assert b_t == pytest.approx(0.125 / 0.75)
+    # steps >= t are ignored
+    assert global_reference(np.array([0.1, 0.9]), np.array([0, 2]), 2, 1.0) == pytest.approx(0.1)
+    # 0.3 - 0.2 + 0.1667 = 0.2667 -> clipped to 0.25 ; 0.02 - 0.2 + 0.1667 = -0.0133 -> 0
+    out = center(np.array([0.3, 0.02, 0.2]), np.array([0.2, 0.2, 0.2]), b_t, (0.0, 0.25))
+    assert out == pytest.approx([0.25, 0.0, 0.2 - 0.2 + 0.125 / 0.75])
+
+
+def test_eq11_task_history():
+    # node 0: y~ = 0.2 at step 0, 0.1 at step 1; t=2, h=1 -> W = 0.25 + 0.5, ybar = (0.05 + 0.05) / 0.75
+    W, ybar = task_history(np.array([0, 0, 2]), np.array([0, 1, 5]), np.array([0.2, 0.1, 0.9]), 2, 1.0, 3, b_t=0.07)
+    assert W == pytest.approx([0.75, 0.0, 0.0])
+    assert ybar == pytest.approx([0.1 / 0.75, 0.07, 0.07])  # node 2 observed only at step 5 >= t
+
+
+def test_eq7_neighbor_weights():
+    sims = np.array([[0.9, 0.6, 0.5]])
+    W = np.array([[1.0, 4.0, 0.05]])
+    a = neighbor_weights(sims, W, np.ones((1, 3), bool), 0.05, (0.1, 3.0))
+    # delta = (0.1, 0.4, 0.5), sigma = median = 0.4; sqrt(clip W) = (1, sqrt 3, sqrt 0.1)
+    expect = [math.exp(-0.5 * 0.25**2) * 1.0, math.exp(-0.5) * math.sqrt(3.0), math.exp(-0.5 * 1.25**2) * math.sqrt(0.1)]
+    assert a[0] == pytest.approx(expect)
+    # bandwidth floor: delta = (0, 0.01) -> median 0.005 -> sigma 0.05; unavailable entry gets 0 and skips the median
+    a = neighbor_weights(np.array([[1.0, 0.99, 0.1]]), np.array([[1.0, 1.0, 1.0]]), np.array([[True, True, False]]))
+    assert a[0] == pytest.approx([1.0, math.exp(-0.5 * (0.01 / 0.05) ** 2), 0.0])
+    # even count: median is the mean of the two middle values: delta (0.2, 0.4) -> sigma 0.3
+    a = neighbor_weights(np.array([[0.8, 0.6]]), np.array([[1.0, 1.0]]), np.ones((1, 2), bool))
+    assert a[0] == pytest.approx([math.exp(-0.5 * (0.2 / 0.3) ** 2), math.exp(-0.5 * (0.4 / 0.3) ** 2)])
+
+
+def test_eq3_relation_estimate():
+    # (1*0.1 + 2*0.4 + 2*0.2) / (1 + 2 + 2) = 1.3 / 5
+    g = relation_estimate(np.array([[1.0, 2.0], [0.0, 0.0]]), np.array([[0.1, 0.4], [0.9, 0.9]]), 0.2, 2.0)
+    assert g == pytest.approx([0.26, 0.2])  # second target: no available neighbour -> b_t
+
+
+def test_eq4_fusion():
+    P, y = fuse(np.array([0.2, 0.2]), np.array([0.4, 0.4]), np.array([2.0, 0.0]), np.array([0.1, 0.9]), 2.0)
+    assert P == pytest.approx([0.3, 0.3])
+    assert y == pytest.approx([(2 * 0.1 + 2 * 0.3) / 4, 0.3])
+
+
+def test_eq8_percentile_rank_average_ties():
+    assert percentile_rank(np.array([3.0, 1.0, 3.0, 2.0])) == pytest.approx([0.75, 0.125, 0.75, 0.375])
+
+
+def test_eq12_reconstruction_and_quantile_mapping():
+    assert reconstructed_variance(np.array([0.5]), np.array([0.2])) == pytest.approx([0.08])
+    v = np.array([0.0, 0.1, 0.2, 0.3])
+    f = np.array([0.3, 0.2, 0.1, 0.0])
+    # pr(v) = (.125,.375,.625,.875), pr(f) reversed; p = .65 pr(v) + .35 pr(f) = (.3875,.4625,.5375,.6125)
+    # Q linear on (0,.1,.2,.3): position 3p -> value 0.1 * 3p
+    assert quantile_score(v, f, 0.65) == pytest.approx([0.11625, 0.13875, 0.16125, 0.18375])
+
+
+def test_eq13_decline():
+    u, q = decline_priority(np.array([0.2, 0.1, 0.3]), np.array([0.1, 0.2, 0.3]), 0.5)
+    assert u == pytest.approx([0.15, 0.1, 0.3])
+    assert q == pytest.approx([1.5 / 3, 0.5 / 3, 2.5 / 3])
+
+
+def test_full_pass_by_hand():
+    """Two tasks, one neighbour edge each way; everything computed by hand for h_long = h_short = 1."""
+    cfg = EnvSchedConfig(h_long=1.0, h_short=1.0, k_within=1, k_cross=0)
+    log = ObservationLog()
+    log.add(0, 0, 0.5, 0.2, 0.8)  # step 0: step means b_0 = (0.5, 0.2, 0.8)
+    # t = 1: b_1 = b_0, y~ = y, W_0 = 2^-1 = 0.5, ybar_0 = y_0; task 1 has no history
+    nbr_idx = {"in": np.array([[1], [0]]), "cross": np.zeros((2, 0), dtype=np.int64)}
+    nbr_sim = {"in": np.array([[0.7], [0.7]]), "cross": np.zeros((2, 0))}
+    pred = predict_all(log, nbr_idx, nbr_sim, 1, ["a", "b"], cfg)
+    # task 1: neighbour 0, delta = 0.3 = sigma -> a = exp(-0.5) * sqrt(clip(0.5)) ; G_in = (a y0 + 2 b)/(a + 2) = y0
+    # (b = y0), G_cross = b -> P = y0 -> yhat = y0 for both tasks
+    assert pred.v == pytest.approx([0.2, 0.2])
+    assert pred.m == pytest.approx([0.5, 0.5])
+    assert pred.q == pytest.approx([0.5, 0.5])  # all tied
+    assert pred.reference == pytest.approx({"v": 0.2, "m": 0.5, "d": 0.8})
+
+
+# -- edge cases and the non-paper branches, against hand values and a loop oracle -------------------------------------
 
 # Non-default, pairwise distinct hyper-parameters (a swap of two of them changes the result).
 PARAMS = {
@@ -59,11 +177,6 @@ PARAMS = {
     "clip_d": (0.0, 0.95),
     "rollouts_per_task": 5,
 }
-
-
-# ---------------------------------------------------------------------------------------------------
-# A loop oracle of one prediction pass (Eq. 6, 10, 11, 7, 3, 4, 12) with the non-paper options
-# ---------------------------------------------------------------------------------------------------
 
 
 def clip(x: float, lo: float, hi: float) -> float:
@@ -314,11 +427,6 @@ def test_kernel_cache_is_filled_reused_for_an_equal_mask_and_ignored_otherwise()
     np.testing.assert_allclose(pred.u_short, estimate_half_life(log, idx, sim, 6, cfg.h_short, n, cfg)["u"], rtol=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------------
-# environment_reference, relation_values, graph_prior: hand-computed values
-# ---------------------------------------------------------------------------------------------------
-
-
 def test_environment_reference_by_hand():
     # env 0: tasks 0, 2 (W 1.5, 0.5; ybar 0.2, 0.6); env 1: task 1 (W 0) ; env 2: task 3 (W 0.25, ybar 0.9)
     ybar = np.array([0.2, 0.4, 0.6, 0.9])
@@ -403,11 +511,6 @@ def test_graph_prior_evidence_zero_and_small_denominators():
     assert p == pytest.approx([(s_in + s_cr + 0.12) / 1.4])
 
 
-# ---------------------------------------------------------------------------------------------------
-# Eq. 12: reconstructed variance, quantile mapping, Eq. 13 defaults
-# ---------------------------------------------------------------------------------------------------
-
-
 def test_reconstructed_variance_learnability_by_hand():
     d = np.array([0.8, 0.5, 0.9, 0.6, 0.7])
     m = np.array([0.3, 0.5, -0.2, 1.3, 0.0])
@@ -429,16 +532,11 @@ def test_reconstructed_variance_learnability_by_hand():
 def test_quantile_and_decline_defaults():
     v = np.array([0.0, 0.1, 0.2, 0.3])
     f = np.array([0.3, 0.2, 0.1, 0.0])
-    # default weight 0.65 (values of test_eq12 in test_envsched_estimate.py)
+    # default weight 0.65 (the values of test_eq12_reconstruction_and_quantile_mapping)
     assert quantile_score(v, f) == pytest.approx([0.11625, 0.13875, 0.16125, 0.18375])
     u, q = decline_priority(np.array([0.5, 0.25, 0.75]), np.array([0.25, 0.5, 0.25]))
     assert u == pytest.approx([0.375, 0.25, 0.5])  # default eta = 0.5: 0.5 - 0.125 ; no decline ; 0.75 - 0.25
     assert q == pytest.approx([1.5 / 3, 0.5 / 3, 2.5 / 3])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Ranks (Eq. 8) and rank correlation against scipy
-# ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -501,11 +599,6 @@ def test_prediction_diagnostics_min_count_and_defaults():
     assert "spearman_q_within_env" in out and "spearman_v_within_env" in out
     out = prediction_diagnostics(score.tolist(), real.tolist(), ev.tolist(), pred_v.tolist(), min_count=5)
     assert {k for k in out if k.startswith("spearman")} == {"spearman_q_all", "spearman_v_all"}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Smaller helpers: zero denominators, clips, defaults, messages, integer inputs
-# ---------------------------------------------------------------------------------------------------
 
 
 def test_group_statistics_clip_and_messages():
@@ -598,3 +691,367 @@ def test_observation_log_grows_past_its_initial_capacity_and_is_read_only():
     assert len(other) == 4100
     np.testing.assert_array_equal(other.arrays()["node"][2600:], [r[0] for r in rows[:1500]])
     np.testing.assert_allclose(other.arrays()["v"][:2600], [r[3] for r in rows])
+
+
+# -- relation evidence: evidence-weighted fusion (Eq. 3-4), environment-relative cross reference, learnability --------
+
+def test_graph_prior_fixed_is_the_papers_eq4():
+    G_in, G_cr = np.array([0.1, 0.3]), np.array([0.2, 0.0])
+    P = graph_prior(G_in, G_cr, np.array([1.0, 0.0]), np.array([0.0, 2.0]), 0.05, 2.0, 0.3, "fixed")
+    assert P == pytest.approx(0.3 * G_in + 0.7 * G_cr)
+
+
+def test_graph_prior_evidence_pools_both_relations_by_mass():
+    b, lam = 0.1, 2.0
+    # target 0: within mass 2 with neighbour mean 0.2, cross mass 1 with neighbour mean 0.05
+    a_in, y_in = np.array([[1.0, 1.0]]), np.array([[0.2, 0.2]])
+    a_cr, y_cr = np.array([[1.0]]), np.array([[0.05]])
+    G_in = relation_estimate(a_in, y_in, b, lam)  # (0.4 + 0.2) / 4 = 0.15
+    G_cr = relation_estimate(a_cr, y_cr, b, lam)  # (0.05 + 0.2) / 3
+    assert G_in == pytest.approx([0.15]) and G_cr == pytest.approx([0.25 / 3])
+    P = graph_prior(G_in, G_cr, a_in.sum(1), a_cr.sum(1), b, lam, 0.5, "evidence")
+    # pooled Eq. 3: (0.4 + 0.05 + 2 * 0.1) / (2 + 1 + 2) = 0.13
+    assert P == pytest.approx([0.13])
+    # relation weights 2w / 2(1 - w): w = 0.75 -> (1.5 * 0.4 + 0.5 * 0.05 + 0.2) / (1.5 * 2 + 0.5 + 2)
+    P = graph_prior(G_in, G_cr, a_in.sum(1), a_cr.sum(1), b, lam, 0.75, "evidence")
+    assert P == pytest.approx([(0.6 + 0.025 + 0.2) / 5.5])
+
+
+def test_graph_prior_evidence_relation_without_neighbours_does_not_dilute():
+    b, lam = 0.1, 2.0
+    a_in, y_in = np.array([[3.0]]), np.array([[0.25]])
+    G_in = relation_estimate(a_in, y_in, b, lam)  # (0.75 + 0.2) / 5 = 0.19
+    G_cr = relation_estimate(np.zeros((1, 2)), np.zeros((1, 2)), b, lam)  # no evidence -> b
+    fixed = graph_prior(G_in, G_cr, np.array([3.0]), np.array([0.0]), b, lam, 0.5, "fixed")
+    evid = graph_prior(G_in, G_cr, np.array([3.0]), np.array([0.0]), b, lam, 0.5, "evidence")
+    assert fixed == pytest.approx([0.5 * 0.19 + 0.5 * 0.1])  # paper: halfway back to b_t
+    assert evid == pytest.approx([(0.75 + 0.2) / 5.0])  # undiluted within-environment estimate
+    # no evidence at all -> the global reference
+    none = graph_prior(np.array([b]), np.array([b]), np.array([0.0]), np.array([0.0]), b, lam, 0.5, "evidence")
+    assert none == pytest.approx([b])
+
+
+def test_environment_reference_and_relative_cross_values():
+    ybar = np.array([0.2, 0.4, 0.1, 0.0])
+    W = np.array([1.0, 1.0, 2.0, 0.0])  # task 3 has no history
+    env = np.array([0, 0, 1, 1])
+    e = environment_reference(ybar, W, env, 0.15, 2.0)
+    # env 0: (0.2 + 0.4 + 0.3) / 4 = 0.225; env 1: (0.2 + 0 + 0.3) / 4 = 0.125
+    assert e == pytest.approx([0.225, 0.225, 0.125, 0.125])
+    safe = np.array([[2], [2], [0], [0]])  # cross neighbours
+    assert relation_values(ybar, safe, None, (0.0, 0.25)) == pytest.approx(ybar[safe])
+    vals = relation_values(ybar, safe, e, (0.0, 0.25))
+    # target 0 (env 0) <- task 2 (env 1): 0.1 - 0.125 + 0.225 = 0.2; target 2 (env 1) <- task 0: 0.2 - 0.225 + 0.125
+    assert vals[:, 0] == pytest.approx([0.2, 0.2, 0.1, 0.1])
+    # the clip interval of Eq. 6 bounds the moved value
+    hi = relation_values(np.array([0.25, 0.0]), np.array([[1], [0]]), np.array([0.2, 0.0]), (0.0, 0.25))
+    assert hi[:, 0] == pytest.approx([0.2, 0.05])
+
+
+def _two_env_log():
+    """Env 0: tasks 0 (observed, m = 0.9) and 1 (unobserved); env 1: tasks 2 (m = 0.3) and 3 (m = 0.1)."""
+    log = ObservationLog()
+    for node, m in ((0, 0.9), (2, 0.3), (3, 0.1)):
+        log.add(node, 0, m, m * (1 - m), 1.0)
+    # task 1 has one cross neighbour (task 3, the structural twin in the harder environment) and no within one
+    idx = {"in": np.full((4, 1), -1), "cross": np.array([[-1], [3], [-1], [-1]])}
+    sim = {"in": np.full((4, 1), -np.inf), "cross": np.array([[-np.inf], [0.9], [-np.inf], [-np.inf]])}
+    return log, idx, sim, np.array([0, 0, 1, 1])
+
+
+def test_environment_cross_reference_moves_evidence_to_the_targets_environment():
+    log, idx, sim, env = _two_env_log()
+    base = EnvSchedConfig(h_long=1.0, h_short=1.0, fusion="evidence", lambda_g=1.0, lambda_s=1.0)
+    glob = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="global"))
+    rel = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment"), env)
+    # by hand (h = 1: W = 1/2 per observation; b_t = 1.3 / 3): Eq. 7 a = exp(-1/2) sqrt(1/2) (delta = sigma)
+    b, a = 1.3 / 3, np.exp(-0.5) * np.sqrt(0.5)
+    e0 = (0.5 * 0.9 + b) / 1.5  # environment levels (lambda_g = 1)
+    e1 = (0.5 * 0.3 + 0.5 * 0.1 + b) / 2.0
+    # global (paper): task 1 inherits its twin's low mean 0.1; environment-relative: the twin is below its
+    # (hard) environment, task 1's environment is easy, so the evidence moves up by e0 - e1
+    assert glob.m[1] == pytest.approx((a * 0.1 + b) / (a + 1.0))
+    assert rel.m[1] == pytest.approx((a * (0.1 - e1 + e0) + b) / (a + 1.0))
+    assert rel.m[1] > glob.m[1] + 0.08
+    # tasks with no neighbours are unchanged by the option
+    assert rel.m[[0, 2, 3]] == pytest.approx(glob.m[[0, 2, 3]])
+    with pytest.raises(ValueError, match="env="):
+        predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment"))
+
+
+def test_environment_mean_cross_reference_moves_only_the_mean():
+    log, idx, sim, env = _two_env_log()
+    base = EnvSchedConfig(h_long=1.0, h_short=1.0, fusion="evidence", lambda_g=1.0, lambda_s=1.0)
+    glob = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="global"))
+    full = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment"), env)
+    mean = predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment_mean"), env)
+    b, a = 1.3 / 3, np.exp(-0.5) * np.sqrt(0.5)
+    e0, e1 = (0.5 * 0.9 + b) / 1.5, (0.5 * 0.3 + 0.5 * 0.1 + b) / 2.0
+    # the mean is transferred relative to the environments (as with "environment") ...
+    assert mean.m[1] == pytest.approx((a * (0.1 - e1 + e0) + b) / (a + 1.0))
+    assert mean.m == pytest.approx(full.m)
+    # ... while variance and dispersion keep the paper's global reference
+    assert mean.v == pytest.approx(glob.v)
+    assert mean.d == pytest.approx(glob.d)
+    assert not np.allclose(full.v, glob.v)
+    with pytest.raises(ValueError, match="env="):
+        predict_all(log, idx, sim, 1, list("abcd"), base.replace(cross_reference="environment_mean"))
+
+
+def test_reconstructed_target_learnability():
+    d, m = np.array([0.5, 1.0, 1.0, 0.2]), np.array([0.5, 0.25, 0.0, 1.0])
+    assert reconstructed_variance(d, m) == pytest.approx(d * m * (1 - m))
+    # 1 - m^K - (1 - m)^K for K = 8: m = 1/2 -> 1 - 2 / 256; m = 1/4 -> 1 - (1 + 3^8) / 4^8; m in {0, 1} -> 0
+    want = np.array([0.5 * (1 - 2 / 256), 1 - (1 + 3**8) / 4**8, 0.0, 0.0])
+    assert reconstructed_variance(d, m, "learnability", 8) == pytest.approx(want)
+    assert reconstructed_variance(np.ones(1), np.array([0.5]), "learnability", 2) == pytest.approx([0.5])
+    with pytest.raises(ValueError, match="reconstructed_target"):
+        reconstructed_variance(d, m, "entropy")
+    # it reaches the score: a pool where d varies ranks f differently under the two targets
+    log, idx, sim, env = _two_env_log()
+    cfg = EnvSchedConfig(h_long=1.0, h_short=1.0, lambda_g=1.0, lambda_s=1.0)
+    p0 = predict_all(log, idx, sim, 1, list("abcd"), cfg)
+    p1 = predict_all(log, idx, sim, 1, list("abcd"), cfg.replace(reconstructed_target="learnability"), env)
+    assert p1.f == pytest.approx(reconstructed_variance(p0.d, p0.m, "learnability", cfg.rollouts_per_task))
+    assert p1.v == pytest.approx(p0.v) and p1.m == pytest.approx(p0.m)
+    with pytest.raises(ConfigError, match="'reconstructed_target'"):
+        EnvSchedConfig.from_dict({"reconstructed_target": "entropy"})
+
+
+# -- rank correlation and the prediction diagnostics ------------------------------------------------------------------
+
+def test_rank_correlation_needs_three_pairs_by_default():
+    from envsched.estimate import rank_correlation
+
+    assert rank_correlation([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert rank_correlation([1, 2], [1, 2]) is None
+    assert rank_correlation([1, 2, 3], [1, 2, 3], min_count=4) is None
+    assert rank_correlation([1, 1, 1], [1, 2, 3]) is None  # constant side
+
+
+# ---- prediction diagnostics ------------------------------------------------------------------------------
+def test_evidence_types_follow_the_availability_of_eq3():
+    log = ObservationLog()
+    log.add(0, 0, 0.5, 0.1, 0.4)  # node 0 observed at step 0
+    log.add(5, 2, 0.5, 0.1, 0.4)  # node 5 observed at step 2 (not before t = 2)
+    idx = {
+        "in": np.array([[-1, -1], [0, -1], [5, -1], [-1, -1], [5, 0], [-1, -1]]),
+        "cross": np.array([[-1], [-1], [0], [0], [-1], [5]]),
+    }
+    got = evidence_types(log, idx, 2, np.arange(6), 6)
+    # 0: own history; 1: within neighbour 0; 2: within neighbour 5 has no history before t = 2, cross 0 has;
+    # 3: cross only; 4: within neighbour 0 (5 unavailable); 5: cross neighbour 5 unavailable -> cold
+    assert [EVIDENCE_TYPES[c] for c in got] == ["observed", "within_env", "cross_env_only", "cross_env_only", "within_env", "cold"]
+    assert [EVIDENCE_TYPES[c] for c in evidence_types(log, idx, 3, np.arange(6), 6)] == ["observed", "within_env", "within_env", "cross_env_only", "within_env", "observed"]
+
+
+def test_prediction_diagnostics_report_only_defined_correlations():
+    q = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    v = np.array([0.0, 0.01, 0.02, 0.05, 0.04, 0.06, 0.2, 0.1])
+    ev = np.array([0, 0, 0, 0, 1, 1, 2, 2])
+    out = prediction_diagnostics(q, v, ev, predicted_v=-q)
+    assert out["spearman_q_observed"] == pytest.approx(1.0)
+    assert out["spearman_v_observed"] == pytest.approx(-1.0)
+    assert out["spearman_q_all"] == pytest.approx(spearmanr(q, v)[0])
+    assert "spearman_q_within_env" not in out and "spearman_q_cross_env_only" not in out  # only 2 groups each
+    assert "spearman_q_cold" not in out
+    assert (out["scored_observed"], out["scored_within_env"], out["scored_cross_env_only"], out["scored_cold"], out["scored_all"]) == (4, 2, 2, 0, 8)
+    const = prediction_diagnostics(np.full(5, 0.5), v[:5], np.zeros(5, dtype=int))
+    assert "spearman_q_observed" not in const and "spearman_q_all" not in const  # constant scores (cold start)
+    flat = prediction_diagnostics(q[:5], np.zeros(5), np.zeros(5, dtype=int))
+    assert not any(k.startswith("spearman") for k in flat)  # constant realised variance
+    assert all(np.isfinite(x) for x in out.values())
+
+
+# -- fast paths equal straightforward reference computations on random inputs -----------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_average_rank_equals_scipy(seed):
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 7, 300):
+        z = np.round(rng.random(n), 1 + seed % 3)  # many exact ties
+        assert np.array_equal(average_rank(z), rankdata(z, method="average"))
+        assert np.array_equal(percentile_rank(z), (rankdata(z, method="average") - 0.5) / n)
+    z = np.array([0.3, np.nan, 0.1])
+    assert np.array_equal(average_rank(z), rankdata(z, method="average"), equal_nan=True)
+
+
+def test_observation_log_growth_and_state():
+    rng = np.random.default_rng(0)
+    log, rows = ObservationLog(), []
+    for _ in range(2500):  # past the initial capacity
+        row = (int(rng.integers(0, 50)), int(rng.integers(0, 30)), *rng.random(3).tolist())
+        log.add(*row)
+        rows.append(row)
+    arr = log.arrays()
+    R = np.array(rows)
+    for c, k in enumerate(("node", "step", "m", "v", "d")):
+        assert np.array_equal(arr[k], R[:, c])
+    assert arr["node"].dtype == np.int64 and arr["m"].dtype == np.float64
+    other = ObservationLog()
+    other.load_state_dict(log.state_dict())
+    assert len(other) == 2500
+    other.add(1, 2, 0.5, 0.1, 0.2)
+    assert len(other.arrays()["node"]) == 2501 and len(log) == 2500
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prediction_with_shared_kernel_equals_separate_passes(seed):
+    """predict_all (Eq. 7 kernel shared by the two half-lives) == each pass with its own neighbor_weights."""
+    from envsched import estimate as E
+
+    rng = np.random.default_rng(seed)
+    n, k = 120, 4
+    cfg = EnvSchedConfig()
+    log = ObservationLog()
+    for s in range(6):
+        for i in rng.choice(n, 30, replace=False):
+            r = rng.random(8) < rng.random()
+            log.add(int(i), s, *E.group_statistics(r.astype(float), cfg.dispersion_floor))
+    idx = {rel: np.where(rng.random((n, kk)) < 0.8, rng.integers(0, n, (n, kk)), -1) for rel, kk in (("in", k), ("cross", 2 * k))}
+    sim = {rel: np.where(idx[rel] >= 0, np.round(rng.random(idx[rel].shape), 2), -np.inf) for rel in idx}
+    got = predict_all(log, idx, sim, 6, [str(i) for i in range(n)], cfg)
+
+    def separate(h):  # the original per-pass computation
+        out = E.estimate_half_life(log, idx, sim, 6, h, n, cfg, kernels=None)
+        return out
+
+    long, short = separate(cfg.h_long), separate(cfg.h_short)
+    assert np.array_equal(got.u_long, long["u"]) and np.array_equal(got.u_short, short["u"])
+    assert np.array_equal(got.v, long["v"])
+    # and the kernel path itself equals neighbor_weights
+    W = long["W"]
+    for rel, nbrs in idx.items():
+        safe = np.maximum(nbrs, 0)
+        avail = (nbrs >= 0) & (W[safe] > 0)
+        a = neighbor_weights(sim[rel], W[safe], avail, cfg.bandwidth_floor, cfg.neighbor_weight_clip)
+        kern = E.neighbor_kernel(sim[rel], avail, cfg.bandwidth_floor)
+        assert np.array_equal(a, np.where(avail, kern * np.sqrt(np.clip(W[safe], *cfg.neighbor_weight_clip)), 0.0))
+
+
+# -- classes of equal values give what the computation per task gives, bit for bit ------------------------------------
+
+@pytest.fixture(scope="module")
+def many_envs_pool():
+    return TaskPool.from_records(synthetic_records(30, 8, seed=4))  # more environments than a batch touches
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranks_and_quantiles_over_counts_equal_the_repeated_values(seed):
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 9, 400):
+        z = np.round(rng.random(n), 1 + seed % 3)  # many exact ties, also between entries
+        counts = rng.integers(1, 6, n)
+        full = np.repeat(z, counts)
+        first = np.cumsum(counts) - counts  # where each entry's copies start in the repeated array
+        assert np.array_equal(average_rank(z, counts), average_rank(full)[first])
+        assert np.array_equal(percentile_rank(z, counts), percentile_rank(full)[first])
+        assert np.array_equal(average_rank(z, np.ones(n, dtype=np.int64)), average_rank(z))
+        p = np.concatenate([rng.random(n), [0.0, 1.0]])[:n]
+        assert np.array_equal(linear_quantiles(z, p, counts), np.quantile(full, np.repeat(p, counts), method="linear")[first])
+        f = np.round(rng.random(n), 2)
+        assert np.array_equal(quantile_score(z, f, 0.65, counts), quantile_score(full, np.repeat(f, counts), 0.65)[first])
+        u2 = np.round(rng.random(n), 2)
+        got, want = decline_priority(z, u2, 0.5, counts), decline_priority(full, np.repeat(u2, counts), 0.5)
+        assert np.array_equal(got[0], want[0][first]) and np.array_equal(got[1], want[1][first])
+    # NaN goes to scipy's policy on the repeated values
+    assert np.isnan(average_rank(np.array([0.2, np.nan]), np.array([2, 1]))).all()
+    with pytest.raises(ValueError):
+        average_rank(np.array([0.1, 0.2]), np.array([1, 0]))
+
+
+def _run(many_envs_pool, cfg, steps, check):
+    sched = EnvScheduler(many_envs_pool, cfg)
+    rng = np.random.default_rng(1)
+    for step in range(steps):
+        ids = sched.select(step)
+        check(sched, step)
+        sched.observe(step, {t: (rng.random(8) < rng.random()).astype(float).tolist() for t in ids})
+    return sched
+
+
+@pytest.mark.parametrize("extra", [{}, {"fusion": "evidence"}, {"cross_reference": "environment"}, {"cross_reference": "environment_mean", "reconstructed_target": "learnability"}, {"relation_weights": "measured"}, {"k_within": 0}])
+def test_prediction_over_classes_equals_the_prediction_per_task(many_envs_pool, extra):
+    """predict_all computing each class of identical tasks once (as the scheduler calls it, with the kernel cache
+    kept from step to step) == predict_all on every task without any cache."""
+    classes_seen = []
+
+    def check(sched, step):
+        nb = sched.neighbors
+        got = sched.predict(step)
+        rw = sched.relation_weights.weights() if sched.relation_weights is not None else None
+        want = predict_all(sched.log, nb.idx, nb.sim, step, many_envs_pool.task_ids, sched.cfg, sched.env, relation_weights=rw)
+        for name in ("v", "m", "d", "f", "u_long", "u_short", "u", "q"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), (step, name)
+        assert got.reference == want.reference
+        if want.sources is not None:
+            assert set(got.sources) == set(want.sources)
+            for k, a in want.sources.items():
+                assert np.array_equal(got.sources[k], a), (step, k)
+        classes = prediction_classes(sched.log, nb.idx, step, len(many_envs_pool), nb.cross_classes())
+        classes_seen.append(step > 1 and (classes.counts > 1).any() and (classes.counts == 1).any())  # shared and own classes
+
+    _run(many_envs_pool, EnvSchedConfig(batch_size=8, **extra), 7, check)
+    assert any(classes_seen)
+
+
+def test_kernel_cache_over_changing_class_rows_equals_no_cache(many_envs_pool):
+    """The Eq. 7 kernel cache keyed by the rows computed (rows that join, leave or keep their place between
+    calls) gives the kernels of an uncached pass: the prediction of every step equals a cache-free one."""
+    many_envs = many_envs_pool
+    kernels: dict = {}
+    sizes = []
+
+    def check(sched, step):
+        nb = sched.neighbors
+        got = predict_all(sched.log, nb.idx, nb.sim, step, many_envs.task_ids, sched.cfg, sched.env, kernels, cross_classes=nb.cross_classes())
+        want = predict_all(sched.log, nb.idx, nb.sim, step, many_envs.task_ids, sched.cfg, sched.env)
+        assert np.array_equal(got.q, want.q) and np.array_equal(got.v, want.v), step
+        sizes.append(len(kernels["in:rows"]))
+
+    _run(many_envs, EnvSchedConfig(batch_size=8), 8, check)
+    assert min(sizes) < len(many_envs) and len(set(sizes)) > 2  # fewer rows than tasks, and rows changing
+
+
+# -- linear quantiles and the Eq. 7 kernel cache kept between steps ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool():
+    return TaskPool.from_records(synthetic_records(6, 40, seed=3))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_linear_quantiles_equal_numpy(seed):
+    """Eq. 12's Q_{v-hat}[p] from one sort equals np.quantile(..., method="linear") float for float."""
+    from envsched.estimate import linear_quantiles
+
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 3, 17, 5000):
+        x = np.round(rng.random(n) * 0.25, seed + 1)
+        x[rng.random(n) < 0.5] = 0.1  # a tie block, as cold tasks share the reference
+        p = rng.random(n)
+        p[: min(n, 3)] = [0.0, 1.0, 0.5][: min(n, 3)]
+        assert np.array_equal(linear_quantiles(x, p), np.quantile(x, p, method="linear"))
+
+
+def test_kernel_cache_kept_between_steps_gives_the_uncached_prediction(pool):
+    """The Eq. 7 kernels kept in NeighborIndex.kernel_cache from step to step (only rows whose mask or
+    neighbour list changed are recomputed) give every step the prediction of a pass without any cache."""
+    from envsched import EnvScheduler
+    from envsched.estimate import predict_all
+
+    sched = EnvScheduler(pool, EnvSchedConfig(batch_size=16))
+    rng = np.random.default_rng(5)
+    masks = []
+    for step in range(6):
+        ids = sched.select(step)
+        nb = sched.neighbors
+        cached = sched.predict(step)
+        plain = predict_all(sched.log, nb.idx, nb.sim, step, pool.task_ids, sched.cfg, sched.env,
+                            relation_weights=sched.relation_weights.weights())
+        for name in ("v", "m", "d", "u_long", "u_short", "q"):
+            assert np.array_equal(getattr(cached, name), getattr(plain, name)), (step, name)
+        if "cross" in nb.kernel_cache:
+            masks.append(nb.kernel_cache["cross"][0].copy())
+        sched.observe(step, {t: rng.integers(0, 2, 8).tolist() for t in ids})
+    assert len(masks) >= 4  # the cache was kept over the steps

@@ -1,20 +1,136 @@
-"""EnvScheduler edges (issue 14, mutation testing of envsched/scheduler.py): constructor inputs, hand-computed
-selection and observation metrics (timings, dispersion floor, zero-variance boundary), the guards' messages and
-attributes, the identifier-filter bookkeeping (App. C), the cold start modes, the C4 consecutive-selection block,
-the coverage share floor(rho * B), predict()'s default and past steps, and state_dict round trips (version,
-config warning, neighbours rebuilt from the observed set)."""
+"""The scheduler (``envsched/scheduler.py``): select / observe / predict and their metrics, counted by hand; the
+boundaries of the scheduling rules (EnvSched §2.4, App. C: the C3 rolling window, the exposure factor omega); the
+identifier filter inside the schedule; cold start; the guards on every input; state round trips and resumes."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import time
 
 import numpy as np
 import pytest
 
-from envsched import DeterministicExtractor, EnvSchedConfig, EnvScheduler, ObservationError, TaskPool, UnknownTaskError
-from envsched.synthetic import synthetic_records
+from envsched import (
+    ConfigError,
+    DeterministicExtractor,
+    EnvSchedConfig,
+    EnvScheduler,
+    ObservationError,
+    TaskPool,
+    UnknownTaskError,
+)
+from envsched.select import BatchBuilder
+from envsched.synthetic import SimulatedLearner, synthetic_records
+
+
+@pytest.fixture(scope="module")
+def records_8x10():
+    return synthetic_records(8, 10, seed=5)
+
+
+@pytest.fixture(scope="module")
+def graph_8x10(records_8x10):
+    return EnvScheduler(TaskPool.from_records(records_8x10), EnvSchedConfig(batch_size=12)).graph
+
+
+# ---- scheduler ----------------------------------------------------------------------------------------
+def _learner(records_8x10, pool):
+    arch = np.array([r["meta"]["archetype"] for r in records_8x10])
+    return SimulatedLearner(pool.env, arch, np.array([len(r["verifier_checks"]) for r in records_8x10]), seed=1)
+
+
+def _run(s, learner, pool, steps, trace):
+    for step in steps:
+        ids = s.select(step)
+        trace.append(ids)
+        nodes = pool.indices(ids)
+        R = learner.rollout(nodes, 8)
+        learner.train(nodes, R)
+        s.observe(step, {t: r.tolist() for t, r in zip(ids, R)})
+
+
+def test_select_observe_predict_and_metrics(records_8x10, graph_8x10):
+    pool = TaskPool.from_records(records_8x10)
+    s = EnvScheduler(pool, EnvSchedConfig(batch_size=12), graph=graph_8x10)
+    learner = _learner(records_8x10, pool)
+    trace = []
+    _run(s, learner, pool, range(6), trace)
+    for ids in trace:
+        assert len(ids) == len(set(ids)) == 12
+    assert s.select(5) == trace[5] and s.select(2) == trace[2]  # idempotent for selected steps
+    with pytest.raises(ValueError, match="backwards"):
+        s.select(-1)
+    m = s.metrics()
+    for key in ("realized_var_mean", "realized_var_median", "predicted_var_mean", "envs_per_batch", "tools_per_batch", "coverage_count",
+                "exploitation_count", "progress_filtered", "identifier_filtered", "select_time_s", "schedule_time_s"):
+        assert isinstance(m[f"envsched/{key}"], float), key
+    assert m["envsched/coverage_count"] == 6 and m["envsched/exploitation_count"] == 6
+    assert all(k.startswith("envsched/") for k in m)
+    p = s.predict()
+    assert p.v.shape == p.m.shape == p.d.shape == p.q.shape == (len(pool),)
+    assert 0 < p.q.min() and p.q.max() < 1 and np.all(p.v >= 0) and np.all(p.v <= 0.25)
+    assert set(p.as_dict()[pool.task_ids[0]]) == {"v", "m", "d", "q"}
+    s.select(6)
+    with pytest.raises(KeyError, match="unknown task_id 'nope'"):
+        s.observe(6, {"nope": [1.0]})
+
+
+@pytest.mark.parametrize("mode", ["envsched", "random"])
+def test_state_dict_round_trip_matches_uninterrupted_run(records_8x10, graph_8x10, mode):
+    pool = TaskPool.from_records(records_8x10)
+    cfg = EnvSchedConfig(batch_size=12, scheduler=mode, seed=7)
+    a = EnvScheduler(pool, cfg, graph=graph_8x10)
+    la = _learner(records_8x10, pool)
+    head = []
+    _run(a, la, pool, range(5), head)
+    state = pickle.loads(pickle.dumps(a.state_dict()))
+    lb = copy.deepcopy(la)
+    tail_a = []
+    _run(a, la, pool, range(5, 10), tail_a)
+
+    b = EnvScheduler(pool, cfg, graph=graph_8x10)
+    b.load_state_dict(state)
+    tail_b = []
+    _run(b, lb, pool, range(5, 10), tail_b)
+    assert tail_a == tail_b
+    assert np.allclose(a.predict().q, b.predict().q)
+
+
+def test_state_from_other_pool_is_rejected(records_8x10, graph_8x10):
+    pool = TaskPool.from_records(records_8x10)
+    s = EnvScheduler(pool, EnvSchedConfig(batch_size=12), graph=graph_8x10)
+    other = EnvScheduler(TaskPool.from_records(records_8x10[:-1]), EnvSchedConfig(batch_size=12, scheduler="random"))
+    with pytest.raises(ValueError, match="different task pool"):
+        other.load_state_dict(s.state_dict())
+
+
+def test_random_mode_is_seeded_and_builds_no_graph(records_8x10):
+    pool = TaskPool.from_records(records_8x10)
+    a = EnvScheduler(pool, {"batch_size": 12, "scheduler": "random", "seed": 3})
+    b = EnvScheduler(pool, {"batch_size": 12, "scheduler": "random", "seed": 3})
+    assert a.select(0) == b.select(0)
+    assert a._graph is None
+
+
+def test_batch_larger_than_pool_is_a_config_error(records_8x10):
+    with pytest.raises(ConfigError, match="batch_size"):
+        EnvScheduler(TaskPool.from_records(records_8x10[:5]), {"batch_size": 6, "scheduler": "random"})
+
+
+def test_tiny_pool_relaxes_caps_instead_of_short_batches():
+    recs = synthetic_records(1, 10, seed=0)  # one environment: C1 = 4 cannot fill a batch of 8
+    pool = TaskPool.from_records(recs)
+    s = EnvScheduler(pool, EnvSchedConfig(batch_size=8))
+    for step in range(4):
+        ids = s.select(step)
+        assert len(set(ids)) == 8
+        s.observe(step, {t: [1.0, 0.0, 0.5] for t in ids})
+    assert s.metrics(3)["envsched/cap_relaxations"] > 0
+
+
+# -- construction, selection and observation by hand, guards, the identifier filter, state ----------------------------
 
 K = 4
 
@@ -765,3 +881,117 @@ def test_exploitation_skips_progress_blocked_tasks_until_none_is_left():
     assert len(nbr) == 2 and nbr[0] is s.neighbors.idx["in"] and nbr[1] is s.neighbors.idx["cross"]
     s.progress = StubProgress([False, False, False, False])
     assert fill(s, [0.9, 0.8, 0.2, 0.1])[2]["progress_filter_ignored"] == 0.0
+
+
+# -- boundaries of the scheduling rules (C3 window, omega) and a resume after the identifier filter -------------------
+
+@pytest.mark.parametrize("window_steps", [3, 4])
+def test_c3_window_counts_exactly_the_previous_window_minus_one_steps(window_steps):
+    pool = TaskPool.from_records(synthetic_records(3, 6))
+    s = EnvScheduler(pool, EnvSchedConfig(batch_size=4, cap_env_window_steps=window_steps))
+    env = pool.env
+    e0, e1, e2 = (np.flatnonzero(env == e) for e in range(3))
+    # one step per environment, so each step's contribution is visible on its own:
+    # step 1 -> env 2 (x3), step 2 -> env 0 (x2), step 3 -> env 1 (x1), step 4 -> env 0 (x1), step 5 itself not yet
+    s.selections = {1: e2[:3], 2: e0[:2], 3: e1[:1], 4: e0[2:3]}
+    counts = s._cap_state(5).window_env_count.tolist()
+    if window_steps == 3:  # the current step and two previous: steps 3 and 4 (step 2 is just outside)
+        assert counts == [1, 1, 0]
+    else:  # steps 2, 3 and 4 (step 1 just outside)
+        assert counts == [3, 1, 0]
+
+
+def test_c3_blocks_an_environment_exactly_at_the_cap():
+    pool = TaskPool.from_records(synthetic_records(2, 8))
+    cfg = EnvSchedConfig(batch_size=4, cap_env_window=5, cap_env_round=10, relax_caps_when_short=False)
+    s = EnvScheduler(pool, cfg, graph=eye_graph(pool))
+    e0 = np.flatnonzero(pool.env == 0)
+    s.selections = {6: e0[:2], 7: e0[2:4]}  # 4 in the window for step 8 (steps 6 and 7)
+    b = BatchBuilder(s.graph, cfg, s._cap_state(8), s.available.copy())
+    assert b.eligible()[e0].all()  # 4 < 5
+    b.add(int(e0[4]), "exploitation")
+    assert not b.eligible()[e0].any()  # 4 + 1 = 5 reaches C3
+    assert b.eligible()[pool.env == 1].all()
+    s.selections = {5: e0[:2], 6: e0[2:3], 7: e0[3:4]}  # step 5 is outside the window of step 8: only 2 count
+    b = BatchBuilder(s.graph, cfg, s._cap_state(8), s.available.copy())
+    for i in e0[4:6]:
+        b.add(int(i), "exploitation")
+    assert b.eligible()[e0[6:]].all()  # 2 + 2 = 4 < 5
+
+
+def exploitation_pick_order(c0: float, q: list[float], sel_count: list[int]) -> list[int]:
+    """The exploitation order of ``_fill`` (rho = 0: no coverage slot) for given q and selection counts."""
+    pool = TaskPool.from_records(synthetic_records(2, 2))
+    cfg = EnvSchedConfig(batch_size=4, rho=0.0, exposure_c0=c0, progress_filter=False, cap_env_round=4, cap_task_consecutive=5)
+    s = EnvScheduler(pool, cfg, graph=eye_graph(pool))
+    s.sel_count = np.asarray(sel_count, dtype=np.int64)
+    b = BatchBuilder(s.graph, cfg, s._cap_state(10), s.available.copy())
+    try:
+        selected, phases, _ = s._fill(b, 10, np.asarray(q, dtype=np.float64))
+    finally:
+        b.close()
+    assert set(phases) == {"exploitation"}
+    return selected
+
+
+def test_omega_breaks_a_tie_in_q():
+    # equal q: the task selected less often goes first, whatever its index (without omega the lower index would)
+    assert exploitation_pick_order(16.0, [0.7, 0.7, 0.2, 0.1], [5, 1, 0, 0])[:2] == [1, 0]
+    assert exploitation_pick_order(16.0, [0.7, 0.7, 0.2, 0.1], [1, 5, 0, 0])[:2] == [0, 1]
+    # equal counts: omega is the same, q decides and the tie in both goes to the lower index
+    assert exploitation_pick_order(16.0, [0.7, 0.7, 0.2, 0.1], [3, 3, 0, 0])[:2] == [0, 1]
+
+
+def test_exploitation_score_is_q_times_omega():
+    # q 0.9 seen 16 times vs q 0.8 never: omega = (1 + 16/c0)^-1/2
+    assert exploitation_pick_order(16.0, [0.9, 0.8, 0.1, 0.05], [16, 0, 0, 0])[0] == 1  # 0.9 / sqrt(2) = 0.64 < 0.8
+    assert exploitation_pick_order(64.0, [0.9, 0.8, 0.1, 0.05], [16, 0, 0, 0])[0] == 0  # 0.9 / sqrt(1.25) = 0.805 > 0.8
+
+
+def test_resume_after_the_identifier_filter_removed_a_task():
+    pool = TaskPool.from_records(synthetic_records(3, 4))
+    cfg = EnvSchedConfig(batch_size=6)
+
+    def make() -> EnvScheduler:
+        return EnvScheduler(pool, cfg, replay=lambda tid, acts: 1.0 if len(acts) == 2 else 0.0)
+
+    s = make()
+    ids = s.select(0)
+    target = ids[0]
+    traj = [{"name": "update_thing", "arguments": {"thing_id": "ZZ-0000"}}, {"name": "get_x", "arguments": {}}]
+    s.observe(0, {t: [1.0, 0.0] for t in ids}, trajectories={target: [traj, traj]})
+    assert not s.available[pool.index[target]]
+    for step in (1, 2):
+        s.observe(step, {t: [float(i % 2), 1.0] for i, t in enumerate(s.select(step))})
+
+    restored = make()
+    restored.load_state_dict(s.state_dict())
+    assert not restored.available[pool.index[target]]
+    # 12 tasks, batches of 6, one removed: over 5 more steps every other task is picked, the removed one never
+    after = run(restored, range(3, 8))
+    assert all(target not in batch for batch in after)
+    assert set().union(*after) == set(pool.task_ids) - {target}
+    assert after == run(s, range(3, 8))  # and the restored copy chooses what the uninterrupted one does
+
+
+def run(sched: EnvScheduler, steps: range) -> list[list[str]]:
+    batches = []
+    for step in steps:
+        batches.append(sched.select(step))
+        sched.observe(step, {t: [1.0, 0.0] for t in batches[-1]})
+    return batches
+
+
+def test_identifier_filter_removes_task_from_scheduling():
+    recs = synthetic_records(3, 4)
+    pool = TaskPool.from_records(recs)
+    s = EnvScheduler(pool, EnvSchedConfig(batch_size=6), replay=lambda tid, acts: 1.0 if len(acts) == 2 else 0.0)
+    ids = s.select(0)
+    target = ids[0]
+    traj = [{"name": "update_thing", "arguments": {"thing_id": "ZZ-0000"}}, {"name": "get_x", "arguments": {}}]
+    m = s.observe(0, {t: [1.0, 0.0] for t in ids}, trajectories={target: [traj, traj]})
+    assert m["envsched/identifier_filtered"] == 1.0
+    for step in range(1, 6):
+        got = s.select(step)
+        assert target not in got
+        s.observe(step, {t: [1.0, 0.0] for t in got})

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
 from trace2env import build_worldbook, load_worldbook, parse_trace

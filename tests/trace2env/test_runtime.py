@@ -1,61 +1,25 @@
-"""Construction, package integrity, the rule fast path reproducing recorded observations, gate, sessions."""
+"""Sessions over a worldbook (``trace2env/runtime.py``): the rule fast path reproducing recorded observations, the
+evidence route, the validation gate, invalid actions as error observations, forks, the gym API, ambiguous rules."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from t2e_kvenv import FakeKV, record, script
+from t2e_kvenv import FakeKV, script
 
 from trace2env import (
     ScriptedProvider,
     Session,
     TransitionProposal,
     WorldbookEnv,
-    WorldbookIntegrityError,
     align,
     build_worldbook,
     load_worldbook,
-    make_split_manifest,
     parse_trace,
     validation_gate,
 )
-from trace2env.__main__ import main
 from trace2env.models import ActionCall, Effect
-from trace2env.providers import ProviderError, RuleProposal
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    traces = [parse_trace(record(s, n=30, fmt=("events", "messages", "steps")[s % 3])) for s in range(24)]
-    split = make_split_manifest(traces, train=0.7)
-    out = tmp_path_factory.mktemp("wb") / "kv"
-    provider = ScriptedProvider(script())
-    build_worldbook(traces, out, provider=provider, split=split)
-    assert [c[0] for c in provider.calls] == ["induce_schema", "induce_rules"]
-    return load_worldbook(out), traces, split
-
-
-def test_replay_review_promotes_true_rules_and_falsifies_the_wrong_one(built):
-    wb, _, _ = built
-    executable = {r.id for r in wb.rules}
-    assert {"put_new", "put_existing", "get_found", "get_missing", "delete_found", "count"} <= executable
-    cand = {r.id: r for r in wb.candidate_rules}
-    assert cand["get_wrong"].status == "conflicted" and cand["get_wrong"].counterexamples
-    assert "get_wrong" not in executable
-    # deterministic template rule for put (state-free observation) was induced and survived review
-    assert any(r.id.startswith("tpl:put:") and r.status == "supported" for r in wb.rules)
-    assert {a.name for a in wb.actions} == {"put", "get", "delete", "incr", "count"}
-    assert wb.actions[[a.name for a in wb.actions].index("put")].arguments["value"].type == "any"  # str and int seen
-    assert any(f.path == "world.store" for f in wb.state_fields)
 
 
 def _replay(wb, trace):
@@ -83,45 +47,6 @@ def test_fast_path_reproduces_every_rule_covered_recorded_observation(built, spl
             total_cov, total = total_cov + cov, total + n
     # only incr on a string value is outside the rules (the real env answers an error the rules don't model)
     assert total_cov >= 0.9 * total
-
-
-def test_deterministic_build_without_a_model(tmp_path):
-    traces = [parse_trace(record(s)) for s in range(5)]
-    wb = load_worldbook(build_worldbook(traces, tmp_path / "wb"))
-    assert [r.action_type for r in wb.rules] == ["put"]  # the only state-free action
-    s = Session.start(wb)
-    r = s.step({"name": "put", "arguments": {"key": "q.r", "value": "v1"}})
-    assert r.route == "rule" and r.observation == json.dumps({"ok": True, "key": "q.r"})
-    r = s.step({"name": "get", "arguments": {"key": "q.r"}})
-    assert not r.accepted and json.loads(r.observation)["type"] == "no_applicable_rule"
-    ev = wb.exact_evidence("get", {"key": "a"})
-    assert ev and all(t.action.arguments == {"key": "a"} for t in ev)
-    hits = wb.search_evidence("deleted")
-    assert hits and all("deleted" in h["observation"] for h in hits)
-    assert wb.manifest.metadata["deterministic"] is True
-    with pytest.raises(FileExistsError):
-        build_worldbook(traces, tmp_path / "wb")
-
-
-def test_tampered_package_fails_to_load_naming_the_file(tmp_path):
-    out = build_worldbook([parse_trace(record(1))], tmp_path / "wb")
-    assert main(["check", str(out)]) == 0
-    target = out / "rules" / "index.jsonl"
-    os.chmod(target, 0o644)
-    text = target.read_text()
-    assert "ok" in text
-    target.write_text(text.replace("ok", "OK"))
-    with pytest.raises(WorldbookIntegrityError, match=r"rules/index.jsonl: sha256 mismatch") as e:
-        load_worldbook(out)
-    assert e.value.path == "rules/index.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "trace2env", "check", str(out)], capture_output=True, text=True, env=env, check=False)
-    assert proc.returncode == 1 and "rules/index.jsonl" in proc.stderr
-    (out / "extra.txt").write_text("x")
-    os.chmod(target, 0o644)
-    target.unlink()
-    with pytest.raises(WorldbookIntegrityError, match="rules/index.jsonl: listed in the manifest but missing"):
-        load_worldbook(out)
 
 
 def test_gate_rejects_invalid_effects_and_leaves_state_unchanged(built):
@@ -218,14 +143,18 @@ def test_ambiguous_rules_are_detected_not_guessed(tmp_path):
     assert not r.accepted and json.loads(r.observation)["type"] == "ambiguous_rule"
 
 
-def test_scripted_provider_is_keyed_by_stage_and_validates():
-    p = ScriptedProvider({"induce_rules": [{"rules": []}, {"rules": [{"bogus": 1}]}]})
-    assert p.complete("induce_rules", {}, RuleProposal).rules == ()
-    with pytest.raises(ProviderError, match="does not fit"):
-        p.complete("induce_rules", {}, RuleProposal)
-    with pytest.raises(ProviderError, match="exhausted"):
-        p.complete("induce_rules", {}, RuleProposal)
-    with pytest.raises(ProviderError, match="no scripted answer"):
-        p.complete("induce_schema", {}, RuleProposal)
-    with pytest.raises(ValueError, match="unknown stages"):
-        ScriptedProvider({"nope": {}})
+# -- the evidence route -----------------------------------------------------------------------------------------------
+
+def test_evidence_route_replays_only_supporting_records(kvbook):
+    s = Session.start(kvbook, context="empty")
+    real = FakeKV()
+    r = s.step({"name": "get", "arguments": {"key": "a"}})  # recorded as a first touch of "a" in some trace
+    assert r.route == "evidence" and r.accepted and r.observation == real.call("get", {"key": "a"})
+    assert s.revision == 1 and s.state == Session.start(kvbook).state  # no effects
+    s.step({"name": "put", "arguments": {"key": "a", "value": "q-unseen"}})  # a put never recorded
+    r = s.step({"name": "get", "arguments": {"key": "a"}})
+    assert r.route == "error" and not r.accepted  # history on "a" differs from every record: no replay
+    other = Session.start(kvbook, context="another-state")
+    assert other.step({"name": "get", "arguments": {"key": "a"}}).route == "error"
+    off = Session.start(kvbook, context="empty", use_evidence=False)
+    assert off.step({"name": "get", "arguments": {"key": "a"}}).route == "error"

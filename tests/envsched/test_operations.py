@@ -1,5 +1,8 @@
-"""LLM operation extraction (App. E): fake client, schema failures, the shared error taxonomy (envllm), cache, and
-the real openai client against a local stdlib HTTP server."""
+"""Operation descriptions (``envsched/operations.py``, App. E): the abstraction of identifiers, fields and
+literals, tool operation types, the deterministic extractor, and the LLM extractor (fake client, schema failures,
+cache, and the real openai client against a local stdlib HTTP server)."""
+
+from __future__ import annotations
 
 import json
 import logging
@@ -16,9 +19,49 @@ from envsched import (
     LLMExtractorConfig,
     OperationExtractionError,
     TaskPool,
+    abstract_text,
     build_static_graph,
 )
 from envsched.config import ConfigError
+from envsched.operations import DeterministicExtractor, OperationDescription, tool_operation_type
+from envsched.synthetic import synthetic_records
+
+
+def test_abstraction_removes_identifiers_fields_and_literals():
+    def task(tool_a, tool_b, field, name, value):
+        return TaskPool.from_records([{
+            "task_id": "t", "env_id": "e", "instruction": f"Set status of {name} to {value}",
+            "tools": [{"name": tool_a, "parameters": {"properties": {"name": {}}}}, {"name": tool_b, "parameters": {"properties": {field: {}}}}],
+            "verifier_checks": [f"{field} is {value}"],
+            "gold_actions": [{"name": tool_a, "arguments": {"name": name}}, {"name": tool_b, "arguments": {"user_id": "U-1234", field: value}}],
+        }])[0]
+
+    ext = DeterministicExtractor()
+    a = ext.describe(task("get_user_by_name", "update_user_status", "status", "Alice", "active"))
+    b = ext.describe(task("find_patient_by_name", "update_bed_status", "occupancy", "Bob Stone", "occupied"))
+    ta, tb = abstract_text(a), abstract_text(b)
+    assert ta == tb
+    for word in ("user", "alice", "u-1234", "active", "occupancy", "get_", "update_"):
+        assert word not in ta.lower()
+    assert "op:lookup(entity_by_name)" in ta and "<id>" in ta and "<string>" in ta
+    assert "dep:lookup(entity_by_name)>update(status)" in ta
+
+
+def test_tool_operation_types():
+    assert [tool_operation_type(n) for n in ("get_user_by_name", "update_user_status", "createReservation", "remove_exclusion", "verify_eligibility", "is_authorized_user_for_policy", "frobnicate")] == [
+        "lookup", "update", "create", "delete", "validate", "authorize", "update"]
+
+
+def test_deterministic_description_is_valid_and_structured():
+    pool = TaskPool.from_records(synthetic_records(2, 3, seed=1))
+    for t in pool.tasks:
+        d = DeterministicExtractor().describe(t)
+        OperationDescription.model_validate(d.model_dump())  # round-trips through the schema
+        assert len(d.operations) == len(t.gold_actions)
+        assert sum(len(r.checks) for r in d.reward_groups) == len(t.verifier_checks)
+
+
+# -- LLM operation extraction (App. E): fake client, schema failures, cache, a local HTTP server ----------------------
 
 GOOD = {
     "operations": [
@@ -30,6 +73,7 @@ GOOD = {
     "reward_groups": [{"checks": [0], "relation": "shared_operation", "controlled_by": ["b"]}],
     "conflicts": [],
 }
+
 
 RECORD = {
     "task_id": "t1", "env_id": "users", "instruction": "Update user Alice's status to active",

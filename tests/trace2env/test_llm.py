@@ -4,14 +4,10 @@ validation with repair rounds, truncation, the error taxonomy, accounting, the c
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record, script
 
 from trace2env import build_worldbook, load_worldbook, make_split_manifest, parse_trace
@@ -176,6 +172,8 @@ def test_build_with_the_openai_provider_over_http(fake_openai, replies, tmp_path
 
 
 texts = st.text(alphabet=st.characters(blacklist_characters="`"), max_size=8)  # a backtick could close a fence
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | texts,
                            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
                            max_leaves=10)

@@ -1,4 +1,8 @@
-"""Eq. 5 greedy selection, caps, coverage priority, cold start, progress and identifier filters."""
+"""Batch selection (``envsched/select.py``): Eq. 5 greedy selection and its similarity penalty, the caps C1-C4
+and their relaxation order, coverage priority, cold start; the penalty block, the lazy and pruned candidate scans, the
+row cache and the scan order against brute-force references (random inputs, ties, memory-mapped rows)."""
+
+from __future__ import annotations
 
 import math
 
@@ -8,7 +12,6 @@ import scipy.sparse as sp
 
 from envsched import EnvSchedConfig, EnvScheduler, TaskPool, build_static_graph
 from envsched import select as select_mod
-from envsched.filters import IdentifierFilter, ProgressFilter, dependent_edits, find_suspicious_actions
 from envsched.graph import StaticGraph
 from envsched.select import BatchBuilder, CapState, PenaltyBlock, cold_start_batch
 from envsched.synthetic import synthetic_records
@@ -127,66 +130,6 @@ def test_cold_start_representatives_and_env_cap():
     ]
 
 
-def test_progress_filter_blocks_falling_tasks_only():
-    env = np.zeros(6, dtype=np.int64)
-    pf = ProgressFilter(EnvSchedConfig(progress_min_fit_transitions=6), env, 1)
-    rising = [0.1, 0.3, 0.5, 0.7, 0.9]
-    falling = [0.9, 0.7, 0.5, 0.3, 0.1]
-    scored = []
-    for step in range(5):
-        m = np.array([rising[step]] * 3 + [falling[step]] * 3)
-        scored.append(pf.observe(step, np.arange(6), m, np.full(6, 0.05)))
-    # step 1: transitions exist but none ended earlier; step 2 scores with the 6 transitions of step 1
-    assert scored == [0, 0, 6, 6, 6]
-    arr = pf.arrays()
-    assert np.isnan(arr["residual"][arr["step_next"] == 1]).all()
-    blocked = pf.blocked([])
-    assert blocked.tolist() == [False] * 3 + [True] * 3
-
-
-def test_identifier_filter_replay_protocol():
-    task = TaskPool.from_records([{"task_id": "t", "env_id": "bank", "instruction": "Freeze card 4411 of Ana Ruiz"}])[0]
-    actions = [
-        {"name": "get_card", "arguments": {"card_id": "4411"}, "output": {"owner": "Ana Ruiz"}},
-        {"name": "update_card", "arguments": {"card_id": "CARD-9999", "status": "frozen"}},
-        {"name": "update_limits", "arguments": {"card_id": "CARD-9999", "limit": 0}},
-        {"name": "update_card", "arguments": {"card_id": "4411", "status": "frozen"}},
-    ]
-    assert find_suspicious_actions(task, actions) == [1, 2]
-    assert dependent_edits(actions, [1]) == {1, 2}
-    calls = []
-
-    def replay(tid, acts):
-        calls.append(len(acts))
-        return 1.0 if any(a["arguments"].get("card_id") == "CARD-9999" for a in acts) else 0.25
-
-    filt = IdentifierFilter(EnvSchedConfig(), replay)
-    res = filt.check(task, 1.0, actions)
-    assert res.outcome == "filtered" and res.removed == (1, 2) and calls == [4, 2]
-    assert filt.check(task, 0.5, actions).outcome == "replay_mismatch"  # stored reward disagrees with replay
-    keep = IdentifierFilter(EnvSchedConfig(), lambda tid, acts: 1.0).check(task, 1.0, actions)
-    assert keep.outcome == "kept"  # removal does not lower the reward
-    assert IdentifierFilter(EnvSchedConfig(), replay).check(task, 1.0, [actions[0], actions[3]]).outcome == "clean"
-
-
-def test_identifier_filter_removes_task_from_scheduling():
-    recs = synthetic_records(3, 4)
-    pool = TaskPool.from_records(recs)
-    s = EnvScheduler(pool, EnvSchedConfig(batch_size=6), replay=lambda tid, acts: 1.0 if len(acts) == 2 else 0.0)
-    ids = s.select(0)
-    target = ids[0]
-    traj = [{"name": "update_thing", "arguments": {"thing_id": "ZZ-0000"}}, {"name": "get_x", "arguments": {}}]
-    m = s.observe(0, {t: [1.0, 0.0] for t in ids}, trajectories={target: [traj, traj]})
-    assert m["envsched/identifier_filtered"] == 1.0
-    for step in range(1, 6):
-        got = s.select(step)
-        assert target not in got
-        s.observe(step, {t: [1.0, 0.0] for t in got})
-
-
-# ---- PenaltyBlock (the Eq. 5 penalty max_{j in B} S_full_ij) --------------------------------------------------
-
-
 def dense_max_sim(x, members, rows, start):
     """max_{start_r <= j < m} x_r . x_(member j) by brute force (-inf for an empty range)."""
     S = x @ x.T
@@ -268,9 +211,6 @@ def test_penalty_block_few_members_path_uses_only_members_from_start(kernels):
     assert blk.max_sim(np.array([2]), np.array([0])).tolist() == [1.0]
     assert blk.max_sim(np.array([5]), np.array([0])).tolist() == [0.0]
     blk.close()
-
-
-# ---- BatchBuilder: exact lazy arg-max across chunks, cap relaxation order, progress-filter fallback ------------
 
 
 def chunk_tie_graph(n_fill, a_first):
@@ -377,9 +317,6 @@ def test_exploitation_pick_progress_filter_and_fallback():
     assert b.coverage_pick(score, np.zeros(4), np.zeros(4)) is None
 
 
-# ---- cold start (App. C), by hand --------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("w,third", [(0.25, 3), (0.75, 1)])
 def test_cold_start_fill_weights_global_and_within_env_novelty(w, third):
     # env 0: node 0 = e0, node 1 = 0.6 e0 + 0.8 e1; env 1: node 2 = e2, node 3 = e0 (a copy of node 0, other env)
@@ -430,3 +367,292 @@ def test_cold_start_cap_fallback_availability_and_short_pool():
     avail = np.array([False, True, False, True, True])
     assert cold_start_batch(g, cfg, 5, avail) == [1, 4, 3]
     assert cold_start_batch(g, EnvSchedConfig(cold_start_env_cap=3), 4, ones) == [0, 4, 1, 2]
+
+
+# -- the optimised paths equal brute-force references (random inputs, ties, memory-mapped rows) -----------------------
+
+def _graph(x, env):
+    x = sp.csr_matrix(np.asarray(x, dtype=np.float64))
+    env = np.asarray(env)
+    members = [np.flatnonzero(env == e) for e in range(env.max() + 1)]
+    return StaticGraph(x_full=x, x_abs=x, env=env, env_members=members, descriptions=[], extractor_counts={})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_penalty_block_matches_dense(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.random((80, 40)) * (rng.random((80, 40)) < 0.2)
+    g = _graph(x, np.arange(80) % 8)
+    blk = PenaltyBlock(g.x_full, g.scratch_map(), 4)  # capacity grows past 4
+    members = rng.choice(80, 12, replace=False)
+    for j in members:
+        blk.add(int(j))
+    S = x @ x.T
+    rows = rng.choice(80, 30, replace=False)
+    start = rng.integers(0, 13, size=30)
+    got = blk.max_sim(rows, start)
+    for r, s0, v in zip(rows, start, got):
+        want = S[r, members[s0:]].max() if s0 < 12 else -np.inf
+        assert v == pytest.approx(want, abs=1e-12)
+    blk.close()
+    assert (g.scratch_map() == -1).all()
+
+
+def test_penalty_rows_in_blocks_equal_one_pass_and_release_mapped_pages(monkeypatch):
+    """max_sim cut into row blocks gives the one-pass values bit for bit, and releases a memory-mapped x_full's
+    pages once per _RELEASE_ROWS rows read (so a scan over a million rows does not keep them resident)."""
+    from envsched import select
+
+    rng = np.random.default_rng(3)
+    x = rng.random((200, 60)) * (rng.random((200, 60)) < 0.15)
+    g = _graph(x, np.arange(200) % 5)
+    released = []
+    # no row cache here (cache_bytes=0): every max_sim reads x (the cache: test_select.py's test_penalty_rows_from_the_row_cache_equal_rows_from_x)
+    blk = PenaltyBlock(g.x_full, g.scratch_map(), 8, release=lambda: released.append(blk.rows_read), cache_bytes=0)
+    for j in rng.choice(200, 10, replace=False):
+        blk.add(int(j))
+    rows, start = rng.permutation(200), rng.integers(0, 11, size=200)
+    whole = blk.max_sim(rows, start)
+    assert released == []
+    monkeypatch.setattr(select, "_ROW_BLOCK", 7)
+    monkeypatch.setattr(select, "_RELEASE_ROWS", 50)
+    assert np.array_equal(blk.max_sim(rows, start), whole)
+    assert len(released) == 4 and min(released) >= 50  # 400 rows read (200 + 200), one release per 50+ of them
+    blk.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lazy_pick_is_exact_argmax_lowest_index_on_ties(seed):
+    rng = np.random.default_rng(seed)
+    base = rng.random((40, 15)) * (rng.random((40, 15)) < 0.4)
+    x = np.vstack([base, base, base])  # duplicates -> exact ties in the penalty
+    x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    n = len(x)
+    g = _graph(x, np.arange(n) % 10)
+    cfg = EnvSchedConfig(lambda_sim=0.3, cap_env_round=1000, cap_env_window=1000)
+    b = BatchBuilder(g, cfg, CapState(np.zeros(10, int), np.zeros(n, bool)), np.ones(n, bool))
+    score = np.round(rng.random(n), 1)  # many exact score ties
+    score = np.tile(score[:40], 3)
+    S = x @ x.T
+    chosen: list[int] = []
+    for _ in range(30):
+        c = np.flatnonzero(~b.in_batch)
+        i = b.pick(c, score[c])
+        pen = np.maximum(S[c][:, chosen].max(axis=1), 0.0) if chosen else np.zeros(len(c))
+        val = score[c] - 0.3 * pen
+        best = val.max()
+        assert score[i] - 0.3 * (max(S[i, chosen].max(), 0.0) if chosen else 0.0) == pytest.approx(best, abs=1e-12)
+        b._refresh(c)  # every candidate's penalty, as the builder computes it: i is the lowest-index arg-max
+        own = score[c] - 0.3 * b.pen[c] if chosen else score[c]
+        assert i == c[own == own.max()].min()
+        b.add(i, "exploitation")
+        chosen.append(i)
+    b.close()
+
+
+def _penalty_graph(seed, n=300, f=80):
+    import scipy.sparse as sp
+
+    from envsched.graph import StaticGraph
+
+    rng = np.random.default_rng(seed)
+    x = sp.csr_matrix(rng.random((n, f)) * (rng.random((n, f)) < 0.2))
+    env = np.arange(n) % 6
+    return StaticGraph(x_full=x, x_abs=x, env=env, env_members=[np.flatnonzero(env == e) for e in range(6)], descriptions=[], extractor_counts={}), rng
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
+    """Eq. 5 penalties of rows re-read from the row cache (one per block, one shared by consecutive blocks, one
+    too small that empties itself), read by csr_row_index or by the numpy gather: the same floats as a block
+    without cache; only rows read from x count towards the page release."""
+    from envsched import select
+    from envsched.select import PenaltyBlock, RowCache
+
+    g, rng = _penalty_graph(seed)
+    n = g.n
+    entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
+    shared, small = RowCache(g.x_full, entry * g.x_full.nnz), RowCache(g.x_full, entry * g.x_full.nnz // 3)
+    for batch in range(2):  # the shared caches carry rows from one batch's block to the next
+        blocks = {"none": PenaltyBlock(g.x_full, np.full(80, -1), 4, cache_bytes=0),
+                  "own": PenaltyBlock(g.x_full, np.full(80, -1), 4),
+                  "shared": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=shared),
+                  "small": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=small)}
+        members = []
+        for _ in range(6):  # members arrive between refreshes, rows are read again
+            j = int(rng.integers(n))
+            members.append(j)
+            for b in blocks.values():
+                b.add(j)
+            rows = rng.choice(n, 90, replace=False)
+            start = rng.integers(0, blocks["none"].m + 1, size=90)
+            want = blocks["none"].max_sim(rows, start)
+            for name in ("own", "shared", "small"):
+                before = blocks[name].rows_read
+                cached = (blocks[name].cached(rows) >= 0).sum()
+                assert np.array_equal(blocks[name].max_sim(rows, start), want), (batch, name)
+                assert blocks[name].rows_read - before == len(rows) - cached
+        assert blocks["none"].row_cache.rows == 0 and 0 < small.used <= small.capacity < shared.used
+        cached = shared.lookup(np.arange(n))
+        assert (cached >= 0).sum() == shared.rows and np.array_equal(np.sort(cached[cached >= 0]), np.arange(shared.rows))
+        for b in blocks.values():
+            b.close()
+    small.clear()
+    assert small.rows == 0 and (small.lookup(np.arange(n)) == -1).all()
+    # the numpy gather (scipy's private kernel missing) gives the same floats
+    monkeypatch.setattr(select, "_csr_row_index", None)
+    plain = PenaltyBlock(g.x_full, np.full(80, -1), 4)
+    for j in members:
+        plain.add(j)
+    rows, start = np.arange(n), np.zeros(n, dtype=np.int64)
+    assert np.array_equal(plain.max_sim(rows, start), blocks["none"].max_sim(rows, start))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_descending_order_equals_stable_argsort(seed):
+    from envsched.select import descending_order
+
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 2, 5, 1000):
+        for x in (rng.random(n), np.round(rng.random(n), 1 + seed % 2), np.where(rng.random(n) < 0.5, 0.0, -0.0),
+                  np.where(rng.random(n) < 0.3, np.inf, np.round(rng.random(n), 1)), np.full(n, 0.25)):
+            assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
+    x = np.array([0.3, np.nan, 0.3, 0.1])
+    assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
+
+
+def test_row_cache_size():
+    from envsched import select
+    from envsched.select import RowCache
+
+    g, _ = _penalty_graph(0)
+    entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
+    assert RowCache(g.x_full).capacity == g.x_full.nnz // select._ROW_CACHE_SHARE  # an eighth of x_full ...
+    assert RowCache(g.x_full, 10 * entry).capacity == 10
+    big = type("X", (), {"nnz": 10**9, "indices": g.x_full.indices, "data": g.x_full.data, "shape": (10**6, 10)})()
+    assert RowCache(big).capacity == select._ROW_CACHE_BYTES // entry  # ... and at most _ROW_CACHE_BYTES
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return TaskPool.from_records(synthetic_records(6, 40, seed=3))
+
+
+def _tie_cut(c, a, max_tied):
+    """The candidates ``c`` with each value that more than ``max_tied`` of all nodes share in ``a`` (a long tie) cut
+    to the ``max_tied`` of its candidates first in spread_key order (None: ``c``)."""
+    from envsched.select import spread_key
+
+    if max_tied is None:
+        return c
+    kept = []
+    for v in np.unique(a[c]):
+        cv = c[a[c] == v]
+        if (a == v).sum() > max_tied:
+            cv = cv[np.argsort(spread_key(cv))][:max_tied]
+        kept.append(cv)
+    return np.sort(np.concatenate(kept))
+
+
+def _reference_batch(b, q, score, env_exposure, obs_count, progress_ok, n_cov, batch, max_tied=None):
+    """The batch the unpruned selection builds: every pick over ``candidates()`` (all N nodes), each long tie cut
+    to its first ``max_tied`` candidates in spread_key order (None: no cut)."""
+    for _ in range(n_cov):
+        c = b.candidates()
+        if not len(c):
+            break
+        for key_of in (lambda c: b.batch_env_count[b.env[c]], lambda c: env_exposure[b.env[c]], lambda c: obs_count[c]):
+            key = key_of(c)
+            c = c[key == key.min()]
+        c = _tie_cut(c, q, max_tied)
+        b.add(b.pick(c, q[c]), "coverage")
+    while len(b.selected) < batch:
+        c = b.candidates(progress_ok)
+        if not len(c):
+            c = b.candidates()
+        if not len(c):
+            break
+        c = _tie_cut(c, score, max_tied)
+        b.add(b.pick(c, score[c]), "exploitation")
+    return b.selected, b.relaxations
+
+
+def _pruned_and_reference(pool, seed, max_tied, decimals):
+    """The batch coverage_pick + exploitation_pick build and the one ``_reference_batch`` builds, on random
+    predictions rounded to ``decimals`` (ties), caps, masks and ``eq5_max_tied=max_tied``."""
+    from envsched.select import BatchBuilder, CapState, scan_order
+
+    graph = build_static_graph(pool, EnvSchedConfig())
+    rng = np.random.default_rng(seed)
+    n, n_env = graph.n, len(graph.env_members)
+    cfg = EnvSchedConfig(cap_env_round=[4, 1, 2, 4, 3, 1][seed], cap_env_window=[11, 2, 5, 11, 6, 3][seed],
+                         lambda_sim=[0.08, 0.08, 0.5, 0.0, 0.3, 0.08][seed], eq5_max_tied=max_tied)
+    q = np.round(rng.random(n), decimals)
+    score = q * (1.0 + rng.integers(0, 3, n) / 16.0) ** -0.5
+    env_exposure = rng.integers(0, 3, n_env).astype(float)
+    obs_count = rng.integers(0, 2, n)
+    progress_ok = rng.random(n) < [1.0, 0.5, 0.05, 0.9, 0.0, 0.7][seed]
+    caps = CapState(rng.integers(0, 4, n_env), rng.random(n) < 0.2)
+    available = rng.random(n) < 0.95
+    batch = [64, 30, 40, 64, 64, 50][seed]
+    ref = BatchBuilder(graph, cfg, caps, available.copy())
+    want = _reference_batch(ref, q, score, env_exposure, obs_count, progress_ok, batch // 2, batch, max_tied)
+    ref.close()
+    new = BatchBuilder(graph, cfg, caps, available.copy())
+    order = scan_order(score, cfg.eq5_max_tied)
+    for _ in range(batch // 2):
+        i = new.coverage_pick(q, env_exposure, obs_count)
+        if i is None:
+            break
+        new.add(i, "coverage")
+    while len(new.selected) < batch:
+        i, _ = new.exploitation_pick(score, progress_ok, order)
+        if i is None:
+            break
+        new.add(i, "exploitation")
+    new.close()
+    return (new.selected, new.relaxations), want
+
+
+@pytest.mark.parametrize("row_block", [None, 5], ids=["default_blocks", "blocks_of_5"])
+@pytest.mark.parametrize("seed", range(6))
+def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
+    """coverage_pick (per-environment keys) and exploitation_pick (scan by descending score, stop when no
+    later score can reach the best value) choose the nodes the unpruned Eq. 5 arg-max over all candidates
+    chooses, with ties, C_task / C3 / progress masks and cap relaxation (tiny caps); also when the lazy chunks
+    and the penalty computation are cut into blocks of 5 rows (the 8,192 of a large pool, scaled down).
+    The default eq5_max_tied exceeds the pool: every tie is compared whole."""
+    from envsched import select
+
+    if row_block is not None:
+        monkeypatch.setattr(select, "_ROW_BLOCK", row_block)
+    got, want = _pruned_and_reference(pool, seed, EnvSchedConfig().eq5_max_tied, 2)
+    assert got == want
+
+
+@pytest.mark.parametrize("max_tied", [1, 4, 9])
+@pytest.mark.parametrize("seed", range(6))
+def test_long_ties_compare_their_first_max_tied_candidates(pool, seed, max_tied):
+    """With ties longer than eq5_max_tied (240 nodes, predictions rounded to one decimal: ~24 a value), each pick
+    is the Eq. 5 arg-max over the candidates with every long tie cut to its max_tied first in spread_key order,
+    whatever the caps, masks and phase; the shorter ties stay whole."""
+    got, want = _pruned_and_reference(pool, seed, max_tied, 1)
+    assert got == want
+
+
+def test_scan_order_spreads_only_the_long_ties():
+    from envsched.select import descending_order, scan_order, spread_key
+
+    x = np.array([0.5] * 7 + [0.9, 0.2, 0.2, 0.9, 0.9] + [0.1] * 12)
+    assert np.array_equal(scan_order(x, None).nodes, descending_order(x)) and scan_order(x, None).long_runs == ()
+    assert np.array_equal(scan_order(x, len(x)).nodes, descending_order(x)) and scan_order(x, len(x)).long_runs == ()
+    o = scan_order(x, 6)
+    assert o.long_runs == ((3, 10), (12, 24)) and o.max_tied == 6
+    assert list(o.nodes[:3]) == [7, 10, 11] and list(o.nodes[10:12]) == [8, 9]  # short ties: by index
+    for a, b in o.long_runs:
+        run = o.nodes[a:b]
+        assert len(set(x[run])) == 1 and list(spread_key(run)) == sorted(spread_key(run))
+        assert sorted(run) == sorted(np.flatnonzero(x == x[run[0]]))
+    assert list(o.nodes[12:24]) != list(range(12, 24))  # spread, not index order
+    keys = spread_key(np.arange(1 << 16))
+    assert len(np.unique(keys)) == 1 << 16  # a bijection: no two nodes share a key

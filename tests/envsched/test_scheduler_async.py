@@ -20,6 +20,8 @@ from envsched.scheduler import STATE_VERSION
 from envsched.synthetic import synthetic_records
 
 B, K = 4, 2
+
+
 REWARDS = st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=1, max_size=K)
 
 
@@ -168,9 +170,17 @@ class LaggedRandomScheduler(LaggedScheduler):
 
 
 SETTINGS = settings(max_examples=50, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
 TestLaggedScheduler = LaggedScheduler.TestCase
+
+
 TestLaggedScheduler.settings = SETTINGS
+
+
 TestLaggedRandomScheduler = LaggedRandomScheduler.TestCase
+
+
 TestLaggedRandomScheduler.settings = SETTINGS
 
 

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
 from trace2env.__main__ import main
@@ -142,8 +138,12 @@ def test_a_misshapen_record_is_refused_with_the_path_of_the_problem(tmp_path, ca
 
 _KEYS = ["events", "messages", "steps", "pairs", "metadata", "episode_id", "role", "content", "tool_calls", "id",
          "type", "function", "name", "arguments", "tool_call_id", "call_id", "kind", "actor", "action", "observation"]
+
+
 _SCALARS = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4)
             | st.sampled_from(["assistant", "tool", "user", "action", "observation", "message", "agent", "f", "{}"]))
+
+
 _JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
                      | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=5), max_leaves=30)
 

@@ -5,7 +5,7 @@ choices unchanged where the paper runs it: the batches of steps 0-5 for seed 0, 
 fixed relation weights (``relation_weights: paper``; the measured weights are beyond the paper) and fixed
 rewards (a deterministic function of task and step, so no learner is involved) are stored in
 ``data/pinned_selections_51x50.json``, taken on the code before those changes.  Regenerate only for a
-deliberate change of the method: ``python tests/envsched/test_envsched_pinned.py --write``.
+deliberate change of the method: ``python tests/envsched/test_scheduler_pinned.py --write``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from envsched import EnvSchedConfig, EnvScheduler, TaskPool
 from envsched.synthetic import synthetic_records
 
 FIXTURE = Path(__file__).parent / "data" / "pinned_selections_51x50.json"
+
+
 STEPS = 6  # selections of steps 0..5, observations of steps 0..4
 
 

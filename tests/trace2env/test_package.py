@@ -11,12 +11,11 @@ import json
 import os
 import shutil
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
 from trace2env import WorldbookIntegrityError, align, build_worldbook, load_worldbook, load_worldbooks, parse_trace
@@ -283,3 +282,29 @@ def test_issue43_eval_writes_strict_json_even_with_nothing_to_score(tmp_path, ca
     assert summary["steps"] == 0 and summary["exact"] is None and summary["exact_ci95"] == [None, None]
     assert _strict(out.read_text())["summary"] == summary
     assert "warning" not in capsys.readouterr().err
+
+
+# -- a tampered package -----------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tampered_package_fails_to_load_naming_the_file(tmp_path):
+    out = build_worldbook([parse_trace(record(1))], tmp_path / "wb")
+    assert main(["check", str(out)]) == 0
+    target = out / "rules" / "index.jsonl"
+    os.chmod(target, 0o644)
+    text = target.read_text()
+    assert "ok" in text
+    target.write_text(text.replace("ok", "OK"))
+    with pytest.raises(WorldbookIntegrityError, match=r"rules/index.jsonl: sha256 mismatch") as e:
+        load_worldbook(out)
+    assert e.value.path == "rules/index.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "trace2env", "check", str(out)], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 1 and "rules/index.jsonl" in proc.stderr
+    (out / "extra.txt").write_text("x")
+    os.chmod(target, 0o644)
+    target.unlink()
+    with pytest.raises(WorldbookIntegrityError, match="rules/index.jsonl: listed in the manifest but missing"):
+        load_worldbook(out)

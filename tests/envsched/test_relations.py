@@ -111,6 +111,8 @@ def _feed(rw, steps, own_history, cross_informative, n=64, seed=0):
 
 
 CFG = EnvSchedConfig(relation_weights="measured")
+
+
 PAPER_START = CFG.replace(relation_weight_start="paper")
 
 

@@ -1,28 +1,59 @@
-"""Fast paths of the step (progress-filter Ridge, growing logs, rank statistics, shared Eq. 7 kernel) equal
-straightforward reference computations on random inputs."""
+"""The progress and identifier filters (``envsched/filters.py``): the progress filter blocks falling tasks only and
+equals a list-based reference, its Ridge fit equals sklearn's, and the identifier filter's replay protocol."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import rankdata
 from sklearn.linear_model import Ridge
 
-from envsched import EnvSchedConfig
-from envsched.estimate import ObservationLog, average_rank, neighbor_weights, percentile_rank, predict_all
-from envsched.filters import ProgressFilter, ridge_fit_dense
+from envsched import EnvSchedConfig, TaskPool
+from envsched.filters import IdentifierFilter, ProgressFilter, dependent_edits, find_suspicious_actions, ridge_fit_dense
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_average_rank_equals_scipy(seed):
-    rng = np.random.default_rng(seed)
-    for n in (1, 2, 7, 300):
-        z = np.round(rng.random(n), 1 + seed % 3)  # many exact ties
-        assert np.array_equal(average_rank(z), rankdata(z, method="average"))
-        assert np.array_equal(percentile_rank(z), (rankdata(z, method="average") - 0.5) / n)
-    z = np.array([0.3, np.nan, 0.1])
-    assert np.array_equal(average_rank(z), rankdata(z, method="average"), equal_nan=True)
+def test_progress_filter_blocks_falling_tasks_only():
+    env = np.zeros(6, dtype=np.int64)
+    pf = ProgressFilter(EnvSchedConfig(progress_min_fit_transitions=6), env, 1)
+    rising = [0.1, 0.3, 0.5, 0.7, 0.9]
+    falling = [0.9, 0.7, 0.5, 0.3, 0.1]
+    scored = []
+    for step in range(5):
+        m = np.array([rising[step]] * 3 + [falling[step]] * 3)
+        scored.append(pf.observe(step, np.arange(6), m, np.full(6, 0.05)))
+    # step 1: transitions exist but none ended earlier; step 2 scores with the 6 transitions of step 1
+    assert scored == [0, 0, 6, 6, 6]
+    arr = pf.arrays()
+    assert np.isnan(arr["residual"][arr["step_next"] == 1]).all()
+    blocked = pf.blocked([])
+    assert blocked.tolist() == [False] * 3 + [True] * 3
 
+
+def test_identifier_filter_replay_protocol():
+    task = TaskPool.from_records([{"task_id": "t", "env_id": "bank", "instruction": "Freeze card 4411 of Ana Ruiz"}])[0]
+    actions = [
+        {"name": "get_card", "arguments": {"card_id": "4411"}, "output": {"owner": "Ana Ruiz"}},
+        {"name": "update_card", "arguments": {"card_id": "CARD-9999", "status": "frozen"}},
+        {"name": "update_limits", "arguments": {"card_id": "CARD-9999", "limit": 0}},
+        {"name": "update_card", "arguments": {"card_id": "4411", "status": "frozen"}},
+    ]
+    assert find_suspicious_actions(task, actions) == [1, 2]
+    assert dependent_edits(actions, [1]) == {1, 2}
+    calls = []
+
+    def replay(tid, acts):
+        calls.append(len(acts))
+        return 1.0 if any(a["arguments"].get("card_id") == "CARD-9999" for a in acts) else 0.25
+
+    filt = IdentifierFilter(EnvSchedConfig(), replay)
+    res = filt.check(task, 1.0, actions)
+    assert res.outcome == "filtered" and res.removed == (1, 2) and calls == [4, 2]
+    assert filt.check(task, 0.5, actions).outcome == "replay_mismatch"  # stored reward disagrees with replay
+    keep = IdentifierFilter(EnvSchedConfig(), lambda tid, acts: 1.0).check(task, 1.0, actions)
+    assert keep.outcome == "kept"  # removal does not lower the reward
+    assert IdentifierFilter(EnvSchedConfig(), replay).check(task, 1.0, [actions[0], actions[3]]).outcome == "clean"
+
+
+# -- fast paths equal straightforward reference computations on random inputs -----------------------------------------
 
 @pytest.mark.parametrize("shape", [(40, 8), (5, 12), (200, 30)])  # primal and kernel (features > samples)
 def test_ridge_fit_dense_equals_sklearn(shape):
@@ -97,56 +128,3 @@ def test_progress_filter_matches_list_reference(seed):
     nodes = rng.choice(n, 10, replace=False)
     other.observe(30, nodes, rng.random(10), rng.random(10))
     assert len(other.arrays()["node"]) > len(arr["node"])
-
-
-def test_observation_log_growth_and_state():
-    rng = np.random.default_rng(0)
-    log, rows = ObservationLog(), []
-    for _ in range(2500):  # past the initial capacity
-        row = (int(rng.integers(0, 50)), int(rng.integers(0, 30)), *rng.random(3).tolist())
-        log.add(*row)
-        rows.append(row)
-    arr = log.arrays()
-    R = np.array(rows)
-    for c, k in enumerate(("node", "step", "m", "v", "d")):
-        assert np.array_equal(arr[k], R[:, c])
-    assert arr["node"].dtype == np.int64 and arr["m"].dtype == np.float64
-    other = ObservationLog()
-    other.load_state_dict(log.state_dict())
-    assert len(other) == 2500
-    other.add(1, 2, 0.5, 0.1, 0.2)
-    assert len(other.arrays()["node"]) == 2501 and len(log) == 2500
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_prediction_with_shared_kernel_equals_separate_passes(seed):
-    """predict_all (Eq. 7 kernel shared by the two half-lives) == each pass with its own neighbor_weights."""
-    from envsched import estimate as E
-
-    rng = np.random.default_rng(seed)
-    n, k = 120, 4
-    cfg = EnvSchedConfig()
-    log = ObservationLog()
-    for s in range(6):
-        for i in rng.choice(n, 30, replace=False):
-            r = rng.random(8) < rng.random()
-            log.add(int(i), s, *E.group_statistics(r.astype(float), cfg.dispersion_floor))
-    idx = {rel: np.where(rng.random((n, kk)) < 0.8, rng.integers(0, n, (n, kk)), -1) for rel, kk in (("in", k), ("cross", 2 * k))}
-    sim = {rel: np.where(idx[rel] >= 0, np.round(rng.random(idx[rel].shape), 2), -np.inf) for rel in idx}
-    got = predict_all(log, idx, sim, 6, [str(i) for i in range(n)], cfg)
-
-    def separate(h):  # the original per-pass computation
-        out = E.estimate_half_life(log, idx, sim, 6, h, n, cfg, kernels=None)
-        return out
-
-    long, short = separate(cfg.h_long), separate(cfg.h_short)
-    assert np.array_equal(got.u_long, long["u"]) and np.array_equal(got.u_short, short["u"])
-    assert np.array_equal(got.v, long["v"])
-    # and the kernel path itself equals neighbor_weights
-    W = long["W"]
-    for rel, nbrs in idx.items():
-        safe = np.maximum(nbrs, 0)
-        avail = (nbrs >= 0) & (W[safe] > 0)
-        a = neighbor_weights(sim[rel], W[safe], avail, cfg.bandwidth_floor, cfg.neighbor_weight_clip)
-        kern = E.neighbor_kernel(sim[rel], avail, cfg.bandwidth_floor)
-        assert np.array_equal(a, np.where(avail, kern * np.sqrt(np.clip(W[safe], *cfg.neighbor_weight_clip)), 0.0))

@@ -1,16 +1,13 @@
-"""Pool format with environment records (issue 12, item 5) and the on-disk graph cache (item 6)."""
+"""The task pool (``envsched/pool.py``): the per-task and the environment-record JSONL formats, errors that name
+the line and the reason, round trips, and the content hash."""
 
 from __future__ import annotations
 
 import json
-import logging
 
-import numpy as np
 import pytest
 
-from envsched import EnvSchedConfig, EnvScheduler, PoolFormatError, TaskPool, write_pool_jsonl
-from envsched import graph_cache as graph_mod
-from envsched.operations import DeterministicExtractor
+from envsched import PoolFormatError, TaskPool, write_pool_jsonl
 from envsched.synthetic import synthetic_records
 
 
@@ -110,75 +107,6 @@ def test_content_hash_sees_every_field():
         assert TaskPool.from_records(variant).content_hash() != base
 
 
-# ---- graph cache ----------------------------------------------------------------------------------------
-def _same_graph(a, b):
-    for x, y in ((a.x_full, b.x_full), (a.x_abs, b.x_abs)):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(x.indptr, y.indptr) and np.array_equal(x.indices, y.indices) and np.array_equal(x.data, y.data)
-    assert np.array_equal(a.mean_within_env_similarity(), b.mean_within_env_similarity())
-    assert [m.tolist() for m in a.env_members] == [m.tolist() for m in b.env_members]
-    assert a.extractor_counts == b.extractor_counts and a.view_shapes == b.view_shapes
-
-
-def test_graph_cache_restart_loads_instead_of_rebuilding(tmp_path, monkeypatch):
-    pool = TaskPool.from_records(synthetic_records(5, 6, seed=4))
-    cfg = EnvSchedConfig(batch_size=8, graph_cache_dir=str(tmp_path / "cache"))
-    plain = EnvScheduler(pool, cfg.replace(graph_cache_dir=None))
-    first = EnvScheduler(pool, cfg)
-    assert plain.graph.cache == "off" and first.graph.cache == "miss" and first.graph_report()["cache"] == "miss"
-    _same_graph(plain.graph, first.graph)
-
-    def no_build(*a, **k):
-        raise AssertionError("rebuilt although cached")
-
-    monkeypatch.setattr(graph_mod, "build_static_graph", no_build)
-    restarted = EnvScheduler(TaskPool.from_records(synthetic_records(5, 6, seed=4)), cfg)  # a new process: new pool object
-    assert restarted.graph.cache == "hit"
-    _same_graph(plain.graph, restarted.graph)
-    assert [d.model_dump() for d in restarted.graph.descriptions] == [d.model_dump() for d in plain.graph.descriptions]
-    for step in range(4):  # same batches as without the cache
-        ids = plain.select(step)
-        assert restarted.select(step) == ids
-        rewards = {t: [float((k + step) % 2), 1.0] for k, t in enumerate(ids)}
-        plain.observe(step, rewards), restarted.observe(step, rewards)
-
-
-def test_graph_cache_key_follows_pool_content_and_graph_config(tmp_path):
-    recs = synthetic_records(3, 4, seed=1)
-    pool = TaskPool.from_records(recs)
-    cfg = EnvSchedConfig(graph_cache_dir=str(tmp_path))
-    key = graph_mod.graph_cache_key(pool, cfg)
-    assert graph_mod.graph_cache_key(pool, cfg.replace(rho=0.25, batch_size=4, graph_cache_dir="/elsewhere")) == key  # not graph fields
-    assert graph_mod.graph_cache_key(pool, cfg.replace(view_weights=(0.3, 0.06, 0.16, 0.12, 0.16, 0.2))) != key
-    assert graph_mod.graph_cache_key(pool, cfg.replace(tfidf_float32=False)) != key
-    assert graph_mod.graph_cache_key(pool, cfg.replace(operation_extractor="llm", llm={"base_urls": ["http://h/v1"], "model": "m"})) != key
-    edited = [dict(r) for r in recs]
-    edited[5] = {**recs[5], "instruction": recs[5]["instruction"] + " now"}
-    assert graph_mod.graph_cache_key(TaskPool.from_records(edited), cfg) != key
-    g1 = graph_mod.load_or_build_graph(pool, cfg)
-    g2 = graph_mod.load_or_build_graph(pool, cfg.replace(view_weights=(0.3, 0.06, 0.16, 0.12, 0.16, 0.2)))
-    assert (g1.cache, g2.cache) == ("miss", "miss") and len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 2
-
-
-def test_unreadable_cache_entry_is_rebuilt_and_custom_extractors_skip_the_cache(tmp_path, caplog):
-    pool = TaskPool.from_records(synthetic_records(3, 4, seed=1))
-    cfg = EnvSchedConfig(graph_cache_dir=str(tmp_path))
-    g = graph_mod.load_or_build_graph(pool, cfg)
-    key = graph_mod.graph_cache_key(pool, cfg)
-    (tmp_path / key / "graph.npz").write_bytes(b"not a zip")
-    with caplog.at_level(logging.WARNING, logger="envsched.graph_cache"):
-        again = graph_mod.load_or_build_graph(pool, cfg)
-    assert again.cache == "miss" and "unreadable" in caplog.text
-    _same_graph(g, again)
-    assert graph_mod.load_or_build_graph(pool, cfg).cache == "hit"
-
-    class Custom(DeterministicExtractor):
-        pass
-
-    assert graph_mod.load_or_build_graph(pool, cfg, extractor=Custom()).cache == "skip"
-    assert graph_mod.load_or_build_graph(pool, cfg, extractor=DeterministicExtractor()).cache == "hit"
-
-
 def test_a_latin1_pool_names_the_file_and_the_line(tmp_path, records):
     """Issue 43 finding 8: a pool saved as Latin-1 (a non-ASCII instruction) is refused with the project's input
     error naming the file and the line of the first byte that is not UTF-8, not a bare UnicodeDecodeError."""
@@ -195,3 +123,46 @@ def test_a_latin1_pool_names_the_file_and_the_line(tmp_path, records):
     assert (exc.value.source, exc.value.line) == (str(latin1), line)
     assert str(exc.value).startswith(f"{latin1}:{line}: not UTF-8 text")
     assert TaskPool.from_jsonl(utf8).tasks[2].instruction == recs[2]["instruction"]  # the same pool in UTF-8 loads
+
+
+@pytest.fixture(scope="module")
+def records_8x10():
+    return synthetic_records(8, 10, seed=5)
+
+
+# ---- pool -------------------------------------------------------------------------------------------
+def _write(tmp_path, lines):
+    p = tmp_path / "pool.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+GOOD = json.dumps({"task_id": "a", "env_id": "e", "instruction": "do it"})
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ('{"task_id": "b", "env_id": "e", "instruction": "x"', "invalid JSON"),
+        ('{"task_id": "b", "env_id": "e"}', "missing required key 'instruction'"),
+        ('{"task_id": "b", "env_id": "e", "instruction": "x", "verifer_code": "1"}', "unknown key(s) ['verifer_code']"),
+        ('{"task_id": "b", "env_id": "e", "instruction": "x", "tools": [{"description": "no name"}]}', "tools[0] has no string 'name'"),
+        ('{"task_id": "b", "env_id": "e", "instruction": "x", "gold_actions": [{"name": "f", "arguments": "{bad"}]}', "gold_actions[0].arguments is not valid JSON"),
+        ('{"task_id": "a", "env_id": "e", "instruction": "x"}', "duplicate task_id 'a' (first on line 1)"),
+        ('[1, 2]', "record must be a JSON object"),
+        ('{"task_id": "", "env_id": "e", "instruction": "x"}', "'task_id' must be a non-empty string"),
+    ],
+)
+def test_jsonl_errors_name_line_and_reason(tmp_path, line, reason):
+    p = _write(tmp_path, [GOOD, "", line])
+    with pytest.raises(PoolFormatError) as exc:
+        TaskPool.from_jsonl(p)
+    assert exc.value.line == 3
+    assert f"{p}:3: " in str(exc.value) and reason in str(exc.value)
+
+
+def test_jsonl_round_trip(tmp_path, records_8x10):
+    pool = TaskPool.from_records(records_8x10[:5])
+    pool.to_jsonl(tmp_path / "p.jsonl")
+    again = TaskPool.from_jsonl(tmp_path / "p.jsonl")
+    assert again.tasks == pool.tasks and again.fingerprint() == pool.fingerprint()

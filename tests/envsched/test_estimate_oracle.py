@@ -32,11 +32,6 @@ PARAMS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------
-# The oracle (paper only)
-# ---------------------------------------------------------------------------------------------------
-
-
 def clip(x: float, lo: float, hi: float) -> float:
     return min(max(x, lo), hi)
 
@@ -170,11 +165,6 @@ def random_groups(rng: np.random.Generator, batches: dict[int, list[int]], K: in
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# 1. predict_all on hand-made logs and neighbour arrays (nodes with and without history in the arrays)
-# ---------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_predict_all_equals_the_paper_oracle(seed):
     rng = np.random.default_rng(seed)
@@ -241,12 +231,6 @@ def test_the_oracle_comparison_sees_a_swap_of_lambda_g_and_lambda_s():
     assert_matches(predict_all(log, idx, sim, 3, [str(i) for i in range(N)], cfg), ref)
     with pytest.raises(AssertionError):
         assert_matches(predict_all(log, idx, sim, 3, [str(i) for i in range(N)], swapped), ref)
-
-
-# ---------------------------------------------------------------------------------------------------
-# 2. The scheduler end to end: select/observe over several steps, incremental neighbour index, predict()
-#    (for the next step and for past steps)
-# ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [3, 4])

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
 from trace2env import build_worldbook, load_worldbook, parse_trace
@@ -24,7 +20,7 @@ def verdict(f, fa, c, r, q):
 
 
 @pytest.fixture(scope="module")
-def kvbook(tmp_path_factory):
+def judge_book(tmp_path_factory):
     traces = [parse_trace({**record(s, n=20), "metadata": {"initial_state_id": "empty"}}) for s in range(6)]
     return load_worldbook(build_worldbook(traces, tmp_path_factory.mktemp("kvj") / "wb"))
 
@@ -85,14 +81,14 @@ def test_failed_judgements_are_masked_and_counted_configuration_errors_raise():
         j.score(action=a, predicted="x", reference="y")
 
 
-def test_evaluate_excludes_masked_judgements_from_the_mean(kvbook):
+def test_evaluate_excludes_masked_judgements_from_the_mean(judge_book):
     held = [parse_trace({**record(s, n=6), "metadata": {"initial_state_id": "empty"}}) for s in (200, 201)]
-    n = evaluate(kvbook, held, mode="rules")["summary"]["steps"]
+    n = evaluate(judge_book, held, mode="rules")["summary"]["steps"]
     assert n == 12
     # every third judgement fails validation (a score of 9): masked, never scored 0
     answers = [verdict(9, 1, 1, 1, 1) if i % 3 == 2 else verdict(1 + i % 5, 5, 5, 5, 5) for i in range(n)]
     j = LLMJudge(ScriptedProvider({JUDGE_STAGE: answers}))
-    out = evaluate(kvbook, held, mode="rules", judge=j, n_boot=500)
+    out = evaluate(judge_book, held, mode="rules", judge=j, n_boot=500)
     s, steps = out["summary"], out["steps"]
     ok = [i for i in range(n) if i % 3 != 2]
     want = [np.mean([(1 + i % 5 - 1) * 25.0, 100.0, 100.0, 100.0, 100.0]) for i in ok]

@@ -1,15 +1,12 @@
-"""Evaluation statistics and the multi-system CLI: paired bootstrap over trajectories, the table."""
+"""Evaluation (``trace2env/evaluate.py``): agreement with held-out traces, the paired bootstrap over trajectories,
+the multi-system table and its CLI."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from t2e_kvenv import record
 
 import trace2env.__main__ as cli
@@ -142,7 +139,6 @@ def test_cli_systems_table_and_json(kv, tmp_path, capsys, monkeypatch):
     assert "needs a model provider" in capsys.readouterr().err
 
 
-
 def test_cli_provider_limits_reach_every_provider(monkeypatch):
     """--max-tokens (also the cap: no doubling), --repair-rounds and --max-payload-chars configure the systems'
     provider and the judge's alike; without them the providers keep their defaults."""
@@ -165,3 +161,30 @@ def test_a_trace_the_worldbook_was_built_from_is_flagged_as_not_held_out(kv):
     with pytest.warns(UserWarning, match="1 of 6 evaluated trace"):
         summary = evaluate(wb, [*held, train_again], n_boot=10)["summary"]
     assert summary["traces_in_worldbook"] == 1
+
+
+# -- agreement with held-out traces (python -m trace2env eval) --------------------------------------------------------
+
+def test_eval_measures_agreement_with_held_out_traces(kvbook, tmp_path, capsys):
+    from trace2env.__main__ import main
+    from trace2env.evaluate import bootstrap_ci, compare, evaluate
+
+    assert compare('{"a": 1, "b": [1.0]}', '{"b":[1],"a":1}') == {"exact": 1.0, "key_overlap": 1.0}
+    assert compare('{"a": 1}', '{"a": 2, "c": 0}') == {"exact": 0.0, "key_overlap": 0.5}
+    held = [parse_trace({**record(s, n=30), "metadata": {"initial_state_id": "empty"}}) for s in range(100, 106)]
+    ev = evaluate(kvbook, held, mode="evidence")["summary"]
+    rules = evaluate(kvbook, held, mode="rules")["summary"]
+    assert ev["steps"] == rules["steps"] == 180
+    assert rules["routes"].keys() <= {"rule", "error"} and rules["exact"] < ev["exact"]  # evidence adds coverage
+    assert ev["exact_when_answered"] == 1.0  # what the deterministic paths answer is right
+    lo, hi = ev["exact_ci95"]
+    assert lo <= ev["exact"] <= hi
+    assert bootstrap_ci([(1.0, 1), (0.0, 1)], n_boot=500)[0] < 0.5 < bootstrap_ci([(1.0, 1), (0.0, 1)], n_boot=500)[1]
+    p = tmp_path / "held.jsonl"
+    p.write_text("".join(json.dumps({**record(s, n=30), "metadata": {"initial_state_id": "empty"}}) + "\n"
+                         for s in range(100, 106)))
+    assert main(["eval", str(kvbook.root), str(p), "--mode", "evidence", "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["exact"] == ev["exact"]
+    assert len(json.loads((tmp_path / "r.json").read_text())["steps"]) == 180
+    with pytest.raises(ValueError, match="needs a proposer"):
+        evaluate(kvbook, held, mode="agent")

@@ -6,10 +6,9 @@ import copy
 
 import numpy as np
 import pytest
-from scipy.stats import spearmanr
 
 from envsched import EnvSchedConfig, EnvScheduler, ObservationError, TaskPool, UnknownTaskError
-from envsched.estimate import EVIDENCE_TYPES, ObservationLog, evidence_types, prediction_diagnostics
+from envsched.estimate import EVIDENCE_TYPES, evidence_types, prediction_diagnostics
 from envsched.synthetic import SimulatedLearner, synthetic_records
 
 B, K = 12, 4
@@ -234,40 +233,6 @@ def test_reward_range_is_configurable_and_rounding_is_clipped(pool, graph):
     assert list(s.log.arrays()["m"]) == [1.0, 0.0] and list(s.log.arrays()["v"]) == [0.0, 0.0]
     with pytest.raises(Exception, match="reward_range"):
         EnvSchedConfig(reward_range=(1.0, 0.0))
-
-
-# ---- prediction diagnostics ------------------------------------------------------------------------------
-def test_evidence_types_follow_the_availability_of_eq3():
-    log = ObservationLog()
-    log.add(0, 0, 0.5, 0.1, 0.4)  # node 0 observed at step 0
-    log.add(5, 2, 0.5, 0.1, 0.4)  # node 5 observed at step 2 (not before t = 2)
-    idx = {
-        "in": np.array([[-1, -1], [0, -1], [5, -1], [-1, -1], [5, 0], [-1, -1]]),
-        "cross": np.array([[-1], [-1], [0], [0], [-1], [5]]),
-    }
-    got = evidence_types(log, idx, 2, np.arange(6), 6)
-    # 0: own history; 1: within neighbour 0; 2: within neighbour 5 has no history before t = 2, cross 0 has;
-    # 3: cross only; 4: within neighbour 0 (5 unavailable); 5: cross neighbour 5 unavailable -> cold
-    assert [EVIDENCE_TYPES[c] for c in got] == ["observed", "within_env", "cross_env_only", "cross_env_only", "within_env", "cold"]
-    assert [EVIDENCE_TYPES[c] for c in evidence_types(log, idx, 3, np.arange(6), 6)] == ["observed", "within_env", "within_env", "cross_env_only", "within_env", "observed"]
-
-
-def test_prediction_diagnostics_report_only_defined_correlations():
-    q = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
-    v = np.array([0.0, 0.01, 0.02, 0.05, 0.04, 0.06, 0.2, 0.1])
-    ev = np.array([0, 0, 0, 0, 1, 1, 2, 2])
-    out = prediction_diagnostics(q, v, ev, predicted_v=-q)
-    assert out["spearman_q_observed"] == pytest.approx(1.0)
-    assert out["spearman_v_observed"] == pytest.approx(-1.0)
-    assert out["spearman_q_all"] == pytest.approx(spearmanr(q, v)[0])
-    assert "spearman_q_within_env" not in out and "spearman_q_cross_env_only" not in out  # only 2 groups each
-    assert "spearman_q_cold" not in out
-    assert (out["scored_observed"], out["scored_within_env"], out["scored_cross_env_only"], out["scored_cold"], out["scored_all"]) == (4, 2, 2, 0, 8)
-    const = prediction_diagnostics(np.full(5, 0.5), v[:5], np.zeros(5, dtype=int))
-    assert "spearman_q_observed" not in const and "spearman_q_all" not in const  # constant scores (cold start)
-    flat = prediction_diagnostics(q[:5], np.zeros(5), np.zeros(5, dtype=int))
-    assert not any(k.startswith("spearman") for k in flat)  # constant realised variance
-    assert all(np.isfinite(x) for x in out.values())
 
 
 def test_scheduler_reports_diagnostics_every_step_from_predictions_made_at_selection(records, pool, graph):

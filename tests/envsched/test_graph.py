@@ -1,0 +1,113 @@
+"""The static graph (``envsched/graph.py``): Eq. 1 as the weighted sum of the views' cosines, the sparse row-block
+products, code-structure tokens, the abstraction report (App. E.1), and a graph built in chunks equal to one built
+in one chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.metrics.pairwise import cosine_similarity
+
+from envsched import EnvSchedConfig, TaskPool, build_static_graph
+from envsched.graph import code_structure, sparse_row_block_dot
+from envsched.synthetic import synthetic_records
+
+
+@pytest.fixture(scope="module")
+def small():
+    pool = TaskPool.from_records(synthetic_records(6, 8, seed=3))
+    cfg = EnvSchedConfig(tfidf_float32=False)
+    return pool, cfg, build_static_graph(pool, cfg)
+
+
+def test_eq1_full_similarity_is_weighted_sum_of_view_cosines(small):
+    pool, cfg, g = small
+    texts = [t.instruction for t in pool.tasks]
+    # view 1 alone, encoded independently with sklearn + cosine_similarity
+    h1 = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1, max_features=35000).fit_transform(texts)
+    h3 = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True).fit_transform(["\n".join(t.verifier_checks) for t in pool.tasks])
+    rows, cols = np.arange(10), np.arange(20, 30)
+    s = g.sim_full(rows, cols)
+    # remove the other views' contributions by rebuilding with one-hot weights
+    g1 = build_static_graph(pool, cfg.replace(view_weights=(1, 0, 0, 0, 0, 0)))
+    assert g1.sim_full(rows, cols) == pytest.approx(cosine_similarity(h1[rows], h1[cols]), abs=1e-9)
+    g13 = build_static_graph(pool, cfg.replace(view_weights=(0.25, 0, 0.75, 0, 0, 0)))
+    expect = 0.25 * cosine_similarity(h1[rows], h1[cols]) + 0.75 * cosine_similarity(h3[rows], h3[cols])
+    assert g13.sim_full(rows, cols) == pytest.approx(expect, abs=1e-9)
+    assert np.all(s <= 1 + 1e-9) and np.all(s >= 0)
+    assert g.report()["extractors"] == {"deterministic": len(pool)}
+
+
+def test_sparse_block_dot_matches_scipy(small):
+    _, _, g = small
+    rows, cols = np.array([3, 0, 47, 5]), np.array([1, 2, 3])
+    assert sparse_row_block_dot(g.x_full, rows, cols) == pytest.approx((g.x_full[rows] @ g.x_full[cols].T).toarray())
+    block = g.feature_block(3)
+    for j in cols:
+        block.add(int(j))
+    assert block.dot(rows) == pytest.approx((g.x_full[rows] @ g.x_full[cols].T).toarray())
+    assert block.dot(rows, 1, 2) == pytest.approx((g.x_full[rows] @ g.x_full[cols[1:2]].T).toarray())
+    g.close_block(block)
+    assert (g.scratch_map() == -1).all()
+
+
+def test_code_structure_tokens():
+    toks = code_structure("assert db['cards']['4411'].frozen == True\nok = check(x)").split()
+    assert "Assert" in toks and "attr:frozen" in toks and "cmp:Eq" in toks and "call:check" in toks and "key:cards" in toks
+    assert code_structure("if (x === 1) { y(); }")  # not Python: token fallback
+
+
+def test_abstraction_without_gold_calls_warns(caplog):
+    from envsched import TaskPool, build_static_graph
+    from envsched.synthetic import synthetic_records
+
+    recs = synthetic_records(2, 40, seed=1)
+    with caplog.at_level("WARNING", logger="envsched.graph"):
+        g = build_static_graph(TaskPool.from_records(recs), EnvSchedConfig())
+    assert g.report()["abstraction"]["low_resolution"] == 0.0 and "gold_actions" not in caplog.text
+    bare = [{k: v for k, v in r.items() if k != "gold_actions"} for r in recs]
+    with caplog.at_level("WARNING", logger="envsched.graph"):
+        g = build_static_graph(TaskPool.from_records(bare), EnvSchedConfig())
+    rep = g.report()["abstraction"]
+    assert rep["tasks_without_gold_actions"] == 80.0 and rep["low_resolution"] == 1.0
+    assert rep["distinct_abstract_fraction_median"] < 0.25
+    assert "80 of 80 tasks have no gold_actions" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="envsched.graph"):
+        build_static_graph(TaskPool.from_records(bare), EnvSchedConfig(abstraction_min_distinct_fraction=0.0))
+    assert "gold_actions" not in caplog.text
+
+
+# -- a graph built in chunks ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool():
+    return TaskPool.from_records(synthetic_records(6, 40, seed=3))
+
+
+def _same(a: sp.csr_matrix, b: sp.csr_matrix) -> bool:
+    a, b = sp.csr_matrix(a), sp.csr_matrix(b)
+    return a.shape == b.shape and a.dtype == b.dtype and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("indptr", "indices", "data"))
+
+
+def test_graph_built_in_chunks_equals_one_chunk(pool):
+    cfg = EnvSchedConfig()
+    one = build_static_graph(pool, cfg, chunk_rows=len(pool))
+    many = build_static_graph(pool, cfg, chunk_rows=17)
+    assert _same(one.x_full, many.x_full) and _same(one.x_abs, many.x_abs)
+    assert np.array_equal(one.mean_within_env_similarity(), many.mean_within_env_similarity())
+    assert one.view_shapes == many.view_shapes and one.abstraction == many.abstraction
+    assert isinstance(one.x_full.data, np.ndarray) and not one.x_full.data.flags.writeable  # mapped read-only
+    assert [d.model_dump() for d in one.descriptions[:3]] == [d.model_dump() for d in many.descriptions[:3]]
+    # S_full from the mapped matrix equals S_full from an in-memory copy, also after its pages are released
+    mem = sp.csr_matrix((np.array(one.x_full.data), np.array(one.x_full.indices), np.array(one.x_full.indptr)), shape=one.x_full.shape)
+    in_memory = dataclasses.replace(one, x_full=mem, disk=None)
+    rows, cols = np.arange(0, len(pool), 7), np.arange(3, len(pool), 11)
+    want = in_memory.sim_full(rows, cols)
+    assert np.array_equal(one.sim_full(rows, cols), want)
+    one.release_pages()
+    assert np.array_equal(one.sim_full(rows, cols), want)
