@@ -44,6 +44,11 @@ class LLMExtractorConfig(EndpointConfig):
 
     renamed_keys: ClassVar[dict[str, str]] = RENAMED_LLM_KEYS
 
+    # requests in flight while the extractor works through a pool (its own default, below the endpoint config's 64)
+    concurrency: int = 8
+    # completion-token limit per answer (None: the server's default, as before the shared config: an App. E answer
+    # for a task with many operations can outgrow the endpoint config's 2048)
+    max_tokens: int | None = None
     # directory of the on-disk cache of validated answers, keyed by the SHA-256 of model + prompt + task (null: none)
     cache_dir: str | None = ".cache/envsched/operations"
     # follow-up requests after an answer that fails the schema (the failure reason is fed back to the model)

@@ -198,6 +198,7 @@ def test_an_endpoint_failure_uses_up_the_rounds_then_falls_back_or_raises():
 def test_extractor_config_keys():
     cfg = EnvSchedConfig.from_dict({"operation_extractor": "llm", "llm": {"base_urls": "http://h/v1", "model": "m"}})
     assert cfg.llm.base_urls == ["http://h/v1"] and cfg.replace(seed=1).llm == cfg.llm
+    assert (cfg.llm.concurrency, cfg.llm.max_tokens) == (8, None)  # the extractor's own defaults, as before
     for old, new in (("base_url", "base_urls"), ("max_workers", "concurrency")):
         with pytest.raises(ConfigError, match=f"unknown endpoint key '{old}' \\(renamed '{new}'\\)"):
             EnvSchedConfig.from_dict({"llm": {"base_urls": "http://h/v1", "model": "m", old: 1}})
