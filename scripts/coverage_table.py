@@ -2,7 +2,7 @@
 
     python scripts/coverage_table.py DATA_FILE [--files]
 
-Rows: each top-level package (envace, envsched, trace2env) and the EnvACE math/engine modules as one group
+Rows: each top-level package (envace, envsched, trace2env, envllm) and the EnvACE math/engine modules as one group
 (envace/advantage.py, envace/toolcall.py, envace/agents/engine.py; docs/results/testing.md's coverage targets).  ``--files``
 adds one row per file.  Files of the packages that the run never imported count with all their lines missed.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import coverage
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("envace", "envsched", "trace2env")
+PACKAGES = ("envace", "envsched", "trace2env", "envllm")
 GROUPS = {"envace math/engine": ("envace/advantage.py", "envace/toolcall.py", "envace/agents/engine.py")}
 
 

@@ -4,7 +4,7 @@
 #   scripts/test.sh -m "not slow"   # skip the end-to-end trainer runs
 #   scripts/test.sh tests/envsched  # any pytest arguments
 #   scripts/test.sh --cov [--cov-files] -m "not slow"
-#                                   # line coverage of envace, envsched and trace2env (pytest-cov), then a
+#                                   # line coverage of envace, envsched, trace2env and envllm (pytest-cov), then a
 #                                   # per-package table (scripts/coverage_table.py; --cov-files: per file too)
 # Tests not marked `slow` run on ENVACE_TEST_WORKERS pytest-xdist processes (default: the machine's CPUs, at most
 # 4; 1 runs them in this process). The `slow` ones (trainer, server and evaluation runs of minutes, about half of
@@ -60,7 +60,7 @@ run() {
     export ENVACE_TRAINER_THREADS="${ENVACE_TRAINER_THREADS:-$(( threads > 0 ? threads : 1 ))}"
   fi
   if [[ $cov == 1 ]]; then
-    extra+=(--cov=envace --cov=envsched --cov=trace2env --cov-report=)
+    extra+=(--cov=envace --cov=envsched --cov=trace2env --cov=envllm --cov-report=)
     [[ $cov_started == 0 ]] || extra+=(--cov-append)
     cov_started=1
   fi
