@@ -144,6 +144,11 @@ BUGS = [
         "return int(module.main(rest) or 0)",
         "return int(module.main(args) or 0)",
         ("tests/envace/test_cli.py",)),
+    Bug("vllm_sync_no_finalize", "vLLM CPU weight sync skips the layer-wise reload's finalize step",
+        "envace/platform/vllm_cpu.py",
+        "        finalize_layerwise_reload(model, self.model_runner.model_config)\n",
+        "        pass\n",
+        ("tests/envace/platform/test_vllm_cpu_sync.py",)),
 ]
 
 
