@@ -92,6 +92,10 @@ class AgentConfig:
     rehearse_max_tokens: int = 256
     # sampling temperature of the rehearse role (null: the rollout temperature)
     rehearse_temperature: float | None = None
+    # seed every generation by its rollout and its index in it (envace.agents.verl_loop.request_seed), so runs of one
+    # seed draw alike; false: the rollout server's own seeding (on GPUs vLLM then keeps FlashInfer's top-k/top-p
+    # sampler, which takes no per-request seed)
+    seed_requests: bool = True
     # how the rehearsal prompt is built (history budget, real examples, schemas)
     rehearsal: RehearsalPrompt = field(default_factory=RehearsalPrompt)
     # seconds one environment call or verification may take before the rollout is masked (unscored)

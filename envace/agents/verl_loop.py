@@ -262,9 +262,10 @@ class EnvaceAgentLoop(AgentLoopBase):
 
     def _seed(self, row: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """(``rollout.seed``, the rollout's identity) when the rollout server reads a per-request seed
-        (:data:`SEEDED_ROLLOUTS`) and the row names its rollout (:func:`rollout_identity`); else None."""
+        (:data:`SEEDED_ROLLOUTS`), ``envace.agent.seed_requests`` is on and the row names its rollout
+        (:func:`rollout_identity`); else None."""
         rollout = self.rollout_config
-        if rollout.get("name") not in SEEDED_ROLLOUTS:
+        if not self.agent_cfg.seed_requests or rollout.get("name") not in SEEDED_ROLLOUTS:
             return None
         identity = rollout_identity(row)
         if identity is None:

@@ -50,12 +50,13 @@ def tokenizer():
 
 
 def make_loop(tokenizer, act, rehearse=None, *, source="real", response_length=4096, layout="message",
-              rollout=None, **limits):
+              rollout=None, agent=None, **limits):
     cfg = OmegaConf.create({
         "actor_rollout_ref": {"rollout": {"response_length": response_length, "prompt_length": 8192,
                                           "multi_turn": {}, "agent": {}, **(rollout or {})}},
         "envace": {"agent": {"act_layout": layout, "limits": {"max_steps_per_turn": 6, "max_user_turns": 8,
-                                                                "max_calls_per_message": 4, **limits}}},
+                                                                "max_calls_per_message": 4, **limits},
+                             **(agent or {})}},
     })
     data_cfg = OmegaConf.create({"apply_chat_template_kwargs": {"enable_thinking": False}})
     server = ScriptedServer(tokenizer, act, rehearse)
@@ -561,12 +562,13 @@ SEEDED_ROW = {"extra_info": {"pool": "bfcl_multi_turn", "task_id": TASK, "split"
               "uid": "u1", "session_id": 0, "global_steps": 1}
 
 
-def _sent(tokenizer, row, rollout=None, act=("Done.",)):
+def _sent(tokenizer, row, rollout=None, act=("Done.",), agent=None):
     """The (role, sampling parameters) and the request ids of the generations one rehearse-source rollout of ``row``
     sends: scripted acting replies (by default a final answer to every user turn) and rehearsals, the same
     generations whatever the seed."""
     loop, server = make_loop(tokenizer, list(act), ['<execution_result>{"ok": true}</execution_result>'] * 20,
-                             source="rehearse", rollout={"name": "hfcpu", "seed": 42, **(rollout or {})})
+                             source="rehearse", rollout={"name": "hfcpu", "seed": 42, **(rollout or {})},
+                             agent=agent)
     ids = []
     generate = server.generate
 
@@ -607,7 +609,10 @@ def test_each_generation_is_seeded_by_its_rollout_and_its_index(tokenizer):
 
 def test_no_seed_goes_to_a_server_that_does_not_read_one_or_for_a_row_that_names_no_rollout(tokenizer):
     """SGLang's and TensorRT-LLM's servers are sent no ``seed``; nor is any server for a row without
-    ``global_steps`` / ``session_id`` (verl's older agent-loop worker), which the server then seeds by arrival."""
+    ``global_steps`` / ``session_id`` (verl's older agent-loop worker), which the server then seeds by arrival, nor
+    any server with ``envace.agent.seed_requests=false``."""
+    calls, _ = _sent(tokenizer, SEEDED_ROW, {"name": "vllm"}, agent={"seed_requests": False})
+    assert calls and not any("seed" in sp for _, sp in calls)
     calls, _ = _sent(tokenizer, SEEDED_ROW, {"name": "sglang"})
     assert calls and not any("seed" in sp for _, sp in calls)
     calls, _ = _sent(tokenizer, {k: v for k, v in SEEDED_ROW.items() if k != "global_steps"})
