@@ -37,7 +37,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# every test here starts Ray clusters whose timeouts are tight (1 s health checks, a 10 s reconnect): beside a
+# trainer run a head's start-up outlasted them, so they run one at a time with the other heavy tests
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def _free_port() -> int:
@@ -141,6 +143,14 @@ def _without(hidden: list[Path], command: list[str]) -> list[str]:
     return ["unshare", "-m", "--propagation", "private", "bash", "-c", f"{mounts} && exec {shlex.join(command)}"]
 
 
+def _wait_for_port(proc: subprocess.Popen, port: int, timeout: float = 180) -> None:
+    """Wait until the Ray head ``proc`` started listens on ``port`` (its GCS)."""
+    deadline = time.monotonic() + timeout
+    while not _port_open(port):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the Ray head on port {port} did not start"
+        time.sleep(0.5)
+
+
 def _ray_processes_gone(port: int, timeout: float = 60) -> list[int]:
     """Wait up to ``timeout`` s for the Ray processes of the cluster on ``port`` to exit; those still running."""
     deadline = time.monotonic() + timeout
@@ -209,7 +219,6 @@ def worldbooks(tmp_path_factory) -> Path:
     return books
 
 
-@pytest.mark.heavy
 @pytest.mark.warm_start
 def test_two_ray_nodes_train_through_a_lost_worker_and_the_relaunch_resumes(tmp_path, bystander, worldbooks):
     """One two-node run of train.sh carries every check of a real multi-node training, so that the suite pays for
@@ -394,6 +403,7 @@ def test_a_worker_joins_on_its_route_to_the_head_and_ends_with_0_when_the_head_c
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
                              "--disable-usage-stats", "--include-dashboard=false", "--block"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for_port(head, port)  # the clients below give up on a head that is not up within 10 s
     worker = subprocess.Popen([str(REPO / "scripts" / "train.sh")], cwd=REPO,
                               env=dict(env, NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", RAY_PORT=str(port),
                                        GPUS_PER_NODE="0"),
@@ -458,6 +468,7 @@ def test_the_head_watcher_stops_a_run_on_a_lost_node_or_a_step_past_its_deadline
         return driver, watcher, Lines(watcher)
 
     try:
+        _wait_for_port(head, port)
         worker = subprocess.Popen([*common, f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         joined = subprocess.run([sys.executable, "-m", "envace.launch", "wait-nodes", "--address",
