@@ -109,7 +109,7 @@ def check_rehearse_temperature(cfg: DictConfig, ecfg: EnvAceConfig, mode: str = 
     every row's rollout log-probs against the trainer's, rehearse rows included: the truncated importance weights
     π_old / π_rollout, the rejection masks, the batch normalisation of those weights (which mixes the roles) and the
     off-policy metrics. Rehearsals sampled at another temperature get weights away from 1 even on-policy, a bias that
-    is not staleness (issue 46), so such a config is refused whatever roles are trained.
+    is not staleness (docs/async.md), so such a config is refused whatever roles are trained.
     """
     temp, reh = float(cfg.actor_rollout_ref.rollout.temperature), ecfg.agent.rehearse_temperature
     if reh is None or float(reh) == temp or ecfg.agent.observation_source != "rehearse":

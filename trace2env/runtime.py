@@ -214,7 +214,7 @@ def validation_gate(worldbook: Worldbook, state: Any, action: ActionCall, propos
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Proposes a transition when no rule covers the step (the world-model agent; none yet in issue 9)."""
+    """Proposes a transition when no rule covers the step (:class:`trace2env.agent.WorldModelAgent`)."""
 
     def propose(self, workspace: Workspace, action: ActionCall, *, seed: int | None) -> TransitionProposal | None: ...
 
