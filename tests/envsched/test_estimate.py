@@ -931,11 +931,6 @@ def test_prediction_with_shared_kernel_equals_separate_passes(seed):
 
 # -- classes of equal values give what the computation per task gives, bit for bit ------------------------------------
 
-@pytest.fixture(scope="module")
-def many_envs_pool():
-    return TaskPool.from_records(synthetic_records(30, 8, seed=4))  # more environments than a batch touches
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_ranks_and_quantiles_over_counts_equal_the_repeated_values(seed):
     rng = np.random.default_rng(seed)
@@ -960,18 +955,8 @@ def test_ranks_and_quantiles_over_counts_equal_the_repeated_values(seed):
         average_rank(np.array([0.1, 0.2]), np.array([1, 0]))
 
 
-def _run(many_envs_pool, cfg, steps, check):
-    sched = EnvScheduler(many_envs_pool, cfg)
-    rng = np.random.default_rng(1)
-    for step in range(steps):
-        ids = sched.select(step)
-        check(sched, step)
-        sched.observe(step, {t: (rng.random(8) < rng.random()).astype(float).tolist() for t in ids})
-    return sched
-
-
 @pytest.mark.parametrize("extra", [{}, {"fusion": "evidence"}, {"cross_reference": "environment"}, {"cross_reference": "environment_mean", "reconstructed_target": "learnability"}, {"relation_weights": "measured"}, {"k_within": 0}])
-def test_prediction_over_classes_equals_the_prediction_per_task(many_envs_pool, extra):
+def test_prediction_over_classes_equals_the_prediction_per_task(many_envs_pool, extra, run_steps):
     """predict_all computing each class of identical tasks once (as the scheduler calls it, with the kernel cache
     kept from step to step) == predict_all on every task without any cache."""
     classes_seen = []
@@ -991,11 +976,11 @@ def test_prediction_over_classes_equals_the_prediction_per_task(many_envs_pool, 
         classes = prediction_classes(sched.log, nb.idx, step, len(many_envs_pool), nb.cross_classes())
         classes_seen.append(step > 1 and (classes.counts > 1).any() and (classes.counts == 1).any())  # shared and own classes
 
-    _run(many_envs_pool, EnvSchedConfig(batch_size=8, **extra), 7, check)
+    run_steps(many_envs_pool, EnvSchedConfig(batch_size=8, **extra), 7, check)
     assert any(classes_seen)
 
 
-def test_kernel_cache_over_changing_class_rows_equals_no_cache(many_envs_pool):
+def test_kernel_cache_over_changing_class_rows_equals_no_cache(many_envs_pool, run_steps):
     """The Eq. 7 kernel cache keyed by the rows computed (rows that join, leave or keep their place between
     calls) gives the kernels of an uncached pass: the prediction of every step equals a cache-free one."""
     many_envs = many_envs_pool
@@ -1009,7 +994,7 @@ def test_kernel_cache_over_changing_class_rows_equals_no_cache(many_envs_pool):
         assert np.array_equal(got.q, want.q) and np.array_equal(got.v, want.v), step
         sizes.append(len(kernels["in:rows"]))
 
-    _run(many_envs, EnvSchedConfig(batch_size=8), 8, check)
+    run_steps(many_envs, EnvSchedConfig(batch_size=8), 8, check)
     assert min(sizes) < len(many_envs) and len(set(sizes)) > 2  # fewer rows than tasks, and rows changing
 
 
@@ -1037,7 +1022,6 @@ def test_linear_quantiles_equal_numpy(seed):
 def test_kernel_cache_kept_between_steps_gives_the_uncached_prediction(pool):
     """The Eq. 7 kernels kept in NeighborIndex.kernel_cache from step to step (only rows whose mask or
     neighbour list changed are recomputed) give every step the prediction of a pass without any cache."""
-    from envsched import EnvScheduler
     from envsched.estimate import predict_all
 
     sched = EnvScheduler(pool, EnvSchedConfig(batch_size=16))

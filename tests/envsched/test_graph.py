@@ -17,13 +17,6 @@ from envsched.graph import code_structure, sparse_row_block_dot
 from envsched.synthetic import synthetic_records
 
 
-@pytest.fixture(scope="module")
-def small():
-    pool = TaskPool.from_records(synthetic_records(6, 8, seed=3))
-    cfg = EnvSchedConfig(tfidf_float32=False)
-    return pool, cfg, build_static_graph(pool, cfg)
-
-
 def test_eq1_full_similarity_is_weighted_sum_of_view_cosines(small):
     pool, cfg, g = small
     texts = [t.instruction for t in pool.tasks]

@@ -7,16 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envsched import EnvSchedConfig, EnvScheduler, TaskPool, build_static_graph
+from envsched import EnvSchedConfig, TaskPool, build_static_graph
 from envsched.neighbors import NeighborIndex, merge_topk
 from envsched.synthetic import synthetic_records
-
-
-@pytest.fixture(scope="module")
-def small():
-    pool = TaskPool.from_records(synthetic_records(6, 8, seed=3))
-    cfg = EnvSchedConfig(tfidf_float32=False)
-    return pool, cfg, build_static_graph(pool, cfg)
 
 
 def test_neighbor_index_matches_brute_force(small):
@@ -71,22 +64,7 @@ def test_cross_merge_only_changed_rows_equals_full_merge():
         assert np.array_equal(nb.sim["cross"], sim)
 
 
-@pytest.fixture(scope="module")
-def many_envs_pool():
-    return TaskPool.from_records(synthetic_records(30, 8, seed=4))  # more environments than a batch touches
-
-
-def _run(many_envs_pool, cfg, steps, check):
-    sched = EnvScheduler(many_envs_pool, cfg)
-    rng = np.random.default_rng(1)
-    for step in range(steps):
-        ids = sched.select(step)
-        check(sched, step)
-        sched.observe(step, {t: (rng.random(8) < rng.random()).astype(float).tolist() for t in ids})
-    return sched
-
-
-def test_cross_classes_have_identical_rows_at_every_step(many_envs_pool):
+def test_cross_classes_have_identical_rows_at_every_step(many_envs_pool, run_steps):
     seen = []
 
     def check(sched, step):
@@ -99,7 +77,7 @@ def test_cross_classes_have_identical_rows_at_every_step(many_envs_pool):
         assert np.array_equal(nb.sim["cross"], nb.sim["cross"][rows[inverse]])
         seen.append(len(rows) < len(many_envs_pool) and (nb.idx["cross"] >= 0).any())
 
-    _run(many_envs_pool, EnvSchedConfig(batch_size=8), 6, check)
+    run_steps(many_envs_pool, EnvSchedConfig(batch_size=8), 6, check)
     assert any(seen)  # classes with several nodes and non-empty rows were checked
 
 
