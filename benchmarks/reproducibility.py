@@ -41,8 +41,11 @@ def step_metrics(run: Path, step: int) -> dict[str, float]:
 
 def dump_rows(run: Path, step: int) -> dict[tuple, tuple]:
     """The step's rollout-dump rows, keyed without verl's per-run uid; padding rows left out."""
+    path = run / "rollouts" / f"{step}.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no rollout dump (trainer.rollout_data_dir unset?)")
     out = {}
-    for line in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         row = json.loads(line)
         uid, session, index = row["uid"].rsplit("_", 2)
         if not uid.startswith("pad"):
