@@ -2,7 +2,8 @@
 
     envace train [experiment=NAME] [key=value ...]   # = scripts/train.sh without the venv/Ray set-up
     envace eval {bfcl,tau2,table} ...                # = python -m envace.eval
-    envace envs {list,tasks,gold,verify,build-data,convert-cm2} ...
+    envace envs {list,tasks,gold,verify,serve} ...   # = python -m envace.envs
+    envace data {build,convert-cm2,record-traces} ...  # = python -m envace.data
     envace models {build,path} ...
 """
 
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 COMMANDS = {
     "train": ("envace.train", "training through verl's trainer (Hydra overrides)"),
     "eval": ("envace.eval.cli", "benchmark evaluation against an OpenAI-compatible endpoint or a checkpoint"),
-    "envs": ("envace.envs.__main__", "environment pools: list, tasks, gold replay, verify, build data"),
+    "envs": ("envace.envs.__main__", "environment pools: list, tasks, gold replay, verify, serve"),
+    "data": ("envace.data.__main__", "training data: parquet from pools, CM2 conversion, gold-replay traces"),
     "models": ("envace.models.__main__", "the embedded tiny models: build, path"),
 }
 

@@ -281,11 +281,11 @@ def check_worldbooks(path: str) -> None:
 def resolve_worldbooks(cfg: DictConfig, ecfg: EnvAceConfig, build: bool = True) -> list[str]:
     """Check ``envace.agent.worldbook`` and ``simulated_envs`` against the training data; returns the simulated
     environments (sorted; empty without ``simulated_envs``). ``worldbook: auto`` builds (or reuses) the books from
-    the environments' recorded traces and puts their folder into both configs (:mod:`envace.envs.worldbooks`); with
+    the environments' recorded traces and puts their folder into both configs (:mod:`envace.data.worldbooks`); with
     ``build=False`` (pre-flight) it checks the choice of environments only, and builds nothing. The books go under
     :func:`generated_dir`."""
     from envace.config import AUTO
-    from envace.envs.worldbooks import (
+    from envace.data.worldbooks import (
         WorldbookSelectionError,
         build_worldbooks,
         check_coverage,
@@ -394,7 +394,7 @@ def build_data(cfg: DictConfig, ecfg: EnvAceConfig, simulated: list[str] | None 
     """Build (or reuse) the parquet files of ``envace.data`` in ``envace.data.out_dir``, or else in
     ``data/<recipe digest>`` under :func:`generated_dir`; returns (train, val) paths. The training rows of the
     ``simulated`` environments run the simulator's loop (:func:`resolve_worldbooks`)."""
-    from envace.envs.datasets import DatasetBuildError, build_parquet
+    from envace.data.datasets import DatasetBuildError, build_parquet
 
     d = ecfg.data
     pool_kwargs = {k: dict(v) for k, v in (ecfg.agent.pool_kwargs or {}).items()}
@@ -476,7 +476,7 @@ def check_agent_names(files: list[str], registry_path: str) -> None:
         if unknown:
             raise ConfigError(
                 f"{path} asks for agent loop(s) {unknown}, but {registry_path} registers only {sorted(known)}; "
-                "rebuild the data (`python -m envace.envs build-data`) or register the loop"
+                "rebuild the data (`python -m envace.data build`) or register the loop"
             )
 
 

@@ -16,16 +16,18 @@ a module. Lowest first:
 2. ``envace`` (the package root), ``cache``, ``loop_config`` (the rollout loop's limits), ``metrics``, ``trackers``,
    ``advantage`` (role-wise GRPO, pure math), ``platform`` (verl's CPU platform, ``hfcpu`` rollout and vLLM-CPU
    hooks: the device layer, which the warm start's in-process decoder reuses) — import no other envace unit;
-3. ``envs`` — environment pools, their verifiers, EnvSched pool records;
-4. ``toolcall`` (tool-call parsing and rendering over ``envs``' call type), ``rewards`` (judges and reward mixing);
-5. ``config`` — the typed ``envace:`` config schema;
-6. ``agents`` — the turn engine, observation sources, verl's agent loop;
-7. ``models`` — the embedded tiny models and the warm start;
-8. ``eval`` — benchmark evaluation;
-9. ``verl`` — everything plugged into verl's trainer: plugin entry point, registrations, trainers, runner;
-10. ``launch`` — ``scripts/train.sh``'s cluster helpers (``python -m envace.launch``);
-11. ``train`` — ``python -m envace.train``: pre-flight, then verl's trainer;
-12. ``gpu_smoke``, ``cli`` — commands that drive the ones above.
+3. ``envs`` — the environment protocol, the pools and their verifiers;
+4. ``data`` — training data built from the pools (verl parquet, CM2 conversion, EnvSched records, traces,
+   worldbooks): it reads pools, no pool reads it;
+5. ``toolcall`` (tool-call parsing and rendering over ``envs``' call type), ``rewards`` (judges and reward mixing);
+6. ``config`` — the typed ``envace:`` config schema;
+7. ``agents`` — the turn engine, observation sources, verl's agent loop;
+8. ``models`` — the embedded tiny models and the warm start;
+9. ``eval`` — benchmark evaluation;
+10. ``verl`` — everything plugged into verl's trainer: plugin entry point, registrations, trainers, runner;
+11. ``launch`` — ``scripts/train.sh``'s cluster helpers (``python -m envace.launch``);
+12. ``train`` — ``python -m envace.train``: pre-flight, then verl's trainer;
+13. ``gpu_smoke``, ``cli`` — commands that drive the ones above.
 
 ``envsched`` (:data:`ENVSCHED_LAYERS`):
 
@@ -84,6 +86,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("envace", "envace.cache", "envace.loop_config", "envace.metrics", "envace.trackers", "envace.advantage",
      "envace.platform"),
     ("envace.envs",),
+    ("envace.data",),
     ("envace.toolcall", "envace.rewards"),
     ("envace.config",),
     ("envace.agents",),

@@ -71,7 +71,7 @@ from envace.agents.token_policy import (  # noqa: F401  (PrefixError, Generation
     announce_tools,
 )
 from envace.config import AgentConfig, envace_config_from
-from envace.envs import cm2
+from envace.envs import checklist_dialogue
 from envace.envs.base import EnvironmentPool, Episode, get_pool
 from envace.rewards.score import score_episode
 
@@ -98,7 +98,7 @@ def task_ref(kwargs: dict[str, Any]) -> tuple[str, str]:
     if not pool or not task_id:
         raise ValueError(
             "envace agent loops need extra_info.pool and extra_info.task_id in every row "
-            "(build datasets with `python -m envace.envs build-data`)"
+            "(build datasets with `python -m envace.data build`)"
         )
     return str(pool), str(task_id)
 
@@ -122,7 +122,7 @@ def rollout_identity(row: Mapping[str, Any]) -> dict[str, Any] | None:
     * the row's task reference (``extra_info``: pool, task id, split, index in its parquet file): the dataloader
       (``data.seed``) or EnvSched (``envsched.seed``) puts the same rows in the same steps in every run. A training
       and a validation rollout of one step differ here: envace's data build puts no task in both the train and the
-      val split (``envace/envs/datasets.py``) and the split is part of the identity (verl drops its own
+      val split (``envace/data/datasets.py``) and the split is part of the identity (verl drops its own
       ``validate`` flag before the rows reach the agent loop);
     * the greedy validation pass's flag (:data:`~envace.agents.contract.GREEDY_FIELD`).
 
@@ -237,8 +237,8 @@ class EnvaceAgentLoop(AgentLoopBase):
 
     async def _episode(self, kwargs: dict[str, Any]) -> Episode:
         pool_name, task_id = task_ref(kwargs)
-        if pool_name == cm2.POOL:  # checklist-scored dialogue: built from the row itself
-            return await asyncio.to_thread(cm2.episode_from_row, kwargs)
+        if pool_name == checklist_dialogue.POOL:  # checklist-scored dialogue: built from the row itself
+            return await asyncio.to_thread(checklist_dialogue.episode_from_row, kwargs)
         pool = await asyncio.to_thread(shared_pool, pool_name,
                                        dict(self.agent_cfg.pool_kwargs.get(pool_name, {}) or {}))
         return await pool.astart(task_id)  # a remote pool awaits its server instead of holding a thread

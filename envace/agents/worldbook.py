@@ -11,7 +11,7 @@ passes the validation gate; state is kept per rollout in memory.
 ``PATH`` is one worldbook package (used for every task) or a directory of packages, matched to a task by
 ``manifest.environment_id == TaskSpec.env_id`` (``scripts/build_worldbook.sh`` builds one per environment).
 The session starts from the worldbook's declared defaults with the task's ``initial_state_id``
-(:func:`envace.envs.traces.initial_state_id`) as its context.
+(:func:`envace.envs.gold_trace.initial_state_id`) as its context.
 
 Reward never comes from the simulator: like the LLM simulator, every call is also executed in the task's
 real environment, unseen by the agent (the shadow), and the pool's official verifier scores that replay;
@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 from envace.agents.engine import CallContext, Observation, ObservationKind
 from envace.agents.sources import RealSource, _answer_kind, fidelity
 from envace.envs.base import ToolCall
-from envace.envs.traces import initial_state_id
+from envace.envs.gold_trace import initial_state_id
 from envllm import EndpointConfig
 from trace2env import Session, Worldbook, load_worldbooks
 from trace2env.agent import WorldModelAgent

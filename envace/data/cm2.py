@@ -48,7 +48,7 @@ Unknown extra keys are allowed and preserved (item extras stay in the checklist;
 dropped silently: by default one invalid record fails the conversion; with ``skip_invalid=True`` the
 invalid records are written, with their errors, to ``rejects.jsonl`` and counted in the report.
 
-Output: ``train.parquet`` / ``val.parquet`` in the layout of :mod:`envace.envs.datasets` with
+Output: ``train.parquet`` / ``val.parquet`` in the layout of :mod:`envace.data.datasets` with
 ``reward_model = {"style": "checklist", "ground_truth": json(checklist_list)}``, the initial
 messages (system prompt + first user message) as ``prompt`` and the full reference dialogue in
 ``extra_info.metadata.reference_messages``. The val split is a stable hash of the record id.
@@ -66,8 +66,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from envace.envs.base import Episode, TaskSpec, ToolCall, Verdict
-from envace.envs.datasets import DEFAULT_AGENT_NAME, task_row, write_rows
+from envace.data.datasets import DEFAULT_AGENT_NAME, task_row, write_rows
+from envace.envs.checklist_dialogue import POOL
 
 __all__ = [
     "CM2_RECORD_SCHEMA",
@@ -79,7 +79,6 @@ __all__ = [
     "validate_record",
 ]
 
-POOL = "cm2"
 
 _STR = {"type": "string"}
 _ITEM_SCHEMA: dict[str, Any] = {
@@ -481,66 +480,3 @@ def convert_cm2(
     report.val_path = write_rows(rows["test"], out / "val.parquet")
     report.train_rows, report.val_rows = len(rows["train"]), len(rows["test"])
     return report
-
-
-# --------------------------------------------------------------------------------------------
-# Episodes of converted rows (training with rehearsal / simulation and a checklist judge)
-# --------------------------------------------------------------------------------------------
-
-
-class CM2Episode(Episode):
-    """A checklist-scored dialogue as an episode. There is no executable environment: tool calls can only
-    be rehearsed or simulated (``executable = False``), and the reward is the checklist judge's. The user
-    side replays the reference dialogue's user turns in order (the EnvACE reference's scripted user)."""
-
-    executable = False
-
-    def __init__(self, spec: TaskSpec, user_turns: list[str]) -> None:
-        self.spec = spec
-        self._later_turns = list(user_turns)
-
-    def tools(self) -> list[dict[str, Any]]:
-        return list(self.spec.tools)
-
-    def execute(self, call: ToolCall) -> str:
-        raise RuntimeError(
-            f"CM2 task {self.spec.task_id} has no executable environment; use observation_source "
-            "rehearse or simulator"
-        )
-
-    def end_turn(self, assistant_text: str) -> str | None:
-        return self._later_turns.pop(0) if self._later_turns else None
-
-    def verify(self) -> Verdict:
-        raise RuntimeError(f"CM2 task {self.spec.task_id} is scored by the checklist judge, not a verifier")
-
-    def fork(self) -> CM2Episode:
-        return CM2Episode(self.spec, list(self._later_turns))
-
-
-def episode_from_row(row: Mapping[str, Any]) -> CM2Episode:
-    """The episode of one converted row (the verl dataset row: ``prompt``/``raw_prompt``, ``tools``,
-    ``extra_info`` with the reference dialogue in ``metadata``)."""
-    info = row.get("extra_info") or {}
-    metadata = info.get("metadata") or {}
-    if isinstance(metadata, str):
-        metadata = json.loads(metadata)
-    reference = metadata.get("reference_messages")
-    if not reference:
-        raise ValueError(f"CM2 row {info.get('task_id')!r} has no extra_info.metadata.reference_messages")
-    tools = row.get("tools") or []
-    if isinstance(tools, str):
-        tools = json.loads(tools) if tools.strip() else []
-    users = [m["content"] for m in reference if m.get("role") == "user"]
-    system = next((m["content"] for m in reference if m.get("role") == "system"), None)
-    spec = TaskSpec(
-        pool=POOL,
-        task_id=str(info.get("task_id")),
-        env_id=str(info.get("env_id", "cm2")),
-        category=str(info.get("category", POOL)),
-        split=str(info.get("split", "train")),
-        system_prompt=system,
-        first_user_message=users[0],
-        tools=list(tools),
-    )
-    return CM2Episode(spec, users[1:])

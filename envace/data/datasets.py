@@ -1,4 +1,4 @@
-"""verl-ready parquet datasets built from environment pools, and the action-file format.
+"""verl-ready parquet datasets built from environment pools.
 
 Row layout (one row per task; the same for every pool and for the CM2 converter)
 ------------------------------------------------------------------------------------
@@ -26,12 +26,6 @@ column              content
 
 Every column has one fixed Arrow type (:data:`ROW_SCHEMA`), so parquet files from different pools
 concatenate (``datasets.concatenate_datasets``) without struct unification surprises.
-
-Actions files
--------------
-:func:`parse_actions` / :func:`load_actions` read the action sequences the CLI verifies: a JSON list of
-turns, each a list of ``{"name", "arguments"}`` calls (OpenAI ``{"function": {...}}`` form and JSON-string
-arguments are accepted too), or a flat list of calls meaning a single turn.
 """
 
 from __future__ import annotations
@@ -45,16 +39,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall, ToolCallError, get_pool
+from envace.envs.base import EnvironmentPool, TaskSpec, get_pool
 
 __all__ = [
     "DEFAULT_AGENT_NAME",
     "ROW_SCHEMA",
-    "ActionsFormatError",
     "DatasetBuildError",
     "build_parquet",
-    "load_actions",
-    "parse_actions",
     "stable_order",
     "task_row",
     "write_rows",
@@ -108,10 +99,6 @@ ROW_SCHEMA = pa.schema(
 
 class DatasetBuildError(RuntimeError):
     """The dataset cannot be built as asked (overlapping splits, empty split, bad messages...)."""
-
-
-class ActionsFormatError(ValueError):
-    """An action sequence that does not follow the actions-file format; the message names the spot."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,7 +216,7 @@ def build_parquet(
 
     Training rows run ``agent_name``'s loop, validation rows ``val_agent_name``'s (default: the same); a training
     row whose environment is a key of ``train_agent_by_env`` runs that loop instead (the environments Trace2Env's
-    simulator serves, :mod:`envace.envs.worldbooks`).
+    simulator serves, :mod:`envace.data.worldbooks`).
 
     The train file holds each pool's ``splits[0]`` tasks and the validation file its ``splits[1]`` tasks
     (pools define their own deterministic splits; BFCL's is a scenario-level hash, τ²'s the official
@@ -298,66 +285,3 @@ def build_parquet(
     manifest["rows"] = {train_split: len(rows[train_split]), val_split: len(rows[val_split])}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return train_path, val_path
-
-
-# --------------------------------------------------------------------------------------------------
-# Actions files
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_call(obj: Any) -> bool:
-    return isinstance(obj, Mapping)
-
-
-def parse_actions(obj: Any) -> list[list[ToolCall]]:
-    """Actions from decoded JSON: a list of turns (lists of calls), or a flat list of calls (one turn).
-
-    ``[]`` means zero turns. Raises :class:`ActionsFormatError` naming the turn/call and the problem.
-    """
-    if not isinstance(obj, list):
-        raise ActionsFormatError(f"actions must be a JSON list (of turns or of calls), got {type(obj).__name__}")
-    if not obj:
-        return []
-    if all(_is_call(x) for x in obj):
-        turns: list[Any] = [obj]
-        flat = True
-    elif all(isinstance(x, list) for x in obj):
-        turns = obj
-        flat = False
-    else:
-        kinds = sorted({type(x).__name__ for x in obj})
-        raise ActionsFormatError(
-            f"actions must be a list of turns (each a list of calls) or a flat list of calls; got a mix of {kinds}"
-        )
-    parsed: list[list[ToolCall]] = []
-    for t, turn in enumerate(turns):
-        calls = []
-        for c, call in enumerate(turn):
-            where = f"call {c}" if flat else f"turn {t}, call {c}"
-            if not _is_call(call):
-                raise ActionsFormatError(
-                    f"{where}: a call must be an object with 'name' and 'arguments', got {type(call).__name__}"
-                )
-            try:
-                calls.append(ToolCall.from_dict(dict(call)))
-            except ToolCallError as exc:
-                raise ActionsFormatError(f"{where}: {exc}") from None
-        parsed.append(calls)
-    return parsed
-
-
-def load_actions(path: str | Path) -> list[list[ToolCall]]:
-    """:func:`parse_actions` of a JSON file; a missing file or invalid JSON is an :class:`ActionsFormatError`."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ActionsFormatError(f"{path}: cannot read actions file: {exc.strerror or exc}") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ActionsFormatError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
-    try:
-        return parse_actions(obj)
-    except ActionsFormatError as exc:
-        raise ActionsFormatError(f"{path}: {exc}") from None

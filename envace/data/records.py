@@ -2,20 +2,21 @@
 
 :func:`task_records` turns ``(pool, task_id)`` pairs into the records ``envsched.TaskPool`` reads (``task_id`` is
 ``"<pool>/<task id>"``, :func:`task_key`); :func:`make_replay` is the scheduler's identifier-filter replay through
-the pools' official verifiers. Both need only the :class:`~envace.envs.base.EnvironmentPool` API, so they live
-with the environments: the verl trainer (:mod:`envace.verl.sched`) and the synthetic pool's export
-(:func:`envace.envs.synthetic.export_envsched_jsonl`) import them from here.
+the pools' official verifiers; :func:`export_envsched_jsonl` writes any pool's tasks as EnvSched JSONL. They need
+only the :class:`~envace.envs.base.EnvironmentPool` API; the verl trainer (:mod:`envace.verl.sched`) builds its
+scheduler's pool from them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from envace.envs.base import EnvironmentPool, ToolCall, flatten_turns, split_turns
 
-__all__ = ["make_replay", "task_key", "task_records"]
+__all__ = ["export_envsched_jsonl", "make_replay", "task_key", "task_records"]
 
 
 def task_key(pool: str, task_id: str) -> str:
@@ -69,3 +70,19 @@ def make_replay(pools: Mapping[str, EnvironmentPool]):
         return float(pools[pool_name].replay(task_id, split_turns(actions)).reward)
 
     return replay
+
+
+def export_envsched_jsonl(pool: EnvironmentPool, path: str | Path, split: str | None = None) -> int:
+    """Write the tasks of ``pool`` (any pool, optionally one split) as EnvSched JSONL; returns the task count.
+
+    Records come from :func:`task_records` (``task_id`` is ``"<pool>/<task id>"``). Each
+    environment's tools and shared metadata are written once, in an environment record before its first
+    task (``envsched.write_pool_jsonl``); task lines keep their own fields. ``envsched.TaskPool.from_jsonl(path)``
+    loads the file (and still loads files of the older one-self-contained-line-per-task layout).
+    """
+    from envsched import write_pool_jsonl
+
+    records = task_records({pool.name: pool}, [(pool.name, tid) for tid in pool.task_ids(split)])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_pool_jsonl(records, path)

@@ -11,7 +11,7 @@ and the one scoring path run both (reward: the pool's verifier on the real envir
 training split of the pools, refusing an entry that matches none (a typo) and an env id two pools share; with
 explicit ``envace.data.train_task_ids`` only the matched environments that have training rows are simulated. :func:`build_worldbooks`
 (``worldbook: auto``) records the gold replays of each simulated environment's train-split tasks
-(:func:`envace.envs.traces.record_pool`) and builds one book per environment model-free (deterministic: the same
+(:func:`envace.data.traces.record_pool`) and builds one book per environment model-free (deterministic: the same
 traces and code give the same books), cached under ``worldbooks/<digest>`` of the folder the caller names
 (:func:`envace.train.generated_dir`: ``$ENVACE_CACHE``, or a multi-node run's directory) where the digest covers
 the traces and trace2env's source, and published by one rename, so concurrent or interrupted builds never leave a
@@ -101,11 +101,14 @@ def _safe(env_id: str) -> str:
 
 
 def _code_digest() -> str:
-    """sha256 of the code that turns traces into books (trace2env) and records them (envace.envs.traces)."""
+    """sha256 of the code that turns traces into books (trace2env) and records them (:mod:`envace.data.traces`,
+    :mod:`envace.envs.gold_trace`)."""
     import trace2env
+    from envace.envs import gold_trace
 
     h = hashlib.sha256()
-    files = sorted(Path(trace2env.__file__).parent.glob("*.py")) + [Path(__file__).with_name("traces.py")]
+    files = sorted(Path(trace2env.__file__).parent.glob("*.py")) + [Path(__file__).with_name("traces.py"),
+                                                                      Path(gold_trace.__file__)]
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
@@ -117,8 +120,8 @@ def build_worldbooks(envs: Sequence[str], pools: Mapping[str, str],
 
     Model-free and deterministic; reused when ``cache/worldbooks/<digest>`` exists (the digest covers every
     recorded trace and the code that builds the books)."""
+    from envace.data.traces import record_pool
     from envace.envs.base import get_pool
-    from envace.envs.traces import record_pool
     from trace2env import parse_trace
     from trace2env.build import build_worldbook
 

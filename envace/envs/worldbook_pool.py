@@ -6,7 +6,7 @@ books record the pool their traces came from (``manifest.source_pool``); that *b
 book serves every task).
 
 An episode runs a :class:`trace2env.Session` over the task's book (rules, then supporting recorded evidence; no
-language model) from the task's initial state (:func:`envace.envs.traces.initial_state_id`) and, unseen by the
+language model) from the task's initial state (:func:`envace.envs.gold_trace.initial_state_id`) and, unseen by the
 agent, the same calls in a real episode of the base pool (the shadow). The agent reads the simulator's
 observations; the verdict is the base pool's official verifier over the shadow: the W2R outcome (actions chosen
 inside the simulator, replayed in the real environment), as :class:`envace.agents.worldbook.WorldbookSource`
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict, get_pool, register_pool
+from envace.envs.gold_trace import initial_state_id, record_gold_trace
 
 __all__ = ["WorldbookEpisode", "WorldbookPool"]
 
@@ -120,7 +121,6 @@ class WorldbookPool(EnvironmentPool):
         return self.base.gold_actions(task_id)
 
     def start(self, task_id: str, **kwargs: Any) -> WorldbookEpisode:
-        from envace.envs.traces import initial_state_id
         from trace2env import Session
 
         spec = self.task(task_id)
@@ -138,7 +138,6 @@ class WorldbookPool(EnvironmentPool):
 
     def _fidelity(self, per_book: int) -> dict[str, Any]:
         """Per book: evidence-mode agreement with gold replays of held-out tasks of its environment."""
-        from envace.envs.traces import record_gold_trace
         from trace2env.evaluate import evaluate
         from trace2env.ingest import parse_trace
 

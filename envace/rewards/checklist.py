@@ -1,7 +1,7 @@
 """Checklist-judge reward (CM2-style) over a multi-turn tool-use trajectory.
 
 A CM2 task carries ``checklist_list[c][t] = [item, ...]``: ``C`` checklists, each with one list of
-weighted binary criteria per user turn ``t`` (the format :mod:`envace.envs.cm2` validates and stores as
+weighted binary criteria per user turn ``t`` (the format :mod:`envace.data.cm2` validates and stores as
 ``reward_model.ground_truth``). The judge asks an LLM, for every assistant *step* (assistant message) of
 user turn ``t`` and every item of that turn, whether the step satisfies the item. The prompt shows the
 criterion, the earlier turns and the current turn up to that step with its tool results (see
@@ -56,7 +56,7 @@ __all__ = [
 
 
 # -- checklist data model ---------------------------------------------------------------------------------
-# envace.envs.cm2 validates raw records with a JSON Schema (CM2_RECORD_SCHEMA) and has no typed item model;
+# envace.data.cm2 validates raw records with a JSON Schema (CM2_RECORD_SCHEMA) and has no typed item model;
 # these pydantic models mirror its item schema field for field (extra keys are kept, as cm2 keeps them).
 class Evidence(BaseModel):
     """Where the reference dialogue shows the expected behaviour."""

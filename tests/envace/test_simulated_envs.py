@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 
 from envace.agents import LOOP_NAMES
 from envace.config import ConfigError, validate_envace_config
+from envace.data.traces import record_pool
 from envace.envs.synthetic import SyntheticPool
-from envace.envs.traces import record_pool
 from envace.train import build_data, prepare, resolve_worldbooks
 from envace.verl.config import compose
 from trace2env import load_worldbooks, parse_trace

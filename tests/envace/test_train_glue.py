@@ -19,7 +19,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from envace.config import AgentConfig, ConfigError, DataConfig, EnvAceConfig, validate_envace_config
-from envace.envs.datasets import build_parquet
+from envace.data.datasets import build_parquet
 from envace.train import build_data, fit_prompts, resolve_worldbooks, worker_paths
 from envace.verl.config import compose
 
@@ -156,7 +156,7 @@ def test_build_data_writes_train_and_validation_rows_of_the_recipe(cache):
 
 def test_build_data_reuses_a_complete_build_of_the_same_recipe(cache, monkeypatch):
     first = build_data(CFG, ecfg())
-    from envace.envs import datasets
+    from envace.data import datasets
 
     def no_build(*args: Any, **kwargs: Any):
         raise AssertionError("built again")
@@ -194,7 +194,7 @@ def test_an_out_dir_is_reused_only_for_its_own_recipe(tmp_path, cache, monkeypat
     mine = str(tmp_path / "mine")
     first = build_data(CFG, ecfg(out_dir=mine))
     rows = pq.read_table(first[0]).num_rows
-    from envace.envs import datasets
+    from envace.data import datasets
 
     def no_build(*args: Any, **kwargs: Any):
         raise AssertionError("built again")

@@ -74,14 +74,14 @@ Splits
     first use of one of its tasks.
 
 Modules: ``domains`` (the domain templates, operations and task shapes), ``world`` (one environment: tools,
-state, execution), ``tasks`` (task drafting and records), ``episode``, ``pool`` and ``export`` (EnvSched JSONL).
+state, execution), ``tasks`` (task drafting and records), ``episode`` and ``pool``. The EnvSched JSONL export of any
+pool's tasks is :func:`envace.data.records.export_envsched_jsonl`.
 """
 
 from __future__ import annotations
 
 from envace.envs.synthetic.domains import DOMAINS, OPS, SHAPES, Domain
 from envace.envs.synthetic.episode import SyntheticEpisode
-from envace.envs.synthetic.export import export_envsched_jsonl
 from envace.envs.synthetic.pool import POOL_NAME, SyntheticPool
 
 __all__ = [
@@ -92,5 +92,4 @@ __all__ = [
     "Domain",
     "SyntheticEpisode",
     "SyntheticPool",
-    "export_envsched_jsonl",
 ]

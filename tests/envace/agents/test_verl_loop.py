@@ -310,7 +310,7 @@ def _cm2_row(tmp_path):
     """One converted CM2 row, as verl's dataset hands it to the agent loop."""
     import pyarrow.parquet as pq
 
-    from envace.envs.cm2 import convert_cm2
+    from envace.data.cm2 import convert_cm2
 
     tool = {"type": "function", "function": {"name": "get_order", "description": "Look an order up.",
             "parameters": {"type": "object", "properties": {"order_id": {"type": "integer"}},

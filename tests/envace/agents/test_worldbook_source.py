@@ -15,9 +15,9 @@ from envace.agents.engine import LoopLimits, Observation, ObservationKind, Reply
 from envace.agents.sources import RealSource
 from envace.agents.worldbook import WorldbookLibrary, WorldbookSource
 from envace.config import AgentConfig, ConfigError, validate_envace_config
+from envace.data.__main__ import main as data_main
+from envace.envs.gold_trace import initial_state_id, record_gold_trace
 from envace.envs.synthetic import SyntheticPool
-from envace.envs.traces import initial_state_id, record_gold_trace
-from envace.envs.traces import main as traces_main
 from envace.toolcall import parse_tool_calls, render_tool_call
 from trace2env import build_worldbook, load_traces
 
@@ -47,8 +47,9 @@ def book(tmp_path_factory):
     test = [t for t in pool.task_ids("test") if pool.task(t).env_id == env_id]
     d = tmp_path_factory.mktemp("t2e")
     traces_file = d / "train.jsonl"
-    assert traces_main(["--pool", "synthetic", "--pool-kwargs", json.dumps(KW), "--split", "train",
-                        "--env-id", env_id, "--out", str(traces_file), "--by-env", str(d / "by_env")]) == 0
+    assert data_main(["--pool-kwargs", json.dumps({"synthetic": KW}), "record-traces", "--pool", "synthetic",
+                      "--split", "train", "--env-id", env_id, "--out", str(traces_file), "--by-env",
+                      str(d / "by_env")]) == 0
     assert len(traces_file.read_text().splitlines()) == len(train)
     assert (d / "by_env" / f"{env_id}.jsonl").read_text() == traces_file.read_text()
     wb_root = d / "books"

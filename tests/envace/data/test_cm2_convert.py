@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from jsonschema import Draft202012Validator
 
-from envace.envs.cm2 import CM2_RECORD_SCHEMA, CM2ValidationError, convert_cm2, validate_record
-from envace.envs.datasets import ROW_SCHEMA
+from envace.data.cm2 import CM2_RECORD_SCHEMA, CM2ValidationError, convert_cm2, validate_record
+from envace.data.datasets import ROW_SCHEMA
 
 
 def _record(rid: Any = "r0") -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
+from envace.data.datasets import build_parquet
 from envace.envs.base import get_pool
-from envace.envs.datasets import build_parquet
 
 KW = {"synthetic": {"shapes": ["act", "query"], "renamings": False, "n_envs": 4}}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
+from envace.data.datasets import DatasetBuildError, build_parquet
 from envace.envs.base import get_pool
-from envace.envs.datasets import DatasetBuildError, build_parquet
 
 KW = {"synthetic": {"shapes": ["act", "query"], "renamings": False}}
 

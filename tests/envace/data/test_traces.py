@@ -1,4 +1,4 @@
-"""Gold-replay traces (``python -m envace.envs.traces``) of the τ²-bench pool, recorded without a user
+"""Gold-replay traces (``python -m envace.data record-traces``) of the τ²-bench pool, recorded without a user
 simulator: a few telecom tasks whose gold mixes the agent's calls with the user's own phone actions."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from envace.envs import traces as traces_mod
+from envace.data.__main__ import main as data_main
+from envace.data.cli import traces as traces_cli
+from envace.data.traces import record_pool
 from envace.envs.base import ToolCall, get_pool
+from envace.envs.gold_trace import initial_state_id, record_gold_trace
 from envace.envs.tau2 import USER_PREFIX, Tau2Pool
-from envace.envs.traces import initial_state_id, record_gold_trace, record_pool
 from trace2env import Session, align, build_worldbook, load_traces, load_worldbook, parse_trace
 
 # train: user + agent gold actions; the third one's initial state differs from the first two's
@@ -66,10 +68,10 @@ def test_cli_and_worldbook_from_tau2_traces(pool: Tau2Pool, tmp_path, monkeypatc
     out = tmp_path / "train.jsonl"
     asked = []
     # the CLI's own pool is this module's (loading τ² again costs a minute of CPU); the arguments are checked
-    monkeypatch.setattr(traces_mod, "get_pool", lambda name, **kw: asked.append((name, kw)) or pool)
-    kw = json.dumps({"domains": ["telecom"]})
-    assert traces_mod.main(["--pool", "tau2", "--pool-kwargs", kw, "--split", "train", "--max-tasks", "2",
-                            "--out", str(out), "--by-env", str(tmp_path / "by_env")]) == 0
+    monkeypatch.setattr(traces_cli, "get_pool", lambda name, **kw: asked.append((name, kw)) or pool)
+    kw = json.dumps({"tau2": {"domains": ["telecom"]}})
+    assert data_main(["--pool-kwargs", kw, "record-traces", "--pool", "tau2", "--split", "train", "--max-tasks", "2",
+                      "--out", str(out), "--by-env", str(tmp_path / "by_env")]) == 0
     assert asked == [("tau2", {"domains": ["telecom"]})]
     lines = out.read_text().splitlines()
     assert [json.loads(x)["metadata"]["task_id"] for x in lines] == pool.task_ids("train")[:2]

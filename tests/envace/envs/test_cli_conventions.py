@@ -4,8 +4,8 @@ mistake exits 2 with ONE line on stderr naming the culprit, and no traceback.
 The table: entry point × {missing file, empty file, malformed line, wrong type of path, out-of-range number}; a cell
 an entry point has no input for is left out (``None``), never faked. Python entry points run in-process through
 their ``main`` (argparse's own errors arrive as SystemExit); ``scripts/build_worldbook.sh`` runs as a subprocess
-(its argument errors come before it touches the virtualenv). Then: ``python -m envace.envs.traces`` writes nothing
-for a selection that selects nothing (finding 8), and a failed ``build_worldbook.sh`` leaves no ``OUT/books`` behind
+(its argument errors come before it touches the virtualenv). Then: ``python -m envace.data record-traces`` writes
+nothing for a selection that selects nothing (finding 8), and a failed ``build_worldbook.sh`` leaves no ``OUT/books`` behind
 so the corrected rerun runs (finding 13; run against a copy of the script whose bootstrap only names this
 interpreter, so the test never installs anything)."""
 
@@ -25,13 +25,13 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _mains() -> dict[str, Callable]:
+    from envace.data.__main__ import main as data
     from envace.envs.__main__ import main as envs
-    from envace.envs.traces import main as traces
     from envace.eval.cli import main as eval_
     from envace.models.__main__ import main as models
     from trace2env.__main__ import main as t2e
 
-    return {"trace2env": t2e, "envace.envs": envs, "envace.envs.traces": traces, "envace.eval": eval_,
+    return {"trace2env": t2e, "envace.envs": envs, "envace.data": data, "envace.eval": eval_,
             "envace.models": models}
 
 
@@ -63,14 +63,13 @@ TABLE: dict[tuple[str, str], tuple[list[str], str] | None] = {
     ("envace.envs", M): (["verify", "bfcl_multi_turn", "--batch", "{bad}"], "bad.jsonl:2: not valid JSON"),
     ("envace.envs", W): (["verify", "bfcl_multi_turn", "t", "{dir}"], "adir: a directory"),
     ("envace.envs", R): (["gold", "bfcl_multi_turn", "--limit", "0"], "--limit"),
-    ("envace.envs.traces", A): None,  # reads no file
-    ("envace.envs.traces", E): (["--pool", "synthetic", "--pool-kwargs", "", "--out", "{dir}/t.jsonl"],
-                                "--pool-kwargs"),
-    ("envace.envs.traces", M): (["--pool", "synthetic", "--pool-kwargs", "{", "--out", "{dir}/t.jsonl"],
-                                "--pool-kwargs: not valid JSON"),
-    ("envace.envs.traces", W): (["--pool", "synthetic", "--out", "{dir}"], "adir: a directory"),
-    ("envace.envs.traces", R): (["--pool", "synthetic", "--max-tasks", "-5", "--out", "{dir}/t.jsonl"],
-                                "--max-tasks: expected an integer >= 1"),
+    ("envace.data", A): (["convert-cm2", "{missing}", "{dir}/o"], "missing.jsonl does not exist"),
+    ("envace.data", E): (["--pool-kwargs", "", "record-traces", "--pool", "synthetic", "--out", "{dir}/t.jsonl"],
+                         "--pool-kwargs"),
+    ("envace.data", M): (["convert-cm2", "{bad}", "{dir}/o"], "record 1 at $: line 2 is not valid JSON"),
+    ("envace.data", W): (["record-traces", "--pool", "synthetic", "--out", "{dir}"], "adir: a directory"),
+    ("envace.data", R): (["record-traces", "--pool", "synthetic", "--max-tasks", "-5", "--out", "{dir}/t.jsonl"],
+                         "--max-tasks: expected an integer >= 1"),
     ("envace.eval", A): (["table", "{missing}"], "missing.jsonl/summary.json not found"),
     ("envace.eval", E): (["table", "{run}"], "run/summary.json: not a readable summary.json"),
     ("envace.eval", M): (["tts-table", "{badrun}"], "badrun/summary.json: not a readable summary.json"),
@@ -143,22 +142,23 @@ def test_finding7_build_worldbook_sh_argument_errors_are_one_line(args, expect, 
 
 
 def test_finding8_a_selection_of_nothing_writes_nothing(tmp_path, capsys):
-    from envace.envs.traces import main
+    from envace.data.__main__ import main
 
     out = tmp_path / "t.jsonl"
     for argv, expect in ((["--env-id", "nope"], "--env-id nope: no train-split task of pool 'synthetic'"),
                          (["--split", "bogus"], "--split 'bogus': expected train, test or all"),
                          (["--max-tasks", "-5"], "--max-tasks: expected an integer >= 1, got '-5'"),
-                         (["--pool-kwargs", '{"n_envs": "x"}'], "--pool-kwargs for 'synthetic'")):
+                         (["--pool-kwargs", '{"synthetic": {"n_envs": "x"}}'], "--pool-kwargs for 'synthetic'")):
+        globals_, verb = (argv, []) if argv[0] == "--pool-kwargs" else ([], argv)
         try:
-            code = main(["--pool", "synthetic", "--out", str(out), *argv])
+            code = main([*globals_, "record-traces", "--pool", "synthetic", "--out", str(out), *verb])
         except SystemExit as e:
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and expect in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
-    assert main(["--pool", "synthetic", "--pool-kwargs", '{"n_envs": 1, "tasks_per_env": 6}', "--max-tasks", "2",
-                 "--out", str(out)]) == 0
+    assert main(["--pool-kwargs", '{"synthetic": {"n_envs": 1, "tasks_per_env": 6}}', "record-traces", "--pool",
+                 "synthetic", "--max-tasks", "2", "--out", str(out)]) == 0
     assert len(out.read_text().splitlines()) == 2  # --max-tasks 2 is the first two, never "all but the last two"
 
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 
 from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall, Verdict, get_pool, register_pool
@@ -96,46 +95,6 @@ def test_verify_good_bad_and_malformed(tmp_path, pool):
 
     res = cli("verify", "no_such_pool", tid, str(good))
     assert res.returncode == 2 and "unknown environment pool 'no_such_pool'" in res.stderr
-
-
-def test_build_data(tmp_path):
-    res = cli(
-        "build-data",
-        "--pools",
-        "bfcl_multi_turn",
-        "--out",
-        str(tmp_path),
-        "--limit-per-pool",
-        "3",
-        "--agent-name",
-        "my_loop",
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    train, val = pq.read_table(tmp_path / "train.parquet"), pq.read_table(tmp_path / "val.parquet")
-    assert train.num_rows == val.num_rows == 3
-    assert set(train.column("agent_name").to_pylist()) == {"my_loop"}
-    ids = lambda t: {e["task_id"] for e in t.column("extra_info").to_pylist()}
-    assert not ids(train) & ids(val)
-
-
-def test_convert_cm2(tmp_path):
-    good = {
-        "id": "x",
-        "messages": [{"role": "user", "content": "hi"}],
-        "tools": [],
-        "checklist_list": [
-            [[{"id": "a", "question": "q", "focus_on": "assistant.content", "pass_condition": "p", "weight": 1}]]
-        ],
-    }
-    src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "y", "tools": 5}) + "\n")
-    res = cli("convert-cm2", str(src), str(tmp_path / "out"))
-    assert res.returncode == 2
-    assert "record 1 at $.tools: 5 is not of type 'array', 'string'" in res.stderr
-    res = cli("convert-cm2", str(src), str(tmp_path / "out"), "--skip-invalid")
-    assert res.returncode == 0, res.stderr
-    assert "2 record(s): 1 converted" in res.stdout and "1 rejected" in res.stdout
-    assert (tmp_path / "out" / "rejects.jsonl").exists()
 
 
 def test_bad_usage():

@@ -271,7 +271,7 @@ def test_the_pool_counts_calls_slow_calls_and_injected_seconds_across_processes_
 def test_rows_built_from_the_wrapper_route_their_rollouts_back_through_it(tmp_path):
     import pyarrow.parquet as pq
 
-    from envace.envs.datasets import build_parquet
+    from envace.data.datasets import build_parquet
 
     kwargs = {"latency:synthetic": {"pool_kwargs": INNER_KW, "dist": "fixed", "ms": 200}}
     train, val = build_parquet(["latency:synthetic"], tmp_path, pool_kwargs=kwargs)

@@ -676,14 +676,14 @@ BOOK_KW = {"n_envs": 2, "tasks_per_env": 40, "seed": 3}
 @pytest.fixture(scope="module")
 def worldbook(tmp_path_factory: pytest.TempPathFactory) -> EnvironmentPool:
     """``worldbook:DIR`` over one book built from gold replays of one synthetic environment's train tasks."""
+    from envace.data.__main__ import main as data_main
     from envace.envs.synthetic import SyntheticPool
-    from envace.envs.traces import main as traces_main
     from trace2env import build_worldbook, load_traces
 
     env_id = SyntheticPool(**BOOK_KW).environments()[0]
     d = tmp_path_factory.mktemp("book")
-    assert traces_main(["--pool", "synthetic", "--pool-kwargs", json.dumps(BOOK_KW), "--split", "train",
-                        "--env-id", env_id, "--out", str(d / "train.jsonl")]) == 0
+    assert data_main(["--pool-kwargs", json.dumps({"synthetic": BOOK_KW}), "record-traces", "--pool", "synthetic",
+                      "--split", "train", "--env-id", env_id, "--out", str(d / "train.jsonl")]) == 0
     build_worldbook(load_traces([d / "train.jsonl"]), d / "books" / "env0", environment_id=env_id)
     return get_pool(f"worldbook:{d / 'books'}", pool_kwargs=BOOK_KW)
 

@@ -1,4 +1,4 @@
-"""Synthetic multi-environment pool: determinism, gold replay, perturbations, errors, splits, prompt size, export."""
+"""Synthetic multi-environment pool: determinism, gold replay, perturbations, errors, splits, prompt size, CLI."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from envace.envs.base import END_TURN, ToolCall, available_pools, flatten_turns, get_pool
-from envace.envs.synthetic import DOMAINS, SHAPES, SyntheticPool, export_envsched_jsonl
+from envace.envs.base import ToolCall, available_pools, flatten_turns, get_pool
+from envace.envs.synthetic import DOMAINS, SHAPES, SyntheticPool
 
 REPO = Path(__file__).resolve().parents[3]
 DEPENDENT_SHAPES = {"lookup_act", "lookup_query", "copy_value", "transfer_chain", "create_verify", "filter_update"}
@@ -384,27 +384,8 @@ def test_prompt_fits_512_tokens(pool, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# EnvSched export and CLI
+# CLI
 # --------------------------------------------------------------------------------------------------
-
-
-def test_envsched_export_loads(tmp_path):
-    from envsched import TaskPool
-
-    small = SyntheticPool(n_envs=4, tasks_per_env=6, seed=1)
-    path = tmp_path / "pool.jsonl"
-    assert export_envsched_jsonl(small, path) == 24
-    tp = TaskPool.from_jsonl(path)
-    assert len(tp) == 24 and tp.n_envs == 4
-    task = tp[0]
-    tid = small.task_ids()[0]
-    assert task.task_id == f"synthetic/{tid}" and task.env_id == small.task(tid).env_id
-    assert task.instruction == small.task(tid).first_user_message and task.tools and task.verifier_checks
-    multiturn = next(t for t in tp.tasks if t.meta["category"] == "multiturn")
-    assert any(a.name == END_TURN for a in multiturn.gold_actions)
-    n_test = export_envsched_jsonl(small, tmp_path / "test.jsonl", split="test")
-    assert n_test == len(small.task_ids("test")) and n_test > 0
-    assert len(TaskPool.from_jsonl(tmp_path / "test.jsonl")) == n_test
 
 
 def test_cli_lists_and_replays_synthetic():

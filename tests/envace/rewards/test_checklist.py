@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from envace.envs import cm2
+from envace.data import cm2
 from envace.rewards import (
     ChecklistItem,
     ChecklistJudge,
