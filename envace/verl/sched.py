@@ -15,8 +15,8 @@ verl 0.9.1 removed its curriculum-sampler hook, so the integration is a trainer 
 * ``envsched.scheduler=random`` is the paper's random baseline through the same path.
 
 The scheduler's task pool is built from the environment pools of the training rows
-(:func:`envace.envs.records.task_records`); its identifier filter replays action sequences through the pools
-(:func:`envace.envs.records.make_replay`).
+(:func:`envace.data.records.task_records`); its identifier filter replays action sequences through the pools
+(:func:`envace.data.records.make_replay`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 
 from envace.agents.contract import RolloutFields, key_trajectory
 from envace.config import envsched_config_from
+from envace.data.records import make_replay, task_key, task_records
 from envace.envs.base import get_pool
-from envace.envs.records import make_replay, task_key, task_records
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def build_scheduler(cfg: Any, dataset_rows: Sequence[Mapping[str, Any]], pool_kw
     for row in dataset_rows:
         info = row.get("extra_info") or {}
         if not info.get("pool") or not info.get("task_id"):
-            raise ValueError("envsched needs extra_info.pool/task_id in every training row (envace.envs build-data)")
+            raise ValueError("envsched needs extra_info.pool/task_id in every training row (python -m envace.data build)")
         refs.append((str(info["pool"]), str(info["task_id"])))
     pools = {name: get_pool(name, **dict((pool_kwargs or {}).get(name, {}) or {})) for name in {p for p, _ in refs}}
     sched_cfg = envsched_config_from(cfg)  # B and K are the trainer's keys, interpolated (envace.config)
