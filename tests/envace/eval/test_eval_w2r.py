@@ -17,8 +17,8 @@ import pytest
 
 from envace.agents.worldbook import WorldbookLibrary
 from envace.envs.base import ToolCall
+from envace.envs.gold_trace import record_gold_trace
 from envace.envs.synthetic import SyntheticPool
-from envace.envs.traces import record_gold_trace
 from envace.eval.cli import main
 from envace.eval.w2r import select_w2r_tasks, simulator_verdict
 from envace.toolcall import render_tool_call
