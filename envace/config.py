@@ -107,7 +107,7 @@ class AgentConfig:
     # Trace2Env worldbook (observation_source=simulator, or the simulated_envs below): one package, or a directory
     # of packages matched by environment id (scripts/build_worldbook.sh); auto: one book per simulated environment,
     # built model-free from gold traces of its train-split tasks and cached under $ENVACE_CACHE/worldbooks, or with
-    # trainer.nnodes > 1 the run directory's worldbooks/ (envace.envs.worldbooks); null: the external LLM alone
+    # trainer.nnodes > 1 the run directory's worldbooks/ (envace.data.worldbooks); null: the external LLM alone
     # writes tool responses
     worldbook: str | None = None
     # environments (env ids of the training pools, or fnmatch patterns such as syn-bank-*) whose training
@@ -160,7 +160,7 @@ class AgentConfig:
 
 
 SOURCES = ("real", "rehearse", "simulator")
-#: ``envace.agent.worldbook`` value that builds the books from recorded traces (envace.envs.worldbooks)
+#: ``envace.agent.worldbook`` value that builds the books from recorded traces (envace.data.worldbooks)
 AUTO = "auto"
 
 
