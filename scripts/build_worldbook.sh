@@ -8,7 +8,7 @@
 #                              [-- BUILD_ARGS...]   # e.g. -- --base-url http://127.0.0.1:8000/v1 --model Qwen3-8B
 # OUT/traces/{train,test}.jsonl, OUT/traces/{train,test}/<env>.jsonl, OUT/books/<env>/, OUT/eval/<env>.json
 # Nothing is written before the arguments check out (they are checked before the virtualenv is touched; the
-# pool, --pool-kwargs and --max-tasks by python -m envace.envs.traces before it writes). Books are built into
+# pool, --pool-kwargs and --max-tasks by python -m envace.data record-traces before it writes). Books are built into
 # OUT/.books.partial and renamed to OUT/books once all are built and checked: a failed run leaves no OUT/books,
 # and the corrected rerun keeps the partial books that still verify (trace2env check) and builds the rest.
 # Usage and input mistakes exit 2 with one line.
@@ -40,8 +40,8 @@ done
 source "$ROOT/scripts/bootstrap.sh"   # the project's virtualenv (created on first use); exports PY
 
 for split in train test; do
-  "$PY" -m envace.envs.traces --pool "$POOL" --pool-kwargs "$KW" --split "$split" ${MAX[@]+"${MAX[@]}"} \
-    --out "$OUT/traces/$split.jsonl" --by-env "$OUT/traces/$split"
+  "$PY" -m envace.data --pool-kwargs "{\"$POOL\": $KW}" record-traces --pool "$POOL" --split "$split" \
+    ${MAX[@]+"${MAX[@]}"} --out "$OUT/traces/$split.jsonl" --by-env "$OUT/traces/$split"
 done
 shopt -s nullglob
 train_files=("$OUT"/traces/train/*.jsonl)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trace2Env evaluation tables on held-out BFCL multi-turn and τ²-bench traces (issue 9, "one evaluation table").
 # Per benchmark (bfcl, airline, retail, telecom):
-#   1. record gold replays, train and test split   python -m envace.envs.traces ...   (skipped when present)
+#   1. record gold replays, train and test split   python -m envace.data record-traces ...   (skipped when present)
 #   2. build a worldbook from the train split      python -m trace2env build ...      (skipped when present)
 #   3. model-free systems on ALL held-out traces   python -m trace2env eval ... --systems evidence,rules
 #   4. with an endpoint: every system (+ the judge) on the first --subset held-out traces
@@ -97,13 +97,14 @@ CFG=()  # provider limits, passed to python -m trace2env eval
 IFS=, read -r -a BENCHES <<< "$BENCH"
 for b in "${BENCHES[@]}"; do
   case "$b" in
-    bfcl) POOL=(--pool bfcl_multi_turn --max-tasks "$BFCL_MAX") ;;
-    airline|retail|telecom) POOL=(--pool tau2 --pool-kwargs "{\"domains\": [\"$b\"]}") ;;
+    bfcl) KW=() POOL=(--pool bfcl_multi_turn --max-tasks "$BFCL_MAX") ;;
+    airline|retail|telecom) KW=(--pool-kwargs "{\"tau2\": {\"domains\": [\"$b\"]}}") POOL=(--pool tau2) ;;
     *) echo "eval_trace2env_table.sh: unknown benchmark $b (bfcl, airline, retail, telecom)" >&2; exit 2 ;;
   esac
   d="$OUT/$b"; mkdir -p "$d/traces"
   for split in train test; do
-    [[ -s "$d/traces/$split.jsonl" ]] || "$PY" -m envace.envs.traces "${POOL[@]}" --split "$split" --out "$d/traces/$split.jsonl"
+    [[ -s "$d/traces/$split.jsonl" ]] || "$PY" -m envace.data ${KW[@]+"${KW[@]}"} record-traces "${POOL[@]}" \
+      --split "$split" --out "$d/traces/$split.jsonl"
   done
   [[ -d "$d/book" ]] || "$PY" -m trace2env build "$d/traces/train.jsonl" --out "$d/book" --environment-id "$b" >&2
   n_test="$(wc -l < "$d/traces/test.jsonl")"
