@@ -10,14 +10,18 @@ types and ranges (:class:`VerlKeys`) the same way, before anything is built.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from envace.loop_config import LoopLimits, RehearsalPrompt
+from envace.loop_config import LoopLimits, RehearsalPrompt, TTSConfig
 from envace.rewards.checklist import ChecklistJudgeConfig
 from envace.roles import Role
 from envllm import RENAMED_KEYS, EndpointConfig
@@ -37,6 +41,9 @@ __all__ = [
     "agent_config_from",
     "envace_config_from",
     "envsched_config_from",
+    "prompt_versions",
+    "record_prompt_versions",
+    "tts_config_from",
     "validate_envace_config",
     "validate_verl_keys",
 ]
@@ -129,8 +136,6 @@ class AgentConfig:
         if self.env_timeout_s <= 0:
             raise ValueError(f"envace.agent.env_timeout_s must be > 0, got {self.env_timeout_s}")
         if self.worldbook is not None:
-            from pathlib import Path
-
             if self.worldbook != AUTO and not Path(self.worldbook).exists():
                 raise ValueError(f"envace.agent.worldbook {self.worldbook!r} does not exist "
                                  "(build one with scripts/build_worldbook.sh, or set it to auto)")
@@ -253,6 +258,9 @@ class EnvAceConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     # held-out validation beyond verl's own (envace.verl.trainer.HeldoutValidation)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # test-time rehearsal (EnvACE §4.3): the settings `python -m envace.eval --tts ...` runs with, one flag per field
+    # (envace.loop_config.TTSConfig, the one source of their defaults); training rollouts do not rehearse at test time
+    tts: TTSConfig = field(default_factory=TTSConfig)
     # run the pre-flight checks (GPU presence, Ray resources, model path) before launching
     preflight: bool = True
     # seconds between the sync trainer's checks that a step's rollouts are done (verl's replay buffer polls every
@@ -499,6 +507,36 @@ def envsched_config_from(cfg: Any) -> EnvSchedConfig:
                 f"{trainer_key} and leave envsched.{field_name} at its interpolation ${{{trainer_key}}}"
             )
     return typed
+
+
+def tts_config_from(cfg: Any, where: str = "config") -> TTSConfig:
+    """The typed ``envace.tts`` of a config mapping (a composed config, or an experiment file's ``envace: {tts: ...}``;
+    absent: the defaults). A bad key or value is a :class:`ConfigError` naming ``envace.tts.<key>`` and ``where``."""
+    raw = OmegaConf.select(cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg), "envace.tts", default=None)
+    return _typed(TTSConfig, raw if raw is not None else {}, "envace.tts.", where)
+
+
+def prompt_versions(ecfg: EnvAceConfig) -> dict[str, str]:
+    """The versions of the prompt files a training run with ``ecfg`` uses, by prompt: the rehearsal prompt the policy
+    reads in its REHEARSE role (``envace.agent.rehearsal.version``) and the checklist judge's
+    (``envace.reward.checklist.prompt_version``)."""
+    return {"rehearsal": ecfg.agent.rehearsal.version, "checklist_judge": ecfg.reward.checklist.prompt_version}
+
+
+#: the run directory's record of the prompt versions, one line per launch (a resumed run adds one)
+PROMPT_VERSIONS_FILE = "prompt_versions.jsonl"
+
+
+def record_prompt_versions(run_dir: str | os.PathLike[str], ecfg: EnvAceConfig) -> Path:
+    """Append this launch's :func:`prompt_versions` to ``run_dir/prompt_versions.jsonl`` (``{"time": ..., "prompts":
+    {...}}``): what the run's rollouts were prompted with, next to its checkpoints; a resume with other versions shows
+    as a second line."""
+    path = Path(run_dir) / PROMPT_VERSIONS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "prompts": prompt_versions(ecfg)}
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(line, sort_keys=True) + "\n")
+    return path
 
 
 _CACHE: dict[int, tuple[Any, EnvAceConfig]] = {}

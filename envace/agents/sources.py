@@ -5,7 +5,8 @@
     "standard GRPO" baseline.
 ``rehearse``
     EnvACE world rehearsal (§4.1; :class:`RehearseSource`): the *policy itself*, in its REHEARSE role,
-    writes the tool's response from a rehearsal prompt (:func:`rehearsal_messages`) and must answer in
+    writes the tool's response from a rehearsal prompt (:func:`rehearsal_messages`; its system prompt is the versioned
+    file ``envace/prompts/rehearsal_<version>.txt``, ``envace.agent.rehearsal.version``) and must answer in
     the strict ``<execution_result>{json}</execution_result>`` format (:func:`parse_rehearsal`). The
     parsed response is what the acting role reads next. When a real environment exists the same call is
     also executed there, unseen by the agent ("shadow" execution), so that the final state can be scored
@@ -173,10 +174,7 @@ def _answer_kind(text: str) -> ObservationKind:
 
 
 # -- the rehearsal prompt and its strict output format --------------------------------------------
-_SYSTEM = """You are the environment behind a set of tools. You receive the conversation so far and one tool call; you write exactly the response the real tool would return.
-1. Check the call. An unknown tool, or arguments that do not satisfy the tool's parameter schema, give a JSON object {"error": "<what is wrong>"}.
-2. Otherwise write the result the tool would return: consistent with its description, with the example responses, and with every earlier call in the conversation (changes made by earlier calls persist).
-Answer with the response only: one JSON value between <execution_result> and </execution_result>. No explanation, no markdown."""
+# the system prompt is the versioned file envace/prompts/rehearsal_<version>.txt (RehearsalPrompt.version)
 
 
 def _tool_schema(tools: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any] | None:
@@ -252,7 +250,7 @@ def rehearsal_messages(
         + "\n# Its schema\n"
         + (json.dumps(schema, ensure_ascii=False) if schema else "(no such tool)")
     )
-    return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "\n\n".join(sections)}]
+    return [{"role": "system", "content": cfg.system_prompt()}, {"role": "user", "content": "\n\n".join(sections)}]
 
 
 def render_rehearsal(result: str) -> str:

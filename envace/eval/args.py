@@ -22,9 +22,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from envace.agents.engine import LoopLimits
-from envace.eval.report import Benchmark
-from trace2env.cliargs import UsageError, json_object, number
+from envace.eval.benchmarks import Benchmark
+from envace.loop_config import TTSConfig, TTSValueError
+from trace2env.cliargs import UsageError, json_object, number, one_line
 
 if typing.TYPE_CHECKING:
     from envace.agents.client import EndpointConfig
@@ -41,7 +44,9 @@ __all__ = [
     "parse_runner_options",
     "read_summary",
     "run_identity",
+    "runner_name",
     "slug",
+    "tts_flags_given",
     "tts_from_args",
     "validate_args",
 ]
@@ -62,28 +67,63 @@ def add_limit_arguments(group: Any) -> None:
 
 
 def add_tts_arguments(group: Any) -> None:
-    """One flag per :class:`~envace.eval.tts.TTSConfig` field (``mode`` → ``--tts``), same defaults."""
-    from envace.eval.tts import MODES, TTSConfig
+    """``--tts-config FILE`` and one flag per :class:`~envace.loop_config.TTSConfig` field, named in its metadata
+    (``mode`` → ``--tts``). A flag left out takes the file's value, else the field's default: the dataclass is the
+    one source of defaults (``envace.tts`` in Hydra has the same fields)."""
+    from envace.loop_config import TTS_MODES
 
+    group.add_argument("--tts-config", default=None, metavar="FILE",
+                       help="YAML whose envace.tts sets the rehearsal settings the flags below leave out (an "
+                       "experiment file of configs/experiment/, or a run's composed config)")
     hints = typing.get_type_hints(TTSConfig)
-    for flag, f in TTSConfig.flag_fields():
-        dest = "tts_" + f.name
+    for f in dataclasses.fields(TTSConfig):
+        flag, dest = f.metadata["flag"], "tts_" + f.name
         base = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        given: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}  # left out: the file's, or the default
         if f.name == "mode":
-            group.add_argument(flag, dest=dest, choices=MODES, default=f.default,
-                               help="none: plain evaluation; parallel / sequential rehearsal before acting")
+            group.add_argument(flag, choices=TTS_MODES, help="none: plain evaluation; parallel / sequential rehearsal "
+                               f"before acting (default: {f.default})", **given)
         elif base is bool:
-            group.add_argument(flag, dest=dest, action="store_true", help=f"default: {f.default}")
+            group.add_argument(flag, action="store_true", help=f"default: {f.default}", **given)
         else:
-            group.add_argument(flag, dest=dest, type=number(base) if base in (int, float) else base,
-                               default=f.default, help=f"default: {f.default}")
+            group.add_argument(flag, type=number(base) if base in (int, float) else base, help=f"default: {f.default}",
+                               **given)
 
 
-def tts_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`~envace.eval.tts.TTSConfig` of parsed arguments (raises ValueError for bad values)."""
-    from envace.eval.tts import TTSConfig
+def tts_flags_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~envace.loop_config.TTSConfig` fields set by a flag on the command line."""
+    dests = {f.name: "tts_" + f.name for f in dataclasses.fields(TTSConfig)}
+    return {name: getattr(args, dest) for name, dest in dests.items() if hasattr(args, dest)}
 
-    return TTSConfig(**{f.name: getattr(args, "tts_" + f.name) for _, f in TTSConfig.flag_fields()})
+
+def tts_from_args(args: argparse.Namespace) -> TTSConfig:
+    """The :class:`~envace.loop_config.TTSConfig` of parsed arguments: the flags given, over ``--tts-config``'s
+    ``envace.tts``, over the defaults. A value out of range raises ValueError with one line naming its flag (or the
+    file's key)."""
+    from envace.config import ConfigError, tts_config_from
+
+    base: dict[str, Any] = {}
+    if getattr(args, "tts_config", None):
+        path = Path(args.tts_config)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ValueError(f"--tts-config {path}: not a readable YAML file ({one_line(str(exc))})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"--tts-config {path}: not a YAML mapping (an experiment file with envace: {{tts: ...}})")
+        try:
+            base = dataclasses.asdict(tts_config_from(raw, f"--tts-config {path}"))
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    try:
+        return TTSConfig(**{**base, **tts_flags_given(args)})
+    except TTSValueError as exc:
+        raise ValueError(f"{TTSConfig.flags()[exc.field]} {exc.reason}") from None
+
+
+def runner_name(args: argparse.Namespace) -> str:
+    """The task runner of a run: ``tts`` with ``--tts parallel|sequential`` (or its file), else ``--runner``."""
+    return "tts" if tts_from_args(args).mode != "none" else args.runner
 
 
 def limits_from_args(args: argparse.Namespace) -> LoopLimits:
@@ -245,33 +285,34 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except ValueError as exc:
         parser.error(str(exc))
     if tts.mode == "none":  # a rehearsal setting without rehearsals would be silently ignored
-        from envace.eval.tts import TTSConfig
-
-        unused = [flag for flag, f in TTSConfig.flag_fields()
-                  if f.name != "mode" and getattr(args, "tts_" + f.name) != f.default]
+        unused = [TTSConfig.flags()[name] for name in tts_flags_given(args) if name != "mode"]
+        unused += ["--tts-config"] if args.tts_config else []
         if unused:
             parser.error(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without "
                          "--tts parallel|sequential")
-    if tts.mode != "none":  # --tts X --rehearsals N ... is --runner tts with the config as its options
-        if args.runner != "agent_loop" or args.runner_arg:
-            parser.error("--tts parallel/sequential is a runner of its own; drop --runner / --runner-arg")
-        args.runner = "tts"
-        args.runner_arg = [f"{k}={v}" for k, v in tts.to_options().items()]
+    elif args.runner != "agent_loop" or args.runner_arg:  # --tts X is the runner "tts", set by the typed config
+        parser.error("--tts parallel/sequential is a runner of its own; drop --runner / --runner-arg")
     if args.checkpoint:
         from envace.eval.server import server_command
 
         server_command(args.server, args.checkpoint, "127.0.0.1", 0)  # fails early if the server is missing
 
 
+#: what a ``run.json`` written before a key existed counts as holding there (:meth:`ResultStore.check_run_config`):
+#: test-time rehearsal runs recorded no prompt versions while v1 was the only one, so they resume under v1
+LEGACY_IDENTITY: dict[str, Any] = {"prompts": {"rehearsal": "v1", "tts": "v1"}}
+
+
 def run_identity(args: argparse.Namespace, bench: Benchmark, model: str) -> dict[str, Any]:
-    """Settings that change per-task results (a resumed run must match them)."""
+    """Settings that change per-task results (a resumed run must match them): the common flags, the benchmark's own
+    (:meth:`Benchmark.identity`) and, for test-time rehearsal, the versions of the prompt files the policy reads."""
+    tts = tts_from_args(args)
     ident: dict[str, Any] = {
         "benchmark": bench.name,
         "model": args.checkpoint or model,
         "split": args.split,
-        "runner": args.runner,
-        "runner_options": {k: ("<redacted>" if "api_key" in k and v != "null" else v)  # no secrets in run.json
-                           for k, v in parse_runner_options(args.runner_arg).items()},
+        "runner": runner_name(args),
+        "runner_options": _redacted(_tts_options(tts) if tts.mode != "none" else parse_runner_options(args.runner_arg)),
         "temperature": args.temperature,
         "top_p": args.top_p,
         "max_tokens": args.max_tokens,
@@ -279,16 +320,22 @@ def run_identity(args: argparse.Namespace, bench: Benchmark, model: str) -> dict
         "chat_template_kwargs": args.chat_template_kwargs,
         "limits": dataclasses.asdict(limits_from_args(args)),
     }
-    if bench.name == "tau2":
-        ident.update(
-            user_model=args.user_model or "<agent model>",
-            user_temperature=args.user_temperature,
-            user_max_tokens=args.user_max_tokens,
-            judge_model=args.judge_model,
-            tau2_max_steps=args.tau2_max_steps,
-            tau2_max_errors=args.tau2_max_errors,
-        )
+    if tts.mode != "none":
+        from envace.eval.tts import prompt_versions
+
+        ident["prompts"] = prompt_versions(tts)
+    ident.update(bench.identity(args))
     return ident
+
+
+def _tts_options(tts: TTSConfig) -> dict[str, str]:
+    """The rehearsal settings as ``run.json`` records them: each value JSON-encoded, the form runs have recorded
+    since test-time rehearsal existed (so theirs resume, and :mod:`envace.eval.sweep` reads either)."""
+    return {k: json.dumps(v) for k, v in dataclasses.asdict(tts).items()}
+
+
+def _redacted(options: dict[str, str]) -> dict[str, str]:
+    return {k: ("<redacted>" if "api_key" in k and v != "null" else v) for k, v in options.items()}  # no secrets
 
 
 def read_summary(path: Path) -> dict[str, Any]:

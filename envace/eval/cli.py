@@ -32,22 +32,24 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envace.eval.args import (
+    LEGACY_IDENTITY,
     add_common_arguments,
     agent_endpoint,
-    api_key_from_args,
     default_label,
-    extra_body_from_args,
     limits_from_args,
     parse_runner_options,
     read_summary,
     run_identity,
+    runner_name,
     slug,
+    tts_from_args,
     validate_args,
 )
-from envace.eval.report import BENCHMARKS, Benchmark, describe, format_table
+from envace.eval.benchmarks import BENCHMARKS, Benchmark
+from envace.eval.report import describe, format_table
 from trace2env.cliargs import (
     EXIT_INFRA,
     ArgumentParser,
@@ -58,6 +60,11 @@ from trace2env.cliargs import (
     run_cli,
 )
 
+if TYPE_CHECKING:
+    from envace.eval.driver import EvalOutcome
+    from envace.eval.runner import TaskRunner
+    from envace.eval.store import ResultStore
+
 __all__ = ["build_parser", "main"]
 
 
@@ -67,37 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bfcl = sub.add_parser("bfcl", help="BFCL multi-turn (base, miss_func, miss_param, long_context)")
-    add_common_arguments(bfcl, BENCHMARKS["bfcl"])
-    bfcl.add_argument(
-        "--categories",
-        nargs="+",
-        default=None,
-        metavar="CAT",
-        help="subset of: base miss_func miss_param long_context (multi_turn_ prefix optional)",
-    )
-
-    tau2 = sub.add_parser("tau2", help="τ²-bench (airline, retail, telecom)")
-    add_common_arguments(tau2, BENCHMARKS["tau2"])
-    tau2.add_argument("--domains", nargs="+", default=None, metavar="DOMAIN", help="subset of: airline retail telecom")
-    us = tau2.add_argument_group("simulated user (default: the agent's endpoint)")
-    us.add_argument("--user-base-url", default=None)
-    us.add_argument("--user-model", default=None)
-    us.add_argument("--user-api-key", default=None)
-    us.add_argument("--user-temperature", type=number(float, min=0), default=0.0, help="τ²'s default is 0.0")
-    us.add_argument("--user-max-tokens", type=number(int, min=1), default=None)
-    jg = tau2.add_argument_group("NL-assertion judge (only tasks whose reward basis has NL_ASSERTION need one)")
-    jg.add_argument("--judge-base-url", default=None)
-    jg.add_argument("--judge-model", default=None)
-    jg.add_argument("--judge-api-key", default=None)
-    tl = tau2.add_argument_group("τ² orchestrator limits")
-    tl.add_argument("--tau2-max-steps", type=number(int, min=1), default=200, help="τ²'s max_steps (messages)")
-    tl.add_argument("--tau2-max-errors", type=number(int, min=1), default=10,
-                    help="τ²'s max_errors (failed tool calls)")
+    for bench in BENCHMARKS.values():  # each benchmark adds its own flags to the common ones
+        cmd = sub.add_parser(bench.name, help=bench.help)
+        add_common_arguments(cmd, bench)
+        bench.add_arguments(cmd)
 
     w2r = sub.add_parser("w2r", help="Trace2Env W2R (Table 2): the same tasks in the real environment and in the "
                          "simulator over a worldbook; Real / WM / W2R / CR (envace/eval/w2r.py)")
-    add_common_arguments(w2r, Benchmark("w2r", "", "", (), ()))
+    add_common_arguments(w2r, Benchmark("w2r", "", "", (), ()))  # its own columns are the pool's (envace/eval/w2r.py)
     from envace.eval.w2r import add_w2r_arguments
 
     add_w2r_arguments(w2r)
@@ -127,136 +111,86 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from envace.agents.client import ChatClient, EndpointConfig
-    from envace.envs.base import get_pool
+    """One benchmark subcommand: pre-flight (flags, pool, task selection, a previous run's settings, the endpoints),
+    then the tasks without a result, then the outputs. What differs per benchmark is its :class:`Benchmark`'s."""
     from envace.eval.driver import evaluate, failing, select_tasks
-    from envace.eval.runner import RunContext, build_runner
     from envace.eval.store import ResultStore
-    from envace.eval.tts import cost_summary, format_cost_table
 
     bench = BENCHMARKS[args.command]
     validate_args(args, parser)
     label = args.label or default_label(args)
     out_dir = Path(args.out or Path("results") / "eval" / bench.name / slug(label))
     store = ResultStore(out_dir, create=False)  # nothing is written before pre-flight passes
-    api_key, extra_body = api_key_from_args(args), extra_body_from_args(args)
-
-    if bench.name == "tau2":
-        pool = get_pool(
-            "tau2",
-            domains=tuple(args.domains or bench.categories),
-            max_steps=args.tau2_max_steps,
-            max_errors=args.tau2_max_errors,
-        )
-        categories = args.domains
-    else:
-        pool = get_pool(bench.pool)
-        categories = args.categories
-    selected = select_tasks(pool, bench, split=args.split, categories=categories, limit=args.limit)
+    pool = bench.build_pool(args)
+    selected = select_tasks(pool, bench, split=args.split, categories=bench.wanted(args), limit=args.limit)
     identity = run_identity(args, bench, args.model or "")
-    store.check_run_config(identity, force=args.force_resume, record=False)  # refuses a mismatch, writes nothing
+    store.check_run_config(identity, force=args.force_resume, record=False, legacy=LEGACY_IDENTITY)  # writes nothing
     todo = [t for t in selected if t not in store.completed()]
-    print(
-        f"[envace.eval] {bench.name}: {len(selected)} task(s) selected, {len(selected) - len(todo)} already "
-        f"done in {store.results_path}",
-        file=sys.stderr,
-    )
-
-    outcome = None
+    print(f"[envace.eval] {bench.name}: {len(selected)} task(s) selected, {len(selected) - len(todo)} already "
+          f"done in {store.results_path}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
-        if todo and args.checkpoint:
-            out_dir.mkdir(parents=True, exist_ok=True)  # the server's log; run.json is written only once it serves
-        agent_cfg = agent_endpoint(args, stack, out_dir, serve=bool(todo))
-        base_url, model = agent_cfg.base_url, agent_cfg.model
-        start_kwargs: dict[str, Any] = {}
-        if bench.name == "tau2":
-            start_kwargs["user"] = EndpointConfig(
-                base_urls=args.user_base_url or base_url,
-                model=args.user_model or model,
-                api_key=args.user_api_key or api_key,
-                temperature=args.user_temperature,
-                max_tokens=args.user_max_tokens,
-                seed=args.seed,
-                timeout_s=args.request_timeout,
-                extra_body=extra_body,
-            )
-            start_kwargs["judge"] = (
-                EndpointConfig(
-                    base_urls=args.judge_base_url or base_url,
-                    model=args.judge_model,
-                    api_key=args.judge_api_key or api_key,
-                    temperature=0.0,
-                    max_tokens=None,
-                    timeout_s=args.request_timeout,
-                )
-                if args.judge_model
-                else None
-            )
-            # One client per endpoint, shared by all episodes (thread-safe).
-            start_kwargs = {k: (ChatClient(v) if v is not None else None) for k, v in start_kwargs.items()}
-        ctx = RunContext(
-            client=ChatClient(agent_cfg),
-            limits=limits_from_args(args),
-            start_kwargs=start_kwargs,
-            keep_transcript=not args.no_transcripts,
-            options=parse_runner_options(args.runner_arg),
-            env_timeout_s=args.env_timeout,
-        )
-        from envace.agents.client import check_model_served
+        runner = _start_runner(args, bench, stack, out_dir, serve=bool(todo))
+        store.check_run_config(identity, force=args.force_resume, legacy=LEGACY_IDENTITY)  # the run starts here
+        outcome = evaluate(pool, bench, selected, runner, store, concurrency=args.concurrency,
+                           progress=not args.no_progress)
+    _write_outputs(args, store, label, bench, identity, outcome)
+    if outcome.errors:  # the tasks without a result failed on the endpoint or the environment, not on the model
+        raise InfrastructureFailure(failing(f"{outcome.errors} of {len(todo)} task(s) failed", outcome.last_error,
+                                            store))
+    return 0 if outcome.summary["complete"] else 1
 
-        if todo:  # a wrong --model / --base-url fails here, before any task runs
-            launched = base_url if args.checkpoint else None  # serves exactly what we launched it with
-            for name, client in (("agent", ctx.client), *start_kwargs.items()):
-                if client is not None and client.config.base_url != launched:
-                    print(f"[envace.eval] checking the {name} endpoint {client.config.base_url} "
-                          f"(model {client.config.model!r})", file=sys.stderr)
-                    check_model_served(client.config)
-        runner = build_runner(args.runner, ctx)
-        rehearsal_client = getattr(runner, "rehearsal_client", None)  # --tts with another rehearsal endpoint
-        if todo and rehearsal_client is not None and rehearsal_client is not ctx.client:
-            print(f"[envace.eval] checking the rehearsal endpoint {rehearsal_client.config.base_url} "
-                  f"(model {rehearsal_client.config.model!r})", file=sys.stderr)
-            check_model_served(rehearsal_client.config)
-        store.check_run_config(identity, force=args.force_resume)  # pre-flight passed: the run starts here
-        store.repair()
-        outcome = evaluate(
-            pool, bench, selected, runner, store, concurrency=args.concurrency, progress=not args.no_progress
-        )
+
+def _start_runner(args: argparse.Namespace, bench: Benchmark, stack: contextlib.ExitStack, out_dir: Path, *,
+                  serve: bool) -> TaskRunner:
+    """The task runner over the agent's endpoint (``--checkpoint`` served for the life of ``stack`` when ``serve``)
+    and the benchmark's own clients; with work to do, every endpoint is checked to serve its model first."""
+    from envace.agents.client import ChatClient, check_model_served
+    from envace.eval.runner import RunContext, build_runner
+
+    if serve and args.checkpoint:
+        out_dir.mkdir(parents=True, exist_ok=True)  # the server's log; run.json is written only once it serves
+    agent = agent_endpoint(args, stack, out_dir, serve=serve)
+    clients = bench.clients(args, agent)
+    ctx = RunContext(client=ChatClient(agent), limits=limits_from_args(args), start_kwargs=clients,
+                     keep_transcript=not args.no_transcripts, options=parse_runner_options(args.runner_arg),
+                     env_timeout_s=args.env_timeout, tts=tts_from_args(args))
+    runner = build_runner(runner_name(args), ctx)
+    if serve:  # a wrong --model / --base-url fails here, before any task runs
+        launched = agent.base_url if args.checkpoint else None  # serves exactly what we launched it with
+        checked = [(name, c) for name, c in (("agent", ctx.client), *clients.items())
+                   if c is not None and c.config.base_url != launched]
+        rehearsal = getattr(runner, "rehearsal_client", None)  # --tts with another rehearsal endpoint or model
+        if rehearsal is not None and rehearsal is not ctx.client:
+            checked.append(("rehearsal", rehearsal))
+        for name, client in checked:
+            print(f"[envace.eval] checking the {name} endpoint {client.config.base_url} "
+                  f"(model {client.config.model!r})", file=sys.stderr)
+            check_model_served(client.config)
+    return runner
+
+
+def _write_outputs(args: argparse.Namespace, store: ResultStore, label: str, bench: Benchmark,
+                   identity: dict[str, Any], outcome: EvalOutcome) -> None:
+    """``summary.json`` (with the run's identity: its settings and prompt versions), ``report.json``, ``table.md``
+    and, for test-time rehearsal, ``cost.md``; the table and the per-category lines on stdout."""
+    from envace.eval.tts import cost_summary, format_cost_table
 
     summary = outcome.summary
-    table = format_table([(label, {bench.name: summary})])
-    tts_cost = cost_summary(outcome.records) if args.runner == "tts" else None
-    store.write_json(
-        "summary.json",
-        {
-            "label": label,
-            "benchmark": bench.name,
-            "identity": run_identity(args, bench, args.model or ""),
-            "summary": summary,
-            **({"tts_cost": tts_cost} if tts_cost is not None else {}),
-        },
-    )
+    tts_cost = cost_summary(outcome.records) if runner_name(args) == "tts" else None
+    store.write_json("summary.json", {"label": label, "benchmark": bench.name, "identity": identity,
+                                      "summary": summary, **({"tts_cost": tts_cost} if tts_cost is not None else {})})
     if tts_cost is not None:
         store.write_text("cost.md", format_cost_table(tts_cost, markdown=True) + "\n")
-    store.write_json(
-        "report.json",
-        {"label": label, "summary": summary, "records": [{**r.to_json(), "messages": None} for r in outcome.records]},
-    )
+    store.write_json("report.json", {"label": label, "summary": summary,
+                                     "records": [{**r.to_json(), "messages": None} for r in outcome.records]})
     store.write_text("table.md", format_table([(label, {bench.name: summary})], markdown=True) + "\n")
-    print(table)
+    print(format_table([(label, {bench.name: summary})]))
     print(describe(summary))
     if tts_cost is not None:
         print("test-time rehearsal cost per role:")
         print(format_cost_table(tts_cost))
-    print(
-        f"[envace.eval] ran {outcome.ran}, skipped {outcome.skipped} (already done), "
-        f"{outcome.errors} infrastructure error(s); results in {out_dir}",
-        file=sys.stderr,
-    )
-    if outcome.errors:  # the tasks without a result failed on the endpoint or the environment, not on the model
-        raise InfrastructureFailure(failing(f"{outcome.errors} of {len(todo)} task(s) failed", outcome.last_error,
-                                            store))
-    return 0 if summary["complete"] else 1
+    print(f"[envace.eval] ran {outcome.ran}, skipped {outcome.skipped} (already done), "
+          f"{outcome.errors} infrastructure error(s); results in {store.dir}", file=sys.stderr)
 
 
 def run_table(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ from typing import Any
 
 from envace.envs.base import EnvironmentPool
 from envace.envs.tau2 import UserSimulatorRequired
-from envace.eval.report import Benchmark, normalize_category, summarize
+from envace.eval.benchmarks import Benchmark
+from envace.eval.report import summarize
 from envace.eval.runner import TaskRecord, TaskRunner, format_exception
 from envace.eval.store import ResultStore
 from envace.rewards.llm import ConfigurationError
@@ -56,7 +57,7 @@ def select_tasks(
 ) -> dict[str, str]:
     """Task id → normalised category, in pool order; ``limit`` caps tasks *per category*
     (the first ``limit`` of each, so reruns select the same tasks)."""
-    wanted = {normalize_category(benchmark.name, c) for c in categories} if categories else None
+    wanted = {benchmark.normalize(c) for c in categories} if categories else None
     if wanted:
         unknown = wanted - set(benchmark.categories)
         if unknown:
@@ -66,7 +67,7 @@ def select_tasks(
     selected: dict[str, str] = {}
     per_cat: dict[str, int] = {}
     for tid in pool.task_ids(split):
-        cat = normalize_category(benchmark.name, pool.task(tid).category)
+        cat = benchmark.normalize(pool.task(tid).category)
         if wanted is not None and cat not in wanted:
             continue
         if cat not in benchmark.categories:

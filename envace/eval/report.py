@@ -1,4 +1,5 @@
-"""Benchmarks, per-category summaries and the results table in the EnvACE paper's layout.
+"""Per-category summaries and the results table in the EnvACE paper's layout (the benchmarks themselves:
+:mod:`envace.eval.benchmarks`).
 
 The table has one row per model and the column groups of the paper's τ²/Multi-Turn results
 (Tables 1 and 3): τ²-bench Airline | Retail | Telecom | Avg., BFCL Multi-Turn Base | Miss Func. |
@@ -10,50 +11,16 @@ mean of the two group averages. Cells without results show "–", as in the pape
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from envace.eval.benchmarks import BENCHMARKS, Benchmark
 from envace.eval.runner import TaskRecord
 
-__all__ = ["BENCHMARKS", "Benchmark", "format_grid", "format_table", "normalize_category", "summarize"]
+__all__ = ["BENCHMARKS", "Benchmark", "format_grid", "format_table", "summarize"]
 
 
-@dataclass(frozen=True)
-class Benchmark:
-    name: str  # CLI name
-    pool: str  # environment pool registry name
-    title: str  # column-group title
-    categories: tuple[str, ...]  # column order
-    labels: tuple[str, ...]  # column headers
-
-    def label(self, category: str) -> str:
-        return dict(zip(self.categories, self.labels, strict=True)).get(category, category)
-
-
-BENCHMARKS: dict[str, Benchmark] = {
-    "tau2": Benchmark(
-        name="tau2",
-        pool="tau2",
-        title="τ²-bench (%)",
-        categories=("airline", "retail", "telecom"),
-        labels=("Airline", "Retail", "Telecom"),
-    ),
-    "bfcl": Benchmark(
-        name="bfcl",
-        pool="bfcl_multi_turn",
-        title="Multi-Turn (%)",
-        categories=("base", "miss_func", "miss_param", "long_context"),
-        labels=("Base", "Miss Func.", "Miss Param.", "Long Ctx."),
-    ),
-}
-TABLE_ORDER = ("tau2", "bfcl")
-
-
-def normalize_category(benchmark: str, category: str) -> str:
-    """``multi_turn_miss_func`` / ``miss_func`` → ``miss_func``; τ² domains pass through."""
-    if benchmark == "bfcl":
-        return category.removeprefix("BFCL_v4_").removeprefix("BFCL_v3_").removeprefix("multi_turn_")
-    return category
+#: the table's column groups, left to right
+TABLE_ORDER = tuple(BENCHMARKS)
 
 
 def summarize(benchmark: Benchmark, records: Iterable[TaskRecord], expected: Mapping[str, str]) -> dict[str, Any]:

@@ -3,10 +3,11 @@
 A *task runner* is any callable ``runner(pool, task_id) -> TaskRecord``. The evaluation driver only
 knows this signature, so alternative strategies (e.g. test-time rehearsal before acting) plug in by
 registering a factory with :func:`register_runner` and selecting it with ``--runner NAME``
-(options through ``--runner-arg KEY=VALUE``). The default, ``agent_loop``, is :class:`AgentLoopRunner`:
-one rollout through :class:`envace.agents.engine.TurnEngine` — the same turn logic, limits and error
-observations as training — with :class:`ChatPolicy` (an OpenAI-compatible endpoint) acting and the real
-environment answering tool calls; then the benchmark's official verifier, scored by
+(options through ``--runner-arg KEY=VALUE``); test-time rehearsal is the runner ``tts``, chosen by ``--tts`` and
+configured by the typed :class:`~envace.loop_config.TTSConfig` (:attr:`RunContext.tts`). The default,
+``agent_loop``, is :class:`AgentLoopRunner`: one rollout through :class:`envace.agents.engine.TurnEngine` — the
+same turn logic, limits and error observations as training — with :class:`ChatPolicy` (an OpenAI-compatible
+endpoint) acting and the real environment answering tool calls; then the benchmark's official verifier, scored by
 :func:`envace.rewards.score.score_episode` as training scores it (a rollout that could not be judged raises
 :class:`~envace.rewards.llm.InfrastructureError`: the task is retried on the next run).
 """
@@ -25,6 +26,7 @@ from envace.agents.client import ChatClient
 from envace.agents.engine import LoopLimits, ObservationSource, Reply, Role, StopReason, TurnEngine
 from envace.agents.sources import RealSource
 from envace.envs.base import EnvironmentPool, TaskSpec, scrub_surrogates
+from envace.loop_config import TTSConfig
 from envace.rewards.llm import InfrastructureError
 from envace.rewards.score import score_episode
 
@@ -230,6 +232,8 @@ class RunContext:
     options: dict[str, str]  # --runner-arg KEY=VALUE pairs
     # seconds the real execution of one call, or the verification, may take (then: infrastructure, retried)
     env_timeout_s: float = 60.0
+    # test-time rehearsal settings (--tts ...; the runner "tts" reads them); None: none given
+    tts: TTSConfig | None = None
 
 
 RunnerFactory = Callable[[RunContext], TaskRunner]

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,14 @@ class ResultStore:
 
     # -- run identity ----------------------------------------------------------------------
 
-    def check_run_config(self, identity: dict[str, Any], *, force: bool = False, record: bool = True) -> None:
+    def check_run_config(self, identity: dict[str, Any], *, force: bool = False, record: bool = True,
+                         legacy: Mapping[str, Any] | None = None) -> None:
         """Record ``identity`` on the first run; on later runs require it to match. ``record=False``: only
-        check (raises on a mismatch, writes nothing)."""
+        check (raises on a mismatch, writes nothing). ``legacy``: what a key the recorded ``run.json`` lacks counts
+        as (the value every run had before the key was recorded), so runs recorded before it resume."""
         path = self.dir / self.RUN
         if path.exists():
-            previous = json.loads(path.read_text())
+            previous = {**(legacy or {}), **json.loads(path.read_text())}
             diff = {k: (previous.get(k), v) for k, v in identity.items() if previous.get(k) != v}
             if diff and not force:
                 lines = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))

@@ -32,8 +32,9 @@ record (``extra["tts"]``) and in the run's summary, never silently scored. Endpo
 one error taxonomy (:mod:`envace.rewards.llm`): infrastructure errors retry the task on the next run,
 configuration errors abort.
 
-Prompts are versioned template files in ``envace/eval/tts_prompts/<name>_<version>.txt``
-(:class:`string.Template`, ``$name`` placeholders). Never edit a released version: add ``_v2``.
+Prompts are versioned template files ``envace/prompts/tts_<name>_<version>.txt`` (:class:`string.Template`,
+``$name`` placeholders; read by :func:`envace.loop_config.prompt_text`). Never edit a released version: add ``_v2``.
+The settings are :class:`~envace.loop_config.TTSConfig` (``envace.tts`` in Hydra, ``--tts ...`` flags here).
 
 Cost accounting: every request is metered per role (``act`` and ``rehearse`` inside rehearsals,
 ``evaluate``, ``summarize``, ``commit`` for the committed execution): calls, prompt/completion tokens and
@@ -45,14 +46,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import json
 import threading
 import time
-import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from string import Template
 from typing import Any
 
@@ -64,6 +62,7 @@ from envace.agents.sources import RehearseSource, render_history
 from envace.envs.base import EnvironmentPool, Episode, TaskSpec, ToolCall, Verdict
 from envace.eval.report import format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, RunContext, TaskRecord, register_runner, to_api_messages
+from envace.loop_config import TTS_MODES, TTS_PROMPTS, RehearsalPrompt, TTSConfig, prompt_text
 from envace.rewards.llm import ConfigurationError, JudgeFormatError, LLMEndpointConfig, LLMPool
 
 __all__ = [
@@ -80,159 +79,29 @@ __all__ = [
     "cost_summary",
     "format_cost_table",
     "load_prompt",
+    "prompt_versions",
 ]
 
-MODES = ("none", "parallel", "sequential")
+MODES = TTS_MODES
 #: metered roles, in table order
 ROLES = ("act", "rehearse", "evaluate", "summarize", "commit")
-PROMPT_DIR = Path(__file__).with_name("tts_prompts")
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------
-
-
-def _flag(name: str) -> dict[str, Any]:
-    return {"flag": name}
-
-
-@dataclass
-class TTSConfig:
-    """Test-time rehearsal settings (``--tts ... --rehearsals N`` and the flags named in each field's metadata).
-
-    Sampling defaults are the paper's Table 3 settings: acting and rehearsal at temperature 1.0 / top-p 1.0,
-    evaluation and summary at 0.01. ``act_*`` applies to the acting role in the rehearsals *and* in the
-    committed execution (in TTS mode it replaces ``--temperature`` / ``--top-p``).
-    """
-
-    # none (plain evaluation) | parallel | sequential
-    mode: str = field(default="none", metadata=_flag("--tts"))
-    # rehearsal attempts N per task before the committed execution (the paper's Table 3: 2; Figure 6: 1..5)
-    rehearsals: int = field(default=2, metadata=_flag("--rehearsals"))
-    # OpenAI-compatible base URL of the rehearsal model M that writes tool responses (None: the policy's endpoint)
-    rehearsal_base_url: str | None = field(default=None, metadata=_flag("--rehearsal-base-url"))
-    # model name of M at that endpoint (None: the policy's model)
-    rehearsal_model: str | None = field(default=None, metadata=_flag("--rehearsal-model"))
-    # API key of M's endpoint (None: the policy's key)
-    rehearsal_api_key: str | None = field(default=None, metadata=_flag("--rehearsal-api-key"))
-    # acting role (rehearsal attempts and committed execution): sampling temperature
-    act_temperature: float = field(default=1.0, metadata=_flag("--act-temperature"))
-    # acting role: nucleus top-p
-    act_top_p: float = field(default=1.0, metadata=_flag("--act-top-p"))
-    # rehearsal role (imagined tool responses): sampling temperature
-    rehearse_temperature: float = field(default=1.0, metadata=_flag("--rehearse-temperature"))
-    # rehearsal role: nucleus top-p
-    rehearse_top_p: float = field(default=1.0, metadata=_flag("--rehearse-top-p"))
-    # self-evaluation of each attempt: sampling temperature
-    evaluate_temperature: float = field(default=0.01, metadata=_flag("--evaluate-temperature"))
-    # self-evaluation: nucleus top-p
-    evaluate_top_p: float = field(default=1.0, metadata=_flag("--evaluate-top-p"))
-    # summary into the rehearsal memory: sampling temperature
-    summarize_temperature: float = field(default=0.01, metadata=_flag("--summarize-temperature"))
-    # summary: nucleus top-p
-    summarize_top_p: float = field(default=1.0, metadata=_flag("--summarize-top-p"))
-    # completion-token limit of one evaluation / summary reply (None: the run's --max-tokens)
-    judge_max_tokens: int | None = field(default=None, metadata=_flag("--tts-judge-max-tokens"))
-    # follow-up requests after an evaluation / summary reply that does not validate (then: masked, reported)
-    repair_rounds: int = field(default=1, metadata=_flag("--tts-repair-rounds"))
-    # also send response_format=json_schema for evaluation / summary (vLLM guided decoding; not every server has it)
-    json_schema: bool = field(default=False, metadata=_flag("--tts-json-schema"))
-    # version of the prompt template files (envace/eval/tts_prompts/<name>_<version>.txt)
-    prompt_version: str = field(default="v1", metadata=_flag("--tts-prompt-version"))
-    # characters of one rendered trajectory in the evaluation / summary / history prompts (oldest part cut first)
-    max_trajectory_chars: int = field(default=6000, metadata=_flag("--tts-max-trajectory-chars"))
-    # characters of the task context (system prompt) shown to evaluation and summary (the end is cut)
-    max_context_chars: int = field(default=4000, metadata=_flag("--tts-max-context-chars"))
-    # at most this many items per memory list (facts, pitfalls, plan); longer lists are repaired
-    max_memory_items: int = field(default=8, metadata=_flag("--tts-max-memory-items"))
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"tts mode must be one of {MODES}, got {self.mode!r}")
-        if int(self.rehearsals) < 1:
-            raise ValueError(f"--rehearsals must be >= 1, got {self.rehearsals!r}")
-        for name in ("act", "rehearse", "evaluate", "summarize"):
-            t, p = getattr(self, f"{name}_temperature"), getattr(self, f"{name}_top_p")
-            if not 0.0 <= t <= 2.0:
-                raise ValueError(f"{name}_temperature must be in [0, 2], got {t}")
-            if not 0.0 < p <= 1.0:
-                raise ValueError(f"{name}_top_p must be in (0, 1], got {p}")
-        if self.judge_max_tokens is not None and self.judge_max_tokens < 1:
-            raise ValueError(f"judge_max_tokens must be >= 1, got {self.judge_max_tokens}")
-        if self.repair_rounds < 0:
-            raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
-        for name in ("max_trajectory_chars", "max_context_chars", "max_memory_items"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in PROMPT_NAMES:
-            load_prompt(name, self.prompt_version)  # an unknown version fails here, before any task runs
-
-    # -- the --runner-arg form (strings), used by the runner registry and the run identity --------------
-    def to_options(self) -> dict[str, str]:
-        return {f.name: json.dumps(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, str]) -> TTSConfig:
-        """Typed config from ``KEY=VALUE`` strings (JSON values, or bare strings); unknown keys fail loudly."""
-        hints = typing.get_type_hints(cls)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown test-time rehearsal option(s) {unknown}; known: {sorted(known)}")
-        kwargs: dict[str, Any] = {}
-        for key, raw in options.items():
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError:
-                value = raw
-            kwargs[key] = _coerce(key, value, hints[key])
-        return cls(**kwargs)
-
-    @classmethod
-    def flag_fields(cls) -> list[tuple[str, dataclasses.Field[Any]]]:
-        return [(f.metadata["flag"], f) for f in dataclasses.fields(cls)]
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
-    if value is None:
-        if optional:
-            return None
-        raise ValueError(f"{key} must not be null")
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    if base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    return str(value)
+PROMPT_NAMES = TTS_PROMPTS
 
 
 # --------------------------------------------------------------------------------------------
 # Prompts and structured outputs
 # --------------------------------------------------------------------------------------------
 
-#: template files: evaluate (one attempt → feedback), summarize (all → memory), attempt (one attempt with its
-#: feedback, inside summarize and history), history (sequential mode's earlier attempts), memory (the memory
-#: text the committed execution reads)
-PROMPT_NAMES = ("evaluate", "summarize", "attempt", "history", "memory")
+
+def prompt_versions(config: TTSConfig, rehearsal: RehearsalPrompt | None = None) -> dict[str, str]:
+    """The versions of the prompt files a run with ``config`` shows the policy: the rehearsal prompt (training's,
+    ``envace/prompts/rehearsal_*``) and the test-time ones (``tts_*``). Recorded in ``run.json`` and each record."""
+    return {"rehearsal": (rehearsal or RehearsalPrompt()).version, "tts": config.prompt_version}
 
 
 def load_prompt(name: str, version: str = "v1") -> Template:
-    path = PROMPT_DIR / f"{name}_{version}.txt"
-    if not path.is_file():
-        known = sorted(p.stem for p in PROMPT_DIR.glob(f"{name}_*.txt"))
-        raise ValueError(f"no test-time rehearsal prompt {name!r} version {version!r} ({path}); known: {known}")
-    return Template(path.read_text(encoding="utf-8"))
+    """The test-time rehearsal template ``name`` (:data:`PROMPT_NAMES`): ``envace/prompts/tts_<name>_<version>.txt``."""
+    return Template(prompt_text("tts_" + name, version))
 
 
 class RehearsalFeedback(BaseModel):
@@ -550,6 +419,7 @@ class RehearsalRunner:
         start_kwargs: dict[str, Any] | None = None,
         keep_transcript: bool = True,
         env_timeout_s: float | None = 60.0,
+        rehearsal_prompt: RehearsalPrompt | None = None,
     ) -> None:
         if config.mode == "none":
             raise ValueError("RehearsalRunner needs tts mode 'parallel' or 'sequential'")
@@ -559,6 +429,7 @@ class RehearsalRunner:
         self.limits = limits or LoopLimits()
         self.start_kwargs = dict(start_kwargs or {})
         self.keep_transcript = keep_transcript
+        self.rehearsal_prompt = rehearsal_prompt or RehearsalPrompt()  # the rehearsals' prompt (training's)
         self.committer = AgentLoopRunner(client, self.limits, start_kwargs=self.start_kwargs,
                                          keep_transcript=keep_transcript, env_timeout_s=env_timeout_s)
         self._prompts = {name: load_prompt(name, config.prompt_version) for name in PROMPT_NAMES}
@@ -599,6 +470,7 @@ class RehearsalRunner:
                 "mode": self.config.mode,
                 "rehearsals": self.config.rehearsals,
                 "rehearsal_model": self.rehearsal_client.config.model,
+                "prompts": prompt_versions(self.config, self.rehearsal_prompt),
                 "attempts": [a.to_json(self.keep_transcript) for a in attempts],
                 "memory": memory.model_dump() if memory is not None else None,
                 "memory_text": note,
@@ -639,7 +511,7 @@ class RehearsalRunner:
                               {Role.ACT: self._act_sampling(index)})
         writer = MeteredPolicy(self.rehearsal_client, meter, {Role.ACT: "act", Role.REHEARSE: "rehearse"},
                                {Role.REHEARSE: self._rehearse_sampling(index)})
-        source = RehearseSource(writer, on_malformed=self.limits.on_malformed_rehearsal)
+        source = RehearseSource(writer, self.rehearsal_prompt, on_malformed=self.limits.on_malformed_rehearsal)
         rehearsal = RehearsalEpisode(fork, note)
         try:
             transcript = await TurnEngine(self.limits).run(rehearsal, actor, source)
@@ -712,9 +584,12 @@ def _short(text: str | None, limit: int = 200) -> str:
 
 @register_runner("tts")
 def _tts_runner(ctx: RunContext) -> RehearsalRunner:
-    cfg = TTSConfig.from_options(ctx.options)
-    if cfg.mode == "none":
-        raise ValueError("runner 'tts' needs mode=parallel or mode=sequential")
+    cfg = ctx.tts
+    if cfg is None or cfg.mode == "none":
+        raise ValueError("runner 'tts' needs --tts parallel or --tts sequential")
+    if ctx.options:
+        raise ValueError(f"runner 'tts' takes no --runner-arg options (its settings are the --tts flags), "
+                         f"got {sorted(ctx.options)}")
     rehearsal_client = ctx.client
     if cfg.rehearsal_base_url or cfg.rehearsal_model or cfg.rehearsal_api_key:
         ep = ctx.client.config

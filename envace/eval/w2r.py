@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -57,7 +58,8 @@ from envace.agents.engine import CallContext, LoopLimits, Observation
 from envace.agents.sources import RealSource
 from envace.agents.worldbook import WorldbookLibrary, WorldbookSource, world_model_from_endpoint
 from envace.envs.base import EnvironmentPool, TaskSpec, ToolCall
-from envace.eval.report import Benchmark, format_grid
+from envace.eval.benchmarks import Benchmark
+from envace.eval.report import format_grid
 from envace.eval.runner import AgentLoopRunner, ChatPolicy, TaskRecord
 from trace2env import WorldbookIntegrityError
 from trace2env.cliargs import InfrastructureFailure, json_object, number, strict_json
@@ -315,12 +317,20 @@ def _worldbook_identity(library: WorldbookLibrary, envs: Sequence[str]) -> dict[
 def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from envace.agents.client import check_model_served
     from envace.envs.base import get_pool
-    from envace.eval.args import agent_endpoint, default_label, limits_from_args, run_identity, slug, validate_args
+    from envace.eval.args import (
+        agent_endpoint,
+        default_label,
+        limits_from_args,
+        run_identity,
+        runner_name,
+        slug,
+        validate_args,
+    )
     from envace.eval.driver import evaluate, failing
     from envace.eval.store import ResultStore
 
     validate_args(args, parser)
-    if args.runner != "agent_loop" or args.runner_arg:
+    if runner_name(args) != "agent_loop" or args.runner_arg:
         parser.error("w2r runs the agent loop in both arms; drop --runner / --runner-arg / --tts")
     if bool(args.simulator_base_url) != bool(args.simulator_model):
         parser.error("give both --simulator-base-url and --simulator-model, or neither")
@@ -378,7 +388,7 @@ def run_w2r(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                          wm=args.wm == "gold", **common),
         }
         for arm in ARMS:
-            bench_arm = Benchmark(bench.name + "-" + arm, bench.pool, bench.title, bench.categories, bench.labels)
+            bench_arm = dataclasses.replace(bench, name=bench.name + "-" + arm)
             outcome = evaluate(pool, bench_arm, selected, runners[arm], stores[arm], concurrency=args.concurrency,
                                progress=not args.no_progress)
             records[arm] = {r.task_id: r for r in outcome.records}

@@ -289,18 +289,32 @@ def test_rehearsal_episode_refuses_environment_access():
 
 
 def test_config_is_typed_and_fails_loudly():
-    assert TTSConfig.from_options(TTSConfig(mode="sequential", rehearsals=3).to_options()) == TTSConfig(
-        mode="sequential", rehearsals=3)
-    for bad, msg in [({"mode": "beam"}, "tts mode"), ({"rehearsals": "0"}, ">= 1"),
-                     ({"rehearsals": "2.5"}, "integer"), ({"act_top_p": "0"}, "act_top_p"),
-                     ({"prompt_version": "v9"}, "version 'v9'"), ({"n": "2"}, "unknown")]:
+    """The typed config checks its values (naming the field; the CLI names the flag: tests/envace/test_loop_config.py)
+    and its prompt files; the flags build it."""
+    for bad, msg in [({"mode": "beam"}, "envace.tts.mode must be one of"), ({"rehearsals": 0}, ">= 1"),
+                     ({"act_top_p": 0}, "envace.tts.act_top_p"), ({"prompt_version": "v9"}, "'v9' has no file")]:
         with pytest.raises(ValueError, match=re.escape(msg)):
-            TTSConfig.from_options(bad)
+            TTSConfig(**bad)
     for name in ("evaluate", "summarize", "attempt", "history", "memory"):
         assert load_prompt(name).template.strip()
     args = build_parser().parse_args(["bfcl", "--base-url", "u", "--model", "m", "--tts", "parallel",
                                       "--rehearsals", "4", "--evaluate-temperature", "0.2"])
     assert tts_from_args(args) == TTSConfig(mode="parallel", rehearsals=4, evaluate_temperature=0.2)
+
+
+def test_the_tts_runner_takes_its_settings_typed_not_as_runner_options():
+    """``--tts`` reaches the runner as the typed config (RunContext.tts); ``--runner tts`` without it, or with
+    ``--runner-arg`` strings, is refused with one line."""
+    from envace.eval.runner import RunContext, build_runner
+
+    agent = ChatClient(EndpointConfig(base_urls=["http://agent:8000/v1"], model="agent"))
+    ctx: dict[str, Any] = {"client": agent, "limits": LoopLimits(), "start_kwargs": {}, "keep_transcript": False}
+    runner = build_runner("tts", RunContext(**ctx, options={}, tts=TTSConfig(mode="sequential", rehearsals=3)))
+    assert runner.config == TTSConfig(mode="sequential", rehearsals=3)
+    with pytest.raises(ValueError, match="needs --tts parallel or --tts sequential"):
+        build_runner("tts", RunContext(**ctx, options={}))
+    with pytest.raises(ValueError, match="takes no --runner-arg options"):
+        build_runner("tts", RunContext(**ctx, options={"mode": "parallel"}, tts=TTSConfig(mode="parallel")))
 
 
 def test_cli_tts_run_resumes_and_reports_cost(fake_openai, replies, tmp_path, capsys):
@@ -317,12 +331,28 @@ def test_cli_tts_run_resumes_and_reports_cost(fake_openai, replies, tmp_path, ca
     assert summary["summary"]["categories"]["base"]["score"] == 100.0
     assert summary["identity"]["runner"] == "tts" and summary["identity"]["runner_options"]["mode"] == '"sequential"'
     assert "secret" not in (out / "run.json").read_text()
+    # the prompt files' versions: in the run's header (run.json, summary.json) and in each record
+    versions = {"rehearsal": "v1", "tts": "v1"}
+    assert json.loads((out / "run.json").read_text())["prompts"] == summary["identity"]["prompts"] == versions
+    (rec,) = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["extra"]["tts"]["prompts"] == versions
     assert summary["tts_cost"]["tasks"] == 1 and summary["tts_cost"]["roles"]["evaluate"]["calls"] == 2
     assert (out / "cost.md").read_text().startswith("| role |")
     n = server.n_requests
     assert main(argv) == 0 and server.n_requests == n  # resumed: nothing rerun
     with pytest.raises(SystemExit):
         main([*argv, "--runner", "x"])
+    # a run.json written before prompt versions were recorded (v1 was the only one) resumes
+    run = json.loads((out / "run.json").read_text())
+    del run["prompts"]
+    (out / "run.json").write_text(json.dumps(run))
+    assert main(argv) == 0 and server.n_requests == n
+    capsys.readouterr()
+    # one recorded with other versions is refused, in one line naming them
+    (out / "run.json").write_text(json.dumps({**run, "prompts": {"rehearsal": "v0", "tts": "v1"}}))
+    assert main(argv) == 2 and server.n_requests == n
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prompts: {'rehearsal': 'v0', 'tts': 'v1'} -> {'rehearsal': 'v1', 'tts': 'v1'}" in err[0]
 
 
 def test_budget_sweep_writes_runs_table_and_plot(fake_openai, replies, tmp_path, capsys):
@@ -351,10 +381,10 @@ def test_a_separate_rehearsal_endpoint_gets_its_own_client_on_the_agents_other_s
     from envace.eval.runner import RunContext, build_runner
 
     agent = ChatClient(EndpointConfig(base_urls=["http://agent:8000/v1"], model="agent", timeout_s=7.0))
-    options = TTSConfig(mode="parallel", rehearsals=2, rehearsal_base_url="http://rehearse:8001/v1",
-                        rehearsal_model="rehearser").to_options()
+    tts = TTSConfig(mode="parallel", rehearsals=2, rehearsal_base_url="http://rehearse:8001/v1",
+                    rehearsal_model="rehearser")
     runner = build_runner("tts", RunContext(client=agent, limits=LoopLimits(), start_kwargs={},
-                                            keep_transcript=False, options=options))
+                                            keep_transcript=False, options={}, tts=tts))
     cfg = runner.rehearsal_client.config
     assert (cfg.base_urls, cfg.model, cfg.timeout_s) == (["http://rehearse:8001/v1"], "rehearser", 7.0)
     assert runner.client is agent
