@@ -12,8 +12,8 @@
 # machine has 2 CPUs and 32 GiB of memory, else 1), each trainer rank on ENVACE_TRAINER_THREADS torch threads
 # (default: the CPUs over twice the slow workers, at least 1: two torch threads sharing a core with another run
 # stall). Two slow workers take a test file each (`--dist loadfile`: a file's runs share its module fixtures). One
-# slow worker runs the `heavy` ones (a whole trainer or a vLLM engine: GiBs each, so one at a time) in this process
-# and the other slow ones beside them in a second pytest, whose output follows. Without `-m`, both sets run, in that
+# slow worker runs the `heavy` ones (a whole trainer or a vLLM engine: GiBs each, so one at a time) in one pytest
+# and, once the warm start is built, the other slow ones beside them in a second pytest, whose output follows. Without `-m`, both sets run, in that
 # order; `-m EXPR` runs one pytest over EXPR (on the workers when EXPR is "not slow" or "slow"); `-n` given
 # explicitly is passed as it is.
 set -euo pipefail
@@ -71,19 +71,25 @@ run() {
   [[ -z "$expr" ]] || extra+=(-m "$expr")
   "$PY" -m pytest "${extra[@]}" "${args[@]}"
 }
-# the slow tests on one worker: the heavy ones one after another here, the light ones in a second pytest beside them
+# the slow tests on one worker: the heavy ones one after another, the light ones in a second pytest beside them
 # (their output after the heavy ones'); the exit status of the pair as of one pytest (5 only when neither selected
-# anything)
-light_pid=""
-trap '[[ -z "$light_pid" ]] || kill "$light_pid" 2>/dev/null || true; [[ -z "$covdir" ]] || rm -rf "$covdir"' EXIT
+# anything). The light ones start when the heavy session touches $ENVACE_TEST_GATE (tests/envace/conftest.py: once
+# the warm start is built, whose two torch threads stall beside any other process) or ends, whichever comes first.
+light_pid="" heavy_pid=""
+trap 'for p in $light_pid $heavy_pid; do kill "$p" 2>/dev/null || true; done; [[ -z "$covdir" ]] || rm -rf "$covdir"' EXIT
 run_beside() {
-  local log heavy=0 light=0
-  log="$(mktemp)"
+  local log gate heavy=0 light=0
+  log="$(mktemp)" gate="$(mktemp -u)"
+  ENVACE_TEST_GATE="$gate" "$PY" -m pytest "$@" -m "slow and heavy" "${args[@]}" &
+  heavy_pid=$!
+  while [[ ! -e "$gate" ]] && kill -0 "$heavy_pid" 2>/dev/null; do sleep 1; done
   "$PY" -m pytest "$@" -m "slow and not heavy" "${args[@]}" >"$log" 2>&1 &
   light_pid=$!
-  "$PY" -m pytest "$@" -m "slow and heavy" "${args[@]}" || heavy=$?
+  wait "$heavy_pid" || heavy=$?
+  heavy_pid=""
   wait "$light_pid" || light=$?
   light_pid=""
+  rm -f "$gate"
   echo "===== the slow tests not marked heavy, run beside the heavy ones ====="
   cat "$log"
   rm -f "$log"

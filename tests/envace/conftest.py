@@ -322,8 +322,13 @@ def warm_start_built_first(request: pytest.FixtureRequest,
     The build's two torch threads stall when another process shares their cores (a step went from 0.26 to 2.6 s),
     so it must not run beside other tests on pytest-xdist workers (``scripts/test.sh`` runs the slow tests on two).
     Every worker collects the whole selection and so calls the build when its session starts: one builds, the
-    others wait on the build's file lock, idle, before any test runs."""
+    others wait on the build's file lock, idle, before any test runs.
+
+    Then it touches ``$ENVACE_TEST_GATE`` where that is set: ``scripts/test.sh`` starts the slow tests that run
+    beside the heavy ones only then, so the build has the machine to itself."""
     if any(item.get_closest_marker("warm_start") for item in request.session.items):
         from envace.models.warmstart import ensure_warm_model
 
         ensure_warm_model()
+    if os.environ.get("ENVACE_TEST_GATE"):
+        Path(os.environ["ENVACE_TEST_GATE"]).touch()

@@ -38,12 +38,14 @@ def run(tmp_path: Path, *args: str, workers: str = "2", slow_workers: str = "1",
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-#: a heavy and a light slow test that each wait for the other to start: they pass only when they run at once
+#: a heavy and a light slow test that each wait for the other to start: they pass only when they run at once (the
+#: heavy one opens the gate, as the project's conftest does once the warm start is built)
 BESIDE = {
     "test_fast.py": SUITE["test_fast.py"],
     "test_heavy.py": ("import os, pathlib, time\nimport pytest\n\n\n@pytest.mark.slow\n@pytest.mark.heavy\n"
                       "def test_heavy():\n    out = pathlib.Path(os.environ['THREADS_OUT']).parent\n"
-                      "    (out / 'heavy').touch()\n    deadline = time.monotonic() + 120\n"
+                      "    (out / 'heavy').touch()\n    pathlib.Path(os.environ['ENVACE_TEST_GATE']).touch()\n"
+                      "    deadline = time.monotonic() + 120\n"
                       "    while not (out / 'light').exists():\n        assert time.monotonic() < deadline\n"
                       "        time.sleep(0.1)\n"),
     "test_light.py": ("import os, pathlib, time\nimport pytest\n\n\n@pytest.mark.slow\n"
@@ -69,6 +71,30 @@ def test_one_slow_worker_runs_the_light_slow_tests_beside_the_heavy_ones(tmp_pat
     heavy, light = proc.stdout.split("test session starts")[1:]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "1 passed" in heavy and "1 failed" in light, proc.stdout
+
+
+#: the heavy test builds for 5 s before it opens the gate; the light one checks that the build was done when it started
+GATED = {
+    "test_heavy.py": ("import os, pathlib, time\nimport pytest\n\n\n@pytest.mark.slow\n@pytest.mark.heavy\n"
+                      "def test_heavy():\n    out = pathlib.Path(os.environ['THREADS_OUT']).parent\n"
+                      "    time.sleep(5)\n    (out / 'built').touch()\n"
+                      "    pathlib.Path(os.environ['ENVACE_TEST_GATE']).touch()\n"),
+    "test_light.py": ("import os, pathlib\nimport pytest\n\n\n@pytest.mark.slow\n"
+                      "def test_light():\n    assert (pathlib.Path(os.environ['THREADS_OUT']).parent / 'built').exists()\n"),
+}
+
+
+def test_the_light_slow_tests_wait_for_the_heavy_sessions_gate_or_its_end(tmp_path):
+    """The slow tests beside the heavy ones start only once the heavy session opens ``$ENVACE_TEST_GATE`` (the
+    warm start's build must not share the machine); a heavy session that never opens it (a selection without the
+    project's conftest) lets them start when it ends."""
+    proc = run(tmp_path, "-m", "slow", files=GATED)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (tmp_path / "built").unlink()
+    ungated = {"test_heavy.py": GATED["test_heavy.py"].replace(
+        "    pathlib.Path(os.environ['ENVACE_TEST_GATE']).touch()\n", ""), "test_light.py": GATED["test_light.py"]}
+    proc = run(tmp_path, "-m", "slow", files=ungated)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_fast_tests_run_on_workers_then_slow_tests_in_one_process(tmp_path):
