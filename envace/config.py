@@ -247,6 +247,17 @@ class ValidationConfig:
 
 
 @dataclass
+class LossConfig:
+    # weight of an auxiliary loss beside verl's policy loss: the negative log-likelihood of the real environment's
+    # observation tokens in each training sample (ECHO, arXiv 2605.24517; envace/verl/observation_loss.py); 0: off.
+    # Only agent.observation_source=real with agent.act_layout=trajectory puts observation tokens in a sample
+    observation_nll_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _at_least("envace.loss.observation_nll_coef", self.observation_nll_coef, 0)
+
+
+@dataclass
 class EnvAceConfig:
     # training rows: which environment pools and splits
     data: DataConfig = field(default_factory=DataConfig)
@@ -258,6 +269,8 @@ class EnvAceConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     # held-out validation beyond verl's own (envace.verl.trainer.HeldoutValidation)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # auxiliary loss terms beside verl's policy loss (envace/verl/observation_loss.py)
+    loss: LossConfig = field(default_factory=LossConfig)
     # test-time rehearsal (EnvACE §4.3): the settings `python -m envace.eval --tts ...` runs with, one flag per field
     # (envace.loop_config.TTSConfig, the one source of their defaults); training rollouts do not rehearse at test time
     tts: TTSConfig = field(default_factory=TTSConfig)
@@ -270,6 +283,21 @@ class EnvAceConfig:
     def __post_init__(self) -> None:
         if not self.replay_poll_s > 0:
             raise ValueError(f"envace.replay_poll_s must be > 0, got {self.replay_poll_s}")
+        _observation_tokens_exist(self.loss, self.agent)
+
+
+def _observation_tokens_exist(loss: LossConfig, agent: AgentConfig) -> None:
+    """The observation loss needs samples that hold the real environment's observation tokens: the real source's
+    rollouts in the trajectory layout (the message layout's samples hold only generated tokens, and a rehearsed or
+    simulated observation is not the real environment's)."""
+    coef = loss.observation_nll_coef
+    got = {"observation_source": agent.observation_source, "act_layout": agent.act_layout}
+    if not coef or (got == {"observation_source": "real", "act_layout": "trajectory"} and not agent.simulated_envs):
+        return
+    setting = ", ".join(f"{k}={v}" for k, v in got.items()) + (", simulated_envs set" if agent.simulated_envs else "")
+    raise ValueError(f"envace.loss.observation_nll_coef={coef:g} trains on the real environment's observation tokens, "
+                     "which only envace.agent.observation_source=real with envace.agent.act_layout=trajectory and no "
+                     f"envace.agent.simulated_envs puts in a training sample (got {setting})")
 
 
 # -- verl's keys: those envace reads, and those verl uses unchecked until its workers run ------------------------

@@ -11,7 +11,8 @@ groups), then runs in two phases (:func:`prepare`):
    registries (after envace registers its own entries); verl's own config checks, those that need no model on disk (its ``validate_config``:
    the batch sizes; its typed dataclasses); what verl's async trainers assert only inside Ray (separate_async's batch
    sizes, standalone rollout and checkpoint engine), with warnings where staleness is not bounded
-   (:func:`check_trainer_mode`); a GPU config on a machine without GPUs; the worldbooks; the model path's
+   (:func:`check_trainer_mode`); the observation loss's trainer (:mod:`envace.verl.observation_loss`); a GPU config
+   on a machine without GPUs; the worldbooks; the model path's
    name; the checkpoint a resumed run would load (:mod:`envace.verl.resume`; falls back to the newest complete one
    with a warning); given data files' agent loops. ``--preflight-only`` stops here (exit 0): the head of a
    multi-node run calls it before it starts Ray and waits for its workers;
@@ -606,6 +607,9 @@ def preflight(cfg: DictConfig) -> tuple[EnvAceConfig, list[str]]:
     validate_verl_config(cfg, model=False)
     check_registries(cfg)
     check_trainer_mode(cfg, ecfg)
+    from envace.verl.observation_loss import check_config as check_observation_loss
+
+    check_observation_loss(cfg, ecfg.loss.observation_nll_coef)
     simulated = resolve_worldbooks(cfg, ecfg, build=False)
     resolve_model_path(str(cfg.actor_rollout_ref.model.path), build=False)
     with open_dict(cfg):

@@ -117,6 +117,13 @@ BUGS = [
         "keys = np.stack([prompt_code, role_code], axis=1)",
         "keys = np.stack([prompt_code, np.zeros_like(role_code)], axis=1)",
         ("tests/envace/test_advantage.py::test_output_baseline_is_row_weighted_per_role",)),
+    # -- ECHO's observation loss (envace/verl/observation_loss.py) ------------------------------------------
+    Bug("observation_loss_on_actions", "the observation loss reaches the policy's own (action) tokens",
+        "envace/verl/observation_loss.py",
+        "return inside & (mask == 0) & trained_row",
+        "return inside & trained_row",
+        (("tests/envace/verl/test_observation_loss.py::"
+          "test_the_policy_gradient_skips_observations_and_the_observation_loss_covers_exactly_them"),)),
     # -- glue that used to be untested ---------------------------------------------------------------------
     Bug("envsched_pt_not_restored", "envace/verl/trainers.py: the trainer's resume skips restoring envsched.pt",
         "envace/verl/trainers.py",

@@ -10,6 +10,8 @@ module                     what it plugs in, and where in verl
                            verl's V1 trainers + role labels, per-role and staleness metrics, role-tagged dumps;
                            ``envsched_*``: the same with EnvSched choosing every prompt (TaskRunner process only)
 :mod:`.trainer`            the trainers' verl-free parts: row labels, metrics, held-out validation
+:mod:`.observation_loss`   ECHO's observation loss beside verl's ``ppo_loss``: the actor's loss function
+                           (``set_loss_fn``), installed by the trainers after verl's ``init``
 :mod:`.sched`              EnvSched's verl-free parts: the scheduler from the dataset, reward groups, its state file
 :mod:`.runner`             verl's V1 TaskRunner with the registrations, ``run_ppo``, the Ray runtime environment
 :mod:`.config`             the training config verl reads (``configs/envace_trainer.yaml``) and verl's own checks

@@ -190,3 +190,28 @@ def test_the_async_recipe_is_the_paper_recipe_on_colocate_async_with_a_bound_of_
     assert verl_mode(asyn) == "colocate_async"
     check_trainer_mode(asyn, validate_envace_config(asyn))
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_echo_recipe_is_the_cpu_default_as_real_environment_grpo_with_the_observation_loss(tmp_path, capsys):
+    """Issue 48, deliverable 1: ``echo_cpu`` differs from the CPU default in exactly what makes it real-environment
+    GRPO (the learning tests' ``grpo`` arm: verl's GRPO, the real environment, one sample per rollout) and the
+    observation loss's weight; the pre-flight passes it (the trainer installs the loss)."""
+    from envace.train import main
+
+    default, echo = compose(["experiment=cpu_default"]), compose(["experiment=echo_cpu"])
+    before, after = (_leaves(OmegaConf.to_container(c, resolve=True)) for c in (default, echo))
+    changed = {k: after[k] for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    coef = echo.envace.loss.observation_nll_coef
+    assert coef > 0 and default.envace.loss.observation_nll_coef == 0
+    assert changed == {
+        "envace.agent.observation_source": "real",
+        "envace.agent.act_layout": "trajectory",
+        "algorithm.adv_estimator": "grpo",
+        "envace.loss.observation_nll_coef": coef,
+        "trainer.experiment_name": "echo_cpu",
+        "trainer.default_local_dir": "outputs/envace/echo_cpu",
+        "trainer.rollout_data_dir": "outputs/envace/echo_cpu/rollouts",
+        "actor_rollout_ref.rollout.trace.experiment_name": "echo_cpu",
+    }, changed
+    assert main(["--preflight-only", "experiment=echo_cpu", f"trainer.default_local_dir={tmp_path / 'run'}"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "envace: pre-flight passed"

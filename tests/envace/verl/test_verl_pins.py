@@ -27,6 +27,7 @@ VERSIONS = {"verl": "0.9.1", "TransferQueue": "0.1.11"}
 TRAINER = "envace/verl/trainers.py EnvaceTrainerMixin"
 SCHED = "envace/verl/trainers.py EnvSchedMixin"
 RUNNER = "envace/verl/runner.py"
+LOSS = "envace/verl/observation_loss.py"
 LOOP = "envace/agents/verl_loop.py"
 SYNC = "verl.trainer.ppo.v1.trainer_sync:PPOTrainerSync"
 COLOCATE = "verl.trainer.ppo.v1.trainer_colocate_async:PPOTrainerColocateAsync"
@@ -66,6 +67,7 @@ OVERRIDES = [
      f"{TRAINER} overrides (the prompt ledger; {SCHED}._draw_prompts chooses)"),
     ("_save_checkpoint", "(self)", f"{TRAINER} and {SCHED} override"),
     ("_load_checkpoint", "(self)", f"{TRAINER} and {SCHED} override"),
+    ("init", "(self)", f"{LOSS} ObservationLossMixin overrides (installs the loss once verl has built the workers)"),
 ]
 
 PINS = [
@@ -103,6 +105,18 @@ PINS = [
     Pin("verl.trainer.ppo.core_algos:register_adv_est", "verl.trainer.ppo.core_algos:register_adv_est",
         "(name_or_enum: str | verl.trainer.ppo.core_algos.AdvantageEstimator) -> Any",
         "envace/verl/extensions.py register_rolewise_estimator"),
+    # -- the actor's loss function the observation loss replaces (verl's ppo_loss inside it) --
+    Pin("verl.workers.engine_workers:ActorRolloutRefWorker.set_loss_fn",
+        "verl.workers.engine_workers:ActorRolloutRefWorker.set_loss_fn", "(self, loss_fn)", f"{LOSS} install"),
+    Pin("verl.workers.utils.losses:ppo_loss", "verl.workers.utils.losses:ppo_loss",
+        "(config: verl.workers.config.actor.ActorConfig, model_output, data: tensordict._td.TensorDict, dp_group=None)",
+        f"{LOSS} observation_ppo_loss"),
+    Pin("verl.workers.utils.padding:no_padding_2_padding", "verl.workers.utils.padding:no_padding_2_padding",
+        "(tensor: torch.Tensor, data: tensordict._td.TensorDict) -> torch.Tensor", f"{LOSS} observation_ppo_loss"),
+    Pin("verl.trainer.ppo.core_algos:agg_loss", "verl.trainer.ppo.core_algos:agg_loss",
+        "(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1, "
+        "batch_num_tokens: Optional[int] = None, global_batch_size: Optional[int] = None, "
+        "loss_scale_factor: Optional[int] = None)", f"{LOSS} observation_nll"),
     # -- the TaskRunner and the entry point --
     Pin("verl.trainer.main_ppo:TaskRunnerV1.__ray_actor_class__", "verl.trainer.main_ppo:TaskRunnerV1",
         "(*, _ray_trace_ctx=None)", f"{RUNNER} EnvaceTaskRunner subclasses"),
@@ -228,21 +242,30 @@ def test_every_override_of_envaces_verl_subclasses_is_pinned():
     assert not missing, missing
 
 
-#: lines of verl's source envace's held-out validation relies on (``HeldoutValidation`` in envace/verl/trainer.py):
-#: ``_validate`` draws its batches from ``self.val_dataloader`` and stamps their uids on the drawn dict in place (the
-#: wrapper reads them back after each yield), and takes each row's sample count from its ``__rollout_n__`` (the greedy
-#: copy's one sample), which the agent-loop worker pops per prompt
+#: lines of verl's source envace relies on, and where. envace's held-out validation (``HeldoutValidation`` in
+#: envace/verl/trainer.py): ``_validate`` draws its batches from ``self.val_dataloader`` and stamps their uids on the
+#: drawn dict in place (the wrapper reads them back after each yield), and takes each row's sample count from its
+#: ``__rollout_n__`` (the greedy copy's one sample), which the agent-loop worker pops per prompt. The observation loss
+#: (envace/verl/observation_loss.py): the actor worker's own loss function is ``ppo_loss`` with the actor's config,
+#: which the installed one wraps, and verl's engine calls it with these keywords
+VALIDATION = "envace/verl/trainer.py"
 SOURCE_LINES = [
-    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", "for batch_dict in self.val_dataloader:"),
-    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", 'batch_dict["uid"] = np.array('),
-    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", '"__rollout_n__", [self.config.actor_rollout_ref'),
-    ("verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ._run_prompt", 'n = prompt.pop("__rollout_n__", '),
+    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", "for batch_dict in self.val_dataloader:", VALIDATION),
+    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", 'batch_dict["uid"] = np.array(', VALIDATION),
+    ("verl.trainer.ppo.v1.trainer_base:PPOTrainer._validate", '"__rollout_n__", [self.config.actor_rollout_ref',
+     VALIDATION),
+    ("verl.trainer.ppo.v1.agent_loop_tq:AgentLoopWorkerTQ._run_prompt", 'n = prompt.pop("__rollout_n__", ',
+     VALIDATION),
+    ("verl.workers.engine_workers:ActorRolloutRefWorker.init_model",
+     "self.loss_fn = partial(ppo_loss, config=actor_config)", LOSS),
+    ("verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.forward_step",
+     "model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()", LOSS),
 ]
 
 
-@pytest.mark.parametrize("target,line", SOURCE_LINES, ids=[f"{t.split(':')[1]}:{i}" for i, (t, _) in
-                                                          enumerate(SOURCE_LINES)])
-def test_pinned_verl_source_line(target, line):
+@pytest.mark.parametrize("target,line,site", SOURCE_LINES, ids=[f"{t.split(':')[1]}:{i}" for i, (t, _, _) in
+                                                               enumerate(SOURCE_LINES)])
+def test_pinned_verl_source_line(target, line, site):
     assert md.version("verl") == VERSIONS["verl"]
     module_name, _, path = target.partition(":")
     obj: Any = importlib.import_module(module_name)
@@ -250,7 +273,7 @@ def test_pinned_verl_source_line(target, line):
         obj = getattr(obj, name)
     obj = getattr(obj, "__ray_actor_class__", obj)
     source = inspect.getsource(obj)
-    assert line in source, f"verl {VERSIONS['verl']}: {target} no longer contains {line!r} (envace/verl/trainer.py)"
+    assert line in source, f"verl {VERSIONS['verl']}: {target} no longer contains {line!r} ({site})"
 
 
 #: the registries pre-flight reads to resolve a configured name before Ray starts
