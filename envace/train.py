@@ -793,6 +793,7 @@ def launch(cfg: DictConfig) -> None:
     a node that does not stops the run before training."""
     import ray
 
+    from envace.config import envace_config_from, record_prompt_versions
     from envace.launch import check_shared_storage
     from envace.verl.runner import run, run_env
 
@@ -802,6 +803,8 @@ def launch(cfg: DictConfig) -> None:
         check_shared_storage(cfg.trainer.default_local_dir, worker_paths(cfg))
     # verl's file logger opens its file without making the folder (the file's name alone carries the launch's time)
     Path(run_env(cfg)["VERL_FILE_LOGGER_PATH"]).parent.mkdir(parents=True, exist_ok=True)
+    # the versions of the prompt files this launch's rollouts read, next to its checkpoints (one line per launch)
+    record_prompt_versions(cfg.trainer.default_local_dir, envace_config_from(cfg))
     run(cfg)
 
 
