@@ -184,7 +184,7 @@ def add_common_arguments(p: argparse.ArgumentParser, bench: Benchmark) -> None:
     loop.add_argument("--runner-arg", action="append", default=[], metavar="KEY=VALUE", help="option for --runner")
     add_tts_arguments(p.add_argument_group(
         "test-time rehearsal (EnvACE §4.3: N private rehearsals, self-evaluation, memory, one committed execution; "
-        "envace.eval.tts.TTSConfig)"
+        "envace.loop_config.TTSConfig, the keys of envace.tts in Hydra)"
     ))
 
     sel = p.add_argument_group("task selection")

@@ -1,6 +1,6 @@
 """configs/envace/default.yaml states the defaults of the schema dataclasses (envace/config.py and the sections it
-embeds: LoopLimits, RehearsalPrompt, ChecklistJudgeConfig) and nothing else: every YAML key is a dataclass field
-with the same default, every dataclass field is in the YAML, recursively, and every key carries a comment. The
+embeds: LoopLimits, RehearsalPrompt, TTSConfig, ChecklistJudgeConfig) and nothing else: every YAML key is a dataclass
+field with the same default, every dataclass field is in the YAML, recursively, and every key carries a comment. The
 dataclasses are the one source; the YAML is their documented copy, checked here."""
 
 from __future__ import annotations
