@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from envace.loop_config import LoopLimits, RehearsalPrompt, TTSConfig
+from envace.loop_config import LoopLimits, RehearsalPrompt, TTSConfig, prompt_text
 from envace.rewards.checklist import ChecklistJudgeConfig
 from envace.roles import Role
 from envllm import RENAMED_KEYS, EndpointConfig
@@ -105,6 +105,9 @@ class AgentConfig:
     seed_requests: bool = True
     # how the rehearsal prompt is built (history budget, real examples, schemas)
     rehearsal: RehearsalPrompt = field(default_factory=RehearsalPrompt)
+    # version of the note that hands the policy tools added mid-episode (BFCL miss_func) in training rollouts, the file
+    # envace/prompts/tools_added_<version>.txt (an OpenAI endpoint re-renders its system prompt instead)
+    tools_added_version: str = "v1"
     # seconds one environment call or verification may take before the rollout is masked (unscored)
     env_timeout_s: float = 60.0
     # external simulator endpoint (observation_source=simulator; envllm.EndpointConfig keys, e.g.
@@ -135,6 +138,11 @@ class AgentConfig:
             raise ValueError(f"envace.agent.rehearse_max_tokens must be >= 1, got {self.rehearse_max_tokens}")
         if self.env_timeout_s <= 0:
             raise ValueError(f"envace.agent.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        try:
+            prompt_text("tools_added", self.tools_added_version)
+        except ValueError as exc:
+            version = self.tools_added_version
+            raise ValueError(f"envace.agent.tools_added_version {version!r} has no file: {exc}") from None
         if self.worldbook is not None:
             if self.worldbook != AUTO and not Path(self.worldbook).exists():
                 raise ValueError(f"envace.agent.worldbook {self.worldbook!r} does not exist "
@@ -545,10 +553,11 @@ def tts_config_from(cfg: Any, where: str = "config") -> TTSConfig:
 
 
 def prompt_versions(ecfg: EnvAceConfig) -> dict[str, str]:
-    """The versions of the prompt files a training run with ``ecfg`` uses, by prompt: the rehearsal prompt the policy
-    reads in its REHEARSE role (``envace.agent.rehearsal.version``) and the checklist judge's
-    (``envace.reward.checklist.prompt_version``)."""
-    return {"rehearsal": ecfg.agent.rehearsal.version, "checklist_judge": ecfg.reward.checklist.prompt_version}
+    """The versions of the prompt files a training run with ``ecfg`` uses, by prompt: those the policy reads (the
+    rehearsal prompt of its REHEARSE role, ``envace.agent.rehearsal.version``; the mid-episode tool announcement,
+    ``envace.agent.tools_added_version``) and the checklist judge's (``envace.reward.checklist.prompt_version``)."""
+    return {"rehearsal": ecfg.agent.rehearsal.version, "tools_added": ecfg.agent.tools_added_version,
+            "checklist_judge": ecfg.reward.checklist.prompt_version}
 
 
 #: the run directory's record of the prompt versions, one line per launch (a resumed run adds one)

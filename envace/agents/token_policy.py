@@ -23,10 +23,12 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from string import Template
 from typing import Any, Protocol
 
 from envace.agents.engine import Reply, Role, assistant_message
 from envace.agents.sources import RehearsalFormatError, parse_rehearsal
+from envace.loop_config import prompt_text
 from envace.toolcall import parse_tool_calls
 
 __all__ = [
@@ -156,13 +158,15 @@ def _added_tools(before: list[dict[str, Any]] | None, after: list[dict[str, Any]
     return [t for t in after or [] if _tool_name(t) not in known]
 
 
-def announce_tools(tools: list[dict[str, Any]]) -> str:
+def announce_tools(tools: list[dict[str, Any]], version: str = "v1") -> str:
     """The text that hands the model tools added mid-episode (e.g. BFCL ``miss_func``), in the chat template's
-    own ``<tools>`` notation. An OpenAI endpoint re-renders the system prompt with the new tool list on every
-    request; a token-in/token-out context cannot change its tokenised system prompt, so the tools are
-    announced in the next user message instead (BFCL's own format for prompted models does the same)."""
+    own ``<tools>`` notation: the versioned file ``envace/prompts/tools_added_<version>.txt``
+    (``envace.agent.tools_added_version``; its final newline is not part of the text). An OpenAI endpoint re-renders
+    the system prompt with the new tool list on every request; a token-in/token-out context cannot change its
+    tokenised system prompt, so the tools are announced in the next user message instead (BFCL's own format for
+    prompted models does the same)."""
     body = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)  # one tool per line, as the template does
-    return f"You can now also call these functions (signatures within <tools></tools> XML tags):\n<tools>\n{body}\n</tools>"
+    return Template(prompt_text("tools_added", version).removesuffix("\n")).substitute(tools=body)
 
 
 class TokenPolicy:
@@ -175,7 +179,8 @@ class TokenPolicy:
 
     def __init__(self, context: TokenContext, generate: Generate, decode: Callable[[list[int]], str], *,
                  sampling: dict[str, Any], budget: int, act_max_tokens: int | None = None,
-                 rehearse_max_tokens: int = 256, rehearse_temperature: float | None = None) -> None:
+                 rehearse_max_tokens: int = 256, rehearse_temperature: float | None = None,
+                 tools_added_version: str = "v1") -> None:
         self.context = context
         self.generate = generate
         self.decode = decode
@@ -184,6 +189,7 @@ class TokenPolicy:
         self.act_max_tokens = act_max_tokens
         self.rehearse_max_tokens = int(rehearse_max_tokens)
         self.rehearse_temperature = rehearse_temperature
+        self.tools_added_version = tools_added_version  # the mid-episode tool announcement's prompt file version
         self.act: _ActState | None = None
         self.generations: list[Generation] = []
 
@@ -205,7 +211,8 @@ class TokenPolicy:
             if added:  # the chat template put the tools in the system prompt, which is already tokenised
                 for m in appended:
                     if m.get("role") == "user":
-                        m["content"] = announce_tools(added) + "\n\n" + str(m.get("content") or "")
+                        m["content"] = announce_tools(added, self.tools_added_version) + "\n\n" + str(
+                            m.get("content") or "")
                         break
             st.ids, st.mask, st.logprobs = await self.context.merge_context(
                 st.seen, st.seen + appended, st.ids, st.mask, st.logprobs, tools

@@ -172,7 +172,7 @@ class VerlPolicy(TokenPolicy):
             lambda ids: loop.tokenizer.decode(ids, skip_special_tokens=True),
             sampling=sampling_params, budget=int(loop.rollout_config.response_length),
             act_max_tokens=cfg.act_max_tokens, rehearse_max_tokens=cfg.rehearse_max_tokens,
-            rehearse_temperature=cfg.rehearse_temperature,
+            rehearse_temperature=cfg.rehearse_temperature, tools_added_version=cfg.tools_added_version,
         )
         self.loop = loop
         self.cfg = cfg
