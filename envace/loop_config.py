@@ -7,9 +7,10 @@ They sit below both users: the turn engine, the observation sources (``envace.ag
 reaches into either. The evaluation CLI sets the same limits and rehearsal settings from flags generated from the
 fields (``--max-user-turns`` ..., ``--tts`` / ``--rehearsals`` ...): the dataclass defaults are the one source.
 
-Every prompt the policy reads that envace writes (the rehearsal prompt in training and at test time, the test-time
-rehearsal's evaluation, summary and memory) is a file ``envace/prompts/<name>_<version>.txt``, read here and nowhere
-else; the config names the version (``envace.agent.rehearsal.version``, ``envace.tts.prompt_version``) and runs
+Every prompt the policy reads that envace writes (the rehearsal prompt in training and at test time, the note that
+announces tools added mid-episode in training, the test-time rehearsal's evaluation, summary and memory) is a file
+``envace/prompts/<name>_<version>.txt``, read here and nowhere else; the config names the version
+(``envace.agent.rehearsal.version``, ``envace.agent.tools_added_version``, ``envace.tts.prompt_version``) and runs
 record it (:func:`envace.config.prompt_versions` in training, ``run.json``'s ``prompts`` in evaluation). Never edit
 a released version: add ``_v2`` and make it the default.
 """
