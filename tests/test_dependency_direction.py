@@ -13,9 +13,10 @@ a module. Lowest first:
 ``envace`` (:data:`LAYERS`):
 
 1. ``roles`` — the one :class:`~envace.roles.Role` enum (imports no other envace unit: every layer uses it);
-2. ``envace`` (the package root), ``cache``, ``loop_config`` (the rollout loop's limits), ``metrics``, ``trackers``,
-   ``advantage`` (role-wise GRPO, pure math), ``platform`` (verl's CPU platform, ``hfcpu`` rollout and vLLM-CPU
-   hooks: the device layer, which the warm start's in-process decoder reuses) — import no other envace unit;
+2. ``envace`` (the package root), ``cache``, ``loop_config`` (the rollout loop's limits, the test-time rehearsal
+   settings, the prompt files' loader), ``metrics``, ``trackers``, ``advantage`` (role-wise GRPO, pure math),
+   ``platform`` (verl's CPU platform, ``hfcpu`` rollout and vLLM-CPU hooks: the device layer, which the warm start's
+   in-process decoder reuses) — import no other envace unit;
 3. ``envs`` — the environment protocol, the pools and their verifiers;
 4. ``data`` — training data built from the pools (verl parquet, CM2 conversion, EnvSched records, traces,
    worldbooks): it reads pools, no pool reads it;

@@ -43,6 +43,7 @@ from verl.utils.dataset.rl_dataset import collate_fn
 from envace.advantage import ESTIMATOR_NAME, role_labels
 from envace.agents.contract import key_group
 from envace.config import EnvAceConfig, validate_envace_config
+from envace.verl.observation_loss import ObservationLossMixin
 from envace.verl.prompts import PromptLedger, Settled
 from envace.verl.sched import (
     STATE_FILE,
@@ -57,7 +58,7 @@ from envace.verl.trainer import DUMP_COLUMNS, IS_FIELDS, SYNC_FIELDS, HeldoutVal
 logger = logging.getLogger(__name__)
 
 
-class EnvaceTrainerMixin:
+class EnvaceTrainerMixin(ObservationLossMixin):
     """Role labels for ``grpo_rolewise``, per-role and staleness metrics, role-tagged dumps, held-out validation
     (:mod:`envace.verl.trainer` holds the verl-free parts); placed before one of verl's V1 trainers.
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from envace.data.datasets import stable_order
 from envace.envs.base import get_pool
-from envace.envs.datasets import stable_order
 from envace.eval.server import launch_server
 from envace.verl.config import compose
 

@@ -91,7 +91,7 @@ ESTIMATORS = {
     # what the rehearsals said, so the warm start's real-environment success measures it; on an answer task the
     # answer comes from a rehearsed observation, and the initial reward was 0.0 to 0.02 on the band's query tasks)
     # (both roles sample at the rollout temperature: verl scores every trained output at it)
-    "grpo_rolewise": Estimator(10, (
+    "grpo_rolewise": Estimator(8, (
         "actor_rollout_ref.actor.optim.lr=1e-3",
     ), shapes=("act",)),
 }
@@ -105,7 +105,7 @@ def mean(series: dict[int, float], steps: range) -> float:
 def learnable_tasks(shapes: tuple[str, ...] | None = None) -> list[str]:
     """The ``TASKS`` candidates (of ``shapes``) with the largest p(1 - p) under the warm start (ties: the seeded
     order)."""
-    from envace.envs.datasets import stable_order
+    from envace.data.datasets import stable_order
     from envace.models.warmstart import learning_pool, task_success
 
     pool = learning_pool()
