@@ -22,6 +22,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 LITELLM_LOCAL_MODEL_COST_MAP=True
+# bytecode caches on: every pytest session (and each xdist worker) rewrites the test modules' asserts and every CLI
+# test's subprocess compiles the project's modules, each time again where PYTHONDONTWRITEBYTECODE is set
+unset PYTHONDONTWRITEBYTECODE
 cpus="$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${ENVACE_TEST_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
 # a slow worker runs a whole trainer with its rollout engine: one with vLLM's CPU engine peaked at 11.5 GiB, and two
