@@ -10,6 +10,8 @@ Rewards lie in [0, 1] (partial credit or 0/1).  The per-task Beta posteriors of 
 count a group's rewards as fractional successes, ``alpha += sum(r)``, ``beta += sum(1 - r)`` (the Beta-Bernoulli
 update when rewards are 0/1; with partial credit the posterior is over the task's mean reward).  Beta moments come
 from ``scipy.special.betaln``, Beta draws from ``numpy.random.Generator.beta``, ranks from ``scipy.stats.rankdata``.
+``VIPSampler`` is the one baseline that reads task text: it predicts success rates with scikit-learn's
+``GaussianProcessRegressor`` over TF-IDF features of the instructions.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.special import betaln
+from scipy.special import betaln, expit, logit
 from scipy.stats import rankdata
+from sklearn.decomposition import TruncatedSVD
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.gaussian_process import GaussianProcessRegressor
+from sklearn.gaussian_process.kernels import RBF
+from sklearn.preprocessing import normalize
 
 
 def top_b(score: np.ndarray, b: int, rng: np.random.Generator, candidates: np.ndarray | None = None) -> np.ndarray:
@@ -292,3 +299,140 @@ class PrioritizedLevelReplay(_Baseline):
         self.scores[nodes] = [np.abs(g - g.mean()).mean() for g in groups]
         self.last_played[nodes] = step
         self.seen[nodes] = True
+
+
+def instruction_features(pool, n_components: int = 32, seed: int = 0) -> np.ndarray:
+    """Unit-length prompt embeddings of the pool's tasks: TF-IDF of each task's instruction (scikit-learn's
+    ``TfidfVectorizer``, sublinear tf), projected on its ``n_components`` leading singular directions
+    (``TruncatedSVD``) and L2-normalised, so that distances lie in [0, 2] as between the unit sentence embeddings
+    VIP's kernel is defined on.  Raises ValueError when the instructions hold no term (a text-free pool)."""
+    texts = [t.instruction for t in pool.tasks]
+    try:
+        x = TfidfVectorizer(sublinear_tf=True).fit_transform(texts)
+    except ValueError:  # empty vocabulary
+        raise ValueError("VIPSampler: the pool's instructions hold no terms to embed; VIP reads task text") from None
+    k = max(1, min(n_components, x.shape[0] - 1, x.shape[1] - 1))
+    return normalize(TruncatedSVD(k, random_state=seed).fit_transform(x))
+
+
+class VIPSampler(_Baseline):
+    """VIP: a Gaussian-process prediction of each task's success rate, and the batch chosen by its predicted
+    Bernoulli variance.
+
+    Source: Nguyen, Nguyen, Ma, Zhao, She & Nguyen (2026), "Adaptive Rollout Allocation for Online Reinforcement
+    Learning with Verifiable Rewards" (VIP, ICLR 2026, arXiv 2602.01601).
+    * Prediction: p_q = sigmoid(g(x_q)) with a latent g ~ GP(m_t, k) over prompt embeddings x_q and the RBF kernel
+      k(x, x') = exp(-|x - x'|^2 / (2 h^2)).  A group's mean reward R_q becomes the latent observation
+      g_hat_q = logit(clip(R_q, eps, 1 - eps)), and each step the prior mean moves to the GP posterior mean given
+      the observations of the last ``window_steps`` steps (the latest one per task), X = their tasks:
+          m_{t+1}(x) = m_t(x) + k(x, X) [k(X, X) + sigma^2 I]^{-1} (g_hat_X - m_t(X)),
+          var_{t+1}(x) = k(x, x) - k(x, X) [k(X, X) + sigma^2 I]^{-1} k(X, x)   (``posterior``),
+      p_hat_q = sigmoid(m_{t+1}(x_q)).  Defaults are the authors' released settings: h = 0.4 on unit-length embeddings,
+      sigma^2 = 1e-4, m_0 = -1 (p = 0.27), a window of 3 steps, eps = 1e-6.
+    * Variance: the per-prompt gradient variance of Dr. GRPO, (n - 1) / n^2 * 4 sigma_Z^2 p (1 - p), and of RLOO,
+      4 sigma_Z^2 p (1 - p) / (n - 1), with n rollouts, both scale with the Bernoulli variance p (1 - p) of a 0/1
+      reward (with partial credit in [0, 1], p (1 - p) bounds the reward variance of a task with mean p);
+      a_q = p_hat_q (1 - p_hat_q) is its prediction.
+    * Allocation: VIP splits a rollout budget over the prompts of the incoming batch by a convex program (minimise
+      the summed per-prompt gradient variance a_q c(n_q) over n_q, sum_q n_q = budget, bounds on n_q, c(n) the
+      Dr. GRPO or RLOO factor above); each prompt's term is a_q times a function of n_q alone, so the optimal n_q
+      grows with a_q.  Adapted to fixed B x K batches, every allocation is n_q in {0, K} with exactly B prompts at
+      K, and the prompts' terms at K differ only through a_q: the K rollouts go to the B prompts of largest a_q
+      (``top_b``, ties at random).  The incoming batch is the whole pool (as for ``ThompsonSampler``), or, with
+      ``candidate_factor`` c, c x B tasks drawn uniformly each step (VIP's data-loader batch).
+    The prompt embedding is ``instruction_features`` (TF-IDF + truncated SVD of the instruction, standing in for the
+    sentence embedding VIP uses).  Observed tasks keep their updated latent mean; unobserved tasks far from any
+    observation keep m_0, the exploration VIP gets from its prior.
+
+    Cost, with N tasks, d embedding dimensions and w <= window_steps x B tasks in the window: building the
+    features is one TF-IDF pass over the instructions and a randomized SVD (O(nnz x d)); each observe factorises
+    the w x w kernel matrix (O(w^3 + w^2 d)) and moves the mean of every task (O(N w d)); each select scores and
+    ranks the pool (O(N)).  Memory is O(N d).
+    """
+
+    phase = "vip"
+
+    def __init__(self, pool, batch_size: int = 64, rollouts_per_task: int = 8, seed: int = 0, *,
+                 length_scale: float = 0.4, noise: float = 1e-4, prior_mean: float = -1.0, window_steps: int = 3,
+                 clip: float = 1e-6, n_components: int = 32, candidate_factor: int | None = None):
+        super().__init__(pool, batch_size, rollouts_per_task, seed)
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        if not 0.0 < clip < 0.5:
+            raise ValueError(f"clip must be in (0, 0.5), got {clip}")
+        if candidate_factor is not None and candidate_factor < 1:
+            raise ValueError(f"candidate_factor must be >= 1 or None, got {candidate_factor}")
+        self.noise, self.prior_mean, self.window_steps = noise, prior_mean, window_steps
+        self.clip, self.candidate_factor = clip, candidate_factor
+        self.kernel = RBF(length_scale, length_scale_bounds="fixed")
+        self.features = instruction_features(pool, n_components)
+        self.latent_mean = np.full(self.n, float(prior_mean))  # m_t over the pool
+        self.window: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # step -> (tasks, g_hat) observed at it
+        self.gp: GaussianProcessRegressor | None = None  # the last step's posterior over the window
+        self._exclude = np.zeros(self.n, dtype=bool)
+
+    def select(self, step: int, exclude: Sequence[str] | np.ndarray | None = None) -> list[str]:
+        """The step's B tasks; ``exclude`` (task ids, or a bool mask over the pool) are never chosen.  Raises
+        ValueError when fewer than B tasks remain."""
+        mask = self._exclude_mask(step, exclude)
+        if step not in self.selections and self.n - int(mask.sum()) < self.B:
+            raise ValueError(f"select({step}): {int(mask.sum())} of {self.n} tasks excluded, fewer than B = {self.B} left")
+        self._exclude = mask
+        return super().select(step)
+
+    def _exclude_mask(self, step: int, exclude: Sequence[str] | np.ndarray | None) -> np.ndarray:
+        mask = np.zeros(self.n, dtype=bool)
+        if isinstance(exclude, np.ndarray) and exclude.dtype == bool:
+            if exclude.shape != (self.n,):
+                raise ValueError(f"select({step}): an exclude mask must have the pool's shape ({self.n},), got {exclude.shape}")
+            mask[:] = exclude
+        elif exclude is not None:
+            try:
+                mask[self.pool.indices(list(exclude))] = True
+            except KeyError as exc:
+                raise ValueError(f"select({step}): exclude holds {exc.args[0]}") from None
+        return mask
+
+    def success_rate(self) -> np.ndarray:
+        """p_hat = sigmoid(m_t) for every task of the pool."""
+        return expit(self.latent_mean)
+
+    def score(self) -> np.ndarray:
+        """a = p_hat (1 - p_hat): the predicted Bernoulli variance the allocation ranks by."""
+        p = self.success_rate()
+        return p * (1.0 - p)
+
+    def posterior(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(m_t, var_t) of the latent g at ``nodes``: the recursive mean, and the GP variance given the window (the
+        prior variance k(x, x) = 1 before any observation)."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        if self.gp is None:
+            return self.latent_mean[nodes].copy(), np.ones(len(nodes))
+        _, sd = self.gp.predict(self.features[nodes], return_std=True)
+        return self.latent_mean[nodes].copy(), sd**2
+
+    def _choose(self, step: int) -> np.ndarray:
+        free = np.flatnonzero(~self._exclude)
+        if self.candidate_factor is not None:
+            free = self.rng.choice(free, size=min(len(free), self.candidate_factor * self.B), replace=False)
+        return top_b(self.score(), self.B, self.rng, free)
+
+    def _update(self, step: int, nodes: np.ndarray, groups: list[np.ndarray]) -> None:
+        g_hat = logit(np.clip([g.mean() for g in groups], self.clip, 1.0 - self.clip))
+        if step in self.window:  # a step observed in pieces
+            old_nodes, old_g = self.window[step]
+            nodes, g_hat = np.concatenate([old_nodes, nodes]), np.concatenate([old_g, g_hat])
+        self.window[step] = (nodes, g_hat)
+        for s in [s for s in self.window if s <= step - self.window_steps]:
+            del self.window[s]
+        x, g = self._window_data()
+        gp = GaussianProcessRegressor(self.kernel, alpha=self.noise, optimizer=None)
+        self.gp = gp.fit(self.features[x], g - self.latent_mean[x])
+        self.latent_mean += gp.predict(self.features)
+
+    def _window_data(self) -> tuple[np.ndarray, np.ndarray]:
+        """The window's tasks and their latest latent observations (later steps, and later pieces, win)."""
+        nodes = np.concatenate([self.window[s][0] for s in sorted(self.window)])
+        g = np.concatenate([self.window[s][1] for s in sorted(self.window)])
+        last = len(nodes) - 1 - np.unique(nodes[::-1], return_index=True)[1]
+        return nodes[last], g[last]

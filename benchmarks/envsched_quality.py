@@ -30,9 +30,11 @@ sampling from a Beta posterior per task with the target p (1 - p) or the GRPO fo
 dynamic sampling (random batches, groups without reward spread dropped and refilled in batches of B, or only the
 shortfall; every rollout generated counted); MoPPS-style Thompson sampling on the same posteriors (sampled p nearest
 0.5); prioritized level replay (rank prioritisation of the mean absolute advantage, staleness mixing, proportionate
-replay probability).  They read only task ids and environments, so ``--text-free`` runs them on a pool without text
-(``--envs`` x ``--tasks-per-env`` tasks named like the synthetic ones, structure clusters drawn uniformly): the pool
-size EnvSched's graph cannot be built at on this machine (issue 34, deliverable 1).
+replay probability); VIP (a Gaussian process over TF-IDF embeddings of the instructions predicts each task's
+success rate p, and the batch is the B tasks of largest predicted p (1 - p)).  All but VIP read only task ids and
+environments, so ``--text-free`` runs them on a pool without text (``--envs`` x ``--tasks-per-env`` tasks named
+like the synthetic ones, structure clusters drawn uniformly): the pool size EnvSched's graph cannot be built at on
+this machine (issue 34, deliverable 1).
 
 Arms: random; full EnvSched (the shipped config); the paper's Table 3(a) ablations and the eligibility
 filters: without S_abs (within-environment edges only: K_cross = 0, all fusion weight on G^in), without
@@ -87,6 +89,7 @@ from envsched_baselines import (
     LearnabilitySampler,
     PrioritizedLevelReplay,
     ThompsonSampler,
+    VIPSampler,
 )
 
 from envsched import EnvSchedConfig, EnvScheduler, TaskPool
@@ -111,8 +114,10 @@ BASELINES = {
     "dynamic sampling (refill shortfall)": lambda *a: DynamicSampler(*a, refill="shortfall"),
     "Thompson (MoPPS)": lambda *a: ThompsonSampler(*a),
     "PLR": lambda *a: PrioritizedLevelReplay(*a),
+    "VIP": lambda *a: VIPSampler(*a),
 }
-CHEAP_ARMS = ("random", *BASELINES)  # arms that read no task text
+TEXT_BASELINES = ("VIP",)  # baselines that embed the task text
+CHEAP_ARMS = ("random", *(a for a in BASELINES if a not in TEXT_BASELINES))  # arms that read no task text
 RELATION_ARMS = ("without S_abs", "without S_full", "without both")
 ORACLE = "oracle q (ceiling)"
 # Relations weighted by their measured predictive value (issue 34, deliverable 3; envsched/relations.py).

@@ -8,6 +8,8 @@ import sys
 import envsched_baselines as bl
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from envsched import TaskPool
 
@@ -120,6 +122,121 @@ def test_plr_replays_in_proportion_to_the_seen_levels():
     assert set(n_replay) == {0, 1, 2, 3}  # Binomial(3, 1/2) replays per batch (seeded: 40 batches)
 
 
+# Three instructions with disjoint words, one per kind of task: the embeddings of two kinds are orthogonal
+# (distance sqrt(2)), those of one kind equal.
+MID, EASY, HARD = "assign the coverage record", "delete archived log entry", "reconcile quarterly ledger totals"
+
+
+def text_pool(n_mid: int = 60, n_easy: int = 30, n_hard: int = 30) -> tuple[TaskPool, np.ndarray]:
+    """A pool of mid-, easy- and hard-template tasks and their success rates 0.5, 0.98 and 0.02."""
+    kinds = [(MID, 0.5)] * n_mid + [(EASY, 0.98)] * n_easy + [(HARD, 0.02)] * n_hard
+    pool = TaskPool.from_records({"task_id": f"t{i}", "env_id": f"e{i % 3}", "instruction": text}
+                                 for i, (text, _) in enumerate(kinds))
+    return pool, np.array([p for _, p in kinds])
+
+
+def rbf(a: np.ndarray, b: np.ndarray, h: float) -> np.ndarray:
+    return np.exp(-((a[:, None, :] - b[None, :, :]) ** 2).sum(-1) / (2 * h**2))
+
+
+def test_vip_mean_update_is_the_gp_posterior_mean_over_the_window_by_hand():
+    pool, _ = text_pool(4, 2, 2)
+    sched = bl.VIPSampler(pool, batch_size=2, rollouts_per_task=4, seed=0, window_steps=2)
+    f, h, s2, m0 = sched.features, 0.4, 1e-4, -1.0
+    assert np.allclose(np.linalg.norm(f, axis=1), 1.0)
+    assert np.allclose(sched.success_rate(), 1 / (1 + np.e))  # m_0 = -1 everywhere
+    sched.observe(0, {"t0": [1, 0, 1, 1], "t4": [1.0] * 4})  # R = 0.75 and 1 (clipped to 1 - 1e-6)
+    x, g = np.array([0, 4]), np.log(np.array([0.75, 1 - 1e-6]) / np.array([0.25, 1e-6]))
+    m1 = m0 + rbf(f, f[x], h) @ np.linalg.solve(rbf(f[x], f[x], h) + s2 * np.eye(2), g - m0)
+    np.testing.assert_allclose(sched.latent_mean, m1, rtol=1e-6, atol=1e-6)
+    assert sched.latent_mean[0] == pytest.approx(np.log(3), abs=1e-3)  # the posterior mean interpolates g_hat
+    mean, var = sched.posterior(np.array([0, 1, 6]))
+    np.testing.assert_allclose(mean, m1[[0, 1, 6]])
+    k = rbf(f[[0, 1, 6]], f[x], h)
+    np.testing.assert_allclose(var, 1 - np.einsum("ij,ji->i", k, np.linalg.solve(rbf(f[x], f[x], h) + s2 * np.eye(2), k.T)),
+                               atol=1e-8)
+    # t0 observed and t1 with the same instruction: near-certain; t6, far from every observation: the prior's 1
+    assert var[0] < 1e-3 and var[1] < 1e-3 and var[2] == pytest.approx(1.0, abs=1e-4)
+    # step 1: the window holds steps 0 and 1, t0 again with its newer observation (the latest one per task wins)
+    sched.observe(1, {"t0": [0.0] * 4, "t6": [0, 0, 0, 1]})
+    x, g = np.array([4, 0, 6]), np.log(np.array([1 - 1e-6, 1e-6, 0.25]) / np.array([1e-6, 1 - 1e-6, 0.75]))
+    m2 = m1 + rbf(f, f[x], h) @ np.linalg.solve(rbf(f[x], f[x], h) + s2 * np.eye(3), g - m1[x])
+    np.testing.assert_allclose(sched.latent_mean, m2, rtol=1e-6, atol=1e-5)
+    sched.observe(3, {"t1": [1, 0, 1, 0]})  # steps 0 and 1 leave the window (2 steps: 2 and 3)
+    assert list(sched.window) == [3]
+
+
+def test_vip_picks_the_top_b_of_the_predicted_bernoulli_variance():
+    pool, _ = text_pool(4, 2, 2)
+    sched = bl.VIPSampler(pool, batch_size=3, seed=0)
+    sched.latent_mean[:] = [0.1, -3.0, 2.0, -0.2, 5.0, 0.0, -6.0, 1.0]
+    p = 1 / (1 + np.exp(-sched.latent_mean))
+    np.testing.assert_allclose(sched.score(), p * (1 - p))
+    assert sorted(sched.select(0)) == ["t0", "t3", "t5"]  # the three latent means nearest 0 (p nearest 1/2)
+    assert sorted(sched.select(1, exclude=["t5"])) == ["t0", "t3", "t7"]
+    mask = np.zeros(8, dtype=bool)
+    mask[[0, 3]] = True
+    assert sorted(sched.select(2, exclude=mask)) == ["t2", "t5", "t7"]
+    with pytest.raises(ValueError, match="exclude holds"):
+        sched.select(3, exclude=["nope"])
+    with pytest.raises(ValueError, match="fewer than B"):
+        sched.select(3, exclude=[f"t{i}" for i in range(6)])
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(6, 40), data=st.data())
+def test_vip_returns_b_distinct_pool_tasks_and_none_excluded(n, data):
+    pool, rate = text_pool(n // 2, n // 4, n - n // 2 - n // 4)
+    b = data.draw(st.integers(1, n // 2))
+    excluded = data.draw(st.lists(st.booleans(), min_size=n, max_size=n).filter(lambda m: n - sum(m) >= b))
+    factor = data.draw(st.sampled_from([None, 1, 2]))
+    sched = bl.VIPSampler(pool, batch_size=b, rollouts_per_task=4, seed=data.draw(st.integers(0, 3)),
+                          candidate_factor=factor)
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        ids = sched.select(step, exclude=np.array(excluded))
+        assert len(ids) == len(set(ids)) == b
+        assert not np.array(excluded)[pool.indices(ids)].any()
+        sched.observe(step, {t: rng.binomial(1, rate[i], 4).tolist() for t, i in zip(ids, pool.indices(ids))})
+
+
+def test_vip_is_deterministic_for_a_seed():
+    pool, rate = text_pool()
+
+    def batches(seed):
+        sched, rng, out = bl.VIPSampler(pool, batch_size=8, seed=seed), np.random.default_rng(1), []
+        for step in range(5):
+            ids = sched.select(step)
+            sched.observe(step, {t: rng.binomial(1, rate[i], 8).tolist() for t, i in zip(ids, pool.indices(ids))})
+            out.append(ids)
+        return out, sched.latent_mean
+
+    (a, ma), (b, mb), (c, _) = batches(0), batches(0), batches(1)
+    assert a == b and np.array_equal(ma, mb)
+    assert a != c  # the seed breaks the ties among the unobserved tasks
+
+
+def test_vip_learns_to_pick_tasks_near_half_success_far_more_often_than_random():
+    pool, rate = text_pool()  # 60 tasks at p = 0.5, 60 at 0.98 or 0.02
+    sched, rng = bl.VIPSampler(pool, batch_size=8, rollouts_per_task=8, seed=0), np.random.default_rng(0)
+    mid = []
+    for step in range(13):
+        ids = sched.select(step)
+        nodes = pool.indices(ids)
+        if step >= 3:  # after three observed steps
+            mid.extend(rate[nodes] == 0.5)
+        sched.observe(step, {t: rng.binomial(1, rate[i], 8).tolist() for t, i in zip(ids, nodes)})
+    # 80 picks; random picks a mid task with probability 1/2 (sd of the fraction <= 0.056 over 80 picks), so 0.85
+    # is more than six sd above random: the GP carries the mid template's p ~ 0.5 to its unobserved tasks and the
+    # extremes' g_hat = logit(1e-6) or logit(1 - 1e-6) to theirs
+    assert np.mean(mid) >= 0.85
+
+
+def test_vip_refuses_a_pool_without_text():
+    with pytest.raises(ValueError, match="VIP reads task text"):
+        bl.VIPSampler(pool_of(8), batch_size=2)
+
+
 class _StubLearner:
     """Rollouts fixed per task: tasks i < 100 have no reward spread, the others have variance 0.25."""
 
@@ -155,13 +272,15 @@ def test_quality_benchmark_divides_the_trained_variance_by_every_group_generated
     assert out["rollouts_per_step"] == n_gen * q.ROLLOUTS and n_gen > q.BATCH
 
 
-def test_quality_benchmark_refuses_text_reading_arms_on_a_text_free_pool(monkeypatch, capsys):
+@pytest.mark.parametrize("arm", ["EnvSched (full)", "VIP"])
+def test_quality_benchmark_refuses_text_reading_arms_on_a_text_free_pool(monkeypatch, capsys, arm):
     import envsched_quality as q
-    monkeypatch.setattr(sys, "argv", ["envsched_quality.py", "--text-free", "--arms", "random,EnvSched (full)"])
+    monkeypatch.setattr(sys, "argv", ["envsched_quality.py", "--text-free", "--arms", f"random,{arm}"])
     with pytest.raises(SystemExit) as exc:
         q.main()
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and "EnvSched (full)" in err
+    assert exc.value.code == 2 and err.count("\n") == 1 and arm in err
+    assert "VIP" in q.BASELINES and "VIP" not in q.CHEAP_ARMS
 
 
 def test_heldout_at_equal_rollouts_stops_where_the_fixed_batch_budget_runs_out():
