@@ -418,6 +418,8 @@ class VIPSampler(_Baseline):
         return top_b(self.score(), self.B, self.rng, free)
 
     def _update(self, step: int, nodes: np.ndarray, groups: list[np.ndarray]) -> None:
+        if not len(nodes):
+            return
         g_hat = logit(np.clip([g.mean() for g in groups], self.clip, 1.0 - self.clip))
         if step in self.window:  # a step observed in pieces
             old_nodes, old_g = self.window[step]
