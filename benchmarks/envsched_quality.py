@@ -1,6 +1,6 @@
 """EnvSched selection quality on simulated learners: the paper's Table 2 / Table 3(a) comparison.
 
-    .venv/bin/python benchmarks/envsched_quality.py            # 2 learners x 16 arms x 3 seeds x 200 steps
+    .venv/bin/python benchmarks/envsched_quality.py            # 2 learners x 19 arms x 3 seeds x 200 steps
     .venv/bin/python benchmarks/envsched_quality.py --quick    # the same, 60 steps
     .venv/bin/python benchmarks/envsched_quality.py --arms "random,EnvSched (full)" --learners binary --seeds 5
     .venv/bin/python benchmarks/envsched_quality.py --tasks-per-env 400   # a pool 8x the rollout budget's reach
