@@ -18,12 +18,12 @@ a released version: add ``_v2`` and make it the default.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["PROMPT_DIR", "TTS_MODES", "TTS_PROMPTS", "LoopLimits", "RehearsalPrompt", "TTSConfig", "TTSValueError",
-           "prompt_text"]
+__all__ = ["PROMPT_DIR", "TTS_MEMORIES", "TTS_MODES", "TTS_PROMPTS", "LoopLimits", "RehearsalPrompt", "TTSConfig",
+           "TTSValueError", "prompt_text"]
 
 #: the versioned prompt files (``<name>_<version>.txt``)
 PROMPT_DIR = Path(__file__).with_name("prompts")
@@ -116,10 +116,16 @@ class RehearsalPrompt:
 
 #: test-time rehearsal modes: none (plain evaluation), parallel, sequential (EnvACE §4.3)
 TTS_MODES = ("none", "parallel", "sequential")
+#: what the committed execution reads as its rehearsal memory: summary (the paper's: the model's self-evaluations
+#: summarised by the model, §4.3) or verbatim (the rehearsed attempts' transcripts themselves)
+TTS_MEMORIES = ("summary", "verbatim")
 #: the test-time rehearsal's prompt files (``tts_<name>_<version>.txt``): evaluate (one attempt → feedback),
 #: summarize (all → memory), attempt (one attempt with its feedback, inside summarize and history), history
-#: (sequential mode's earlier attempts), memory (the memory text the committed execution reads)
-TTS_PROMPTS = ("evaluate", "summarize", "attempt", "history", "memory")
+#: (sequential mode's earlier attempts), memory (the memory text the committed execution reads); with
+#: ``memory: verbatim``: transcript (one attempt, no feedback), verbatim_history and verbatim_memory (history and
+#: memory made of such transcripts)
+TTS_PROMPTS = ("evaluate", "summarize", "attempt", "history", "memory", "transcript", "verbatim_history",
+               "verbatim_memory")
 
 
 class TTSValueError(ValueError):
@@ -184,10 +190,24 @@ class TTSConfig:
     max_context_chars: int = field(default=4000, metadata=_flag("--tts-max-context-chars"))
     # at most this many items per memory list (facts, pitfalls, plan); longer lists are repaired
     max_memory_items: int = field(default=8, metadata=_flag("--tts-max-memory-items"))
+    # the memory the committed execution reads: summary (the paper's §4.3: each attempt self-evaluated, then all
+    # summarised by the model) | verbatim (the rehearsed attempts' transcripts themselves; no self-evaluation, no
+    # summary, and sequential attempts see the earlier transcripts alone: for a model that cannot write a useful
+    # review or summary)
+    memory: str = field(default="summary", metadata=_flag("--tts-memory"))
+    # verbatim memory (and sequential history): at most this many characters in all; past it each attempt's transcript
+    # is cut to an equal share, from its oldest end (its last calls and final reply stay; the headers are never cut)
+    max_memory_chars: int = field(default=4000, metadata=_flag("--tts-max-memory-chars"))
+
+    #: fields that have no effect with ``memory: summary`` and that runs recorded before they existed lack: ``run.json``
+    #: records them only with ``memory: verbatim`` (:meth:`recorded`), so those runs resume
+    VERBATIM_ONLY: ClassVar[tuple[str, ...]] = ("memory", "max_memory_chars")
 
     def __post_init__(self) -> None:
         if self.mode not in TTS_MODES:
             raise TTSValueError("mode", f"must be one of {list(TTS_MODES)}, got {self.mode!r}")
+        if self.memory not in TTS_MEMORIES:
+            raise TTSValueError("memory", f"must be one of {list(TTS_MEMORIES)}, got {self.memory!r}")
         _tts_at_least("rehearsals", self.rehearsals, 1)
         for name in ("act", "rehearse", "evaluate", "summarize"):
             t, p = getattr(self, f"{name}_temperature"), getattr(self, f"{name}_top_p")
@@ -198,7 +218,7 @@ class TTSConfig:
         if self.judge_max_tokens is not None:
             _tts_at_least("judge_max_tokens", self.judge_max_tokens, 1)
         _tts_at_least("repair_rounds", self.repair_rounds, 0)
-        for name in ("max_trajectory_chars", "max_context_chars", "max_memory_items"):
+        for name in ("max_trajectory_chars", "max_context_chars", "max_memory_items", "max_memory_chars"):
             _tts_at_least(name, getattr(self, name), 1)
         for name in TTS_PROMPTS:  # an unknown version fails here, before any task runs
             try:
@@ -210,6 +230,15 @@ class TTSConfig:
     def flags(cls) -> dict[str, str]:
         """Field name → its command-line flag (the field's metadata)."""
         return {f.name: f.metadata["flag"] for f in fields(cls)}
+
+    def recorded(self) -> dict[str, Any]:
+        """The settings as a run records them (``run.json``): every field, except :attr:`VERBATIM_ONLY` with
+        ``memory: summary`` (the paper's memory, the one every run had before the option existed)."""
+        out = asdict(self)
+        if self.memory == "summary":
+            for name in self.VERBATIM_ONLY:
+                del out[name]
+        return out
 
 
 def _tts_at_least(name: str, value: int, low: int) -> None:

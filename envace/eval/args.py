@@ -329,9 +329,10 @@ def run_identity(args: argparse.Namespace, bench: Benchmark, model: str) -> dict
 
 
 def _tts_options(tts: TTSConfig) -> dict[str, str]:
-    """The rehearsal settings as ``run.json`` records them: each value JSON-encoded, the form runs have recorded
-    since test-time rehearsal existed (so theirs resume, and :mod:`envace.eval.sweep` reads either)."""
-    return {k: json.dumps(v) for k, v in dataclasses.asdict(tts).items()}
+    """The rehearsal settings as ``run.json`` records them (:meth:`TTSConfig.recorded`): each value JSON-encoded, the
+    form runs have recorded since test-time rehearsal existed (so theirs resume, and :mod:`envace.eval.sweep` reads
+    either)."""
+    return {k: json.dumps(v) for k, v in tts.recorded().items()}
 
 
 def _redacted(options: dict[str, str]) -> dict[str, str]:

@@ -28,21 +28,22 @@ __all__ = ["plot_sweep", "run_sweep", "tts_row_label", "tts_table"]
 _MODE_LABEL = {"none": "Non-TTS", "parallel": "Par.", "sequential": "Seq."}
 
 
-def _tts_identity(summary: dict[str, Any]) -> tuple[str, str | None, int | None]:
+def _tts_identity(summary: dict[str, Any]) -> tuple[str, str | None, int | None, str]:
     ident = summary.get("identity", {})
     if ident.get("runner") != "tts":
-        return "none", None, None
+        return "none", None, None, "summary"
     opts = {k: json.loads(v) if isinstance(v, str) else v for k, v in ident.get("runner_options", {}).items()}
     model = opts.get("rehearsal_model") or "policy"
-    return str(opts.get("mode", "none")), str(model), opts.get("rehearsals")
+    return str(opts.get("mode", "none")), str(model), opts.get("rehearsals"), str(opts.get("memory", "summary"))
 
 
 def tts_row_label(summary: dict[str, Any]) -> str:
-    """``Non-TTS`` / ``Par. (rehearsal: M, N=2)`` / ``Seq. (...)`` for one run's summary.json."""
-    mode, model, n = _tts_identity(summary)
+    """``Non-TTS`` / ``Par. (rehearsal: M, N=2)`` / ``Seq. (...)`` for one run's summary.json (``, verbatim memory``
+    added for ``--tts-memory verbatim``)."""
+    mode, model, n, memory = _tts_identity(summary)
     if mode == "none":
         return "Non-TTS"
-    return f"{_MODE_LABEL[mode]} (rehearsal: {model}, N={n})"
+    return f"{_MODE_LABEL[mode]} (rehearsal: {model}, N={n}" + (", verbatim memory)" if memory == "verbatim" else ")")
 
 
 def tts_table(runs: Sequence[str | Path], *, markdown: bool = False) -> str:

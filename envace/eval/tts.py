@@ -24,6 +24,14 @@ rehearsal model), and user-side tool calls (telecom) run on the fork's private c
 The real episode is started (τ²: greeted and answered once, which is the shared "initial task context"),
 forked, and otherwise left alone until the committed execution.
 
+``memory: verbatim`` (``--tts-memory verbatim``; the paper's pipeline is ``summary``) keeps the rehearsed attempts'
+transcripts themselves as the memory, for a model that cannot write a useful review or summary: no self-evaluation
+and no summary is requested (in parallel mode only the summary reads the feedback; in sequential mode the feedback
+such a model writes is what the variant leaves out), sequential attempts see the earlier transcripts alone
+(``verbatim_history``), and the committed execution reads them (``verbatim_memory``), within ``max_memory_chars``
+(:meth:`RehearsalRunner.verbatim_text`). Each transcript is the attempt after the shared opening, rendered as the
+reviews see it (role-prefixed, imagined tool responses included).
+
 Self-evaluation and summary are strict structured outputs: pydantic models (:class:`RehearsalFeedback`,
 :class:`RehearsalMemory`) validated by :meth:`envace.rewards.llm.LLMPool.complete_json` with bounded repair
 rounds. A reply that never validates is *masked and reported*: the attempt goes into the summary marked
@@ -77,6 +85,7 @@ __all__ = [
     "RehearsalTouchedEnvironment",
     "TTSConfig",
     "cost_summary",
+    "cut_oldest",
     "format_cost_table",
     "load_prompt",
     "prompt_versions",
@@ -135,6 +144,22 @@ class RehearsalMemory(BaseModel):
         if any(len(s) > 1000 for s in out):
             raise ValueError("items must be at most 1000 characters")
         return out
+
+
+#: the mark in front of a transcript cut from its oldest end (the one :func:`render_history` writes)
+OMITTED = "...(earlier conversation omitted)...\n"
+
+
+def cut_oldest(text: str, limit: int) -> tuple[str, int]:
+    """``text`` cut from its oldest end to at most ``limit`` characters (:data:`OMITTED` in front when there is room
+    for it), and how many of its characters were cut."""
+    if len(text) <= limit:
+        return text, 0
+    if limit <= len(OMITTED):
+        kept = text[len(text) - limit:] if limit > 0 else ""
+        return kept, len(text) - len(kept)
+    keep = limit - len(OMITTED)
+    return OMITTED + text[len(text) - keep:], len(text) - keep
 
 
 def _bullets(items: Sequence[str]) -> str:
@@ -314,10 +339,12 @@ class _MeteredPool(LLMPool):
 
 
 def cost_summary(records: Sequence[TaskRecord]) -> dict[str, Any]:
-    """Per-role totals over the records of a TTS run (``extra["tts"]["cost"]``), plus rehearsal outcome counts."""
+    """Per-role totals over the records of a TTS run (``extra["tts"]["cost"]``), plus rehearsal outcome counts and the
+    memory the committed executions read (``memory_chars``: characters in all; ``memory_cut_chars``: transcript
+    characters a verbatim memory's cap left out)."""
     roles: dict[str, dict[str, float]] = {}
-    counts = {"tasks": 0, "attempts": 0, "unassessed_attempts": 0, "memory_failures": 0, "rehearsal_s": 0.0,
-              "commit_s": 0.0}
+    counts = {"tasks": 0, "attempts": 0, "unassessed_attempts": 0, "memory_failures": 0, "memory_chars": 0,
+              "memory_cut_chars": 0, "rehearsal_s": 0.0, "commit_s": 0.0}
     for rec in records:
         tts = (rec.extra or {}).get("tts")
         if not tts:
@@ -326,6 +353,8 @@ def cost_summary(records: Sequence[TaskRecord]) -> dict[str, Any]:
         counts["attempts"] += len(tts.get("attempts", []))
         counts["unassessed_attempts"] += sum(1 for a in tts.get("attempts", []) if a.get("evaluation_error"))
         counts["memory_failures"] += 1 if tts.get("memory_error") else 0
+        counts["memory_chars"] += int(tts.get("memory_chars", len(tts.get("memory_text") or "")))
+        counts["memory_cut_chars"] += int(tts.get("memory_cut_chars", 0))
         counts["rehearsal_s"] = round(counts["rehearsal_s"] + float(tts.get("rehearsal_s", 0.0)), 3)
         counts["commit_s"] = round(counts["commit_s"] + float(tts.get("commit_s", 0.0)), 3)
         for role, row in tts.get("cost", {}).items():
@@ -349,7 +378,8 @@ def format_cost_table(cost: Mapping[str, Any], *, markdown: bool = False) -> str
     lines = [format_grid(header, rows, markdown=markdown)]
     lines.append(
         f"{cost.get('tasks', 0)} task(s), {cost.get('attempts', 0)} rehearsal(s) "
-        f"({cost.get('unassessed_attempts', 0)} not assessed), {cost.get('memory_failures', 0)} memory failure(s); "
+        f"({cost.get('unassessed_attempts', 0)} not assessed), {cost.get('memory_failures', 0)} memory failure(s), "
+        f"memory {cost.get('memory_chars', 0) / n:.0f} chars a task; "
         f"elapsed: rehearsal {cost.get('rehearsal_s', 0.0):.1f}s, committed execution {cost.get('commit_s', 0.0):.1f}s"
     )
     return "\n".join(lines)
@@ -461,7 +491,11 @@ class RehearsalRunner:
             meter = CostMeter()
             attempts, memory, memory_error = asyncio.run(self.rehearse(episode, meter))
             rehearsal_s = time.monotonic() - started
-            note = render_memory(memory, len(attempts), self.config.prompt_version) if memory is not None else ""
+            cut = 0
+            if self.config.memory == "verbatim":
+                note, cut = self.verbatim_text("verbatim_memory", attempts, total=len(attempts))
+            else:
+                note = render_memory(memory, len(attempts), self.config.prompt_version) if memory is not None else ""
             commit_start = time.monotonic()
             policy = MeteredPolicy(self.client, meter, {Role.ACT: "commit", Role.REHEARSE: "rehearse"},
                                    {Role.ACT: self._act_sampling(0)})
@@ -475,6 +509,9 @@ class RehearsalRunner:
                 "memory": memory.model_dump() if memory is not None else None,
                 "memory_text": note,
                 "memory_error": memory_error,
+                "memory_kind": self.config.memory,
+                "memory_chars": len(note),
+                "memory_cut_chars": cut,  # transcript characters left out of a verbatim memory (its cap)
                 "cost": meter.as_dict(),
                 "rehearsal_s": round(rehearsal_s, 3),
                 "commit_s": round(time.monotonic() - commit_start, 3),
@@ -484,13 +521,16 @@ class RehearsalRunner:
     async def rehearse(
         self, episode: Episode, meter: CostMeter
     ) -> tuple[list[Attempt], RehearsalMemory | None, str | None]:
-        """The N private rehearsals with their evaluations, and the summary (memory, or why there is none)."""
+        """The N private rehearsals with their evaluations, and the summary (memory, or why there is none); with
+        ``memory: verbatim`` neither evaluations nor a summary (the memory is the transcripts: :meth:`verbatim_text`)."""
         cfg = self.config
         n = cfg.rehearsals
         forks = [await asyncio.to_thread(episode.fork) for _ in range(n)]  # taken before anything runs
         context = list(await asyncio.to_thread(episode.initial_messages))
         tools = list(await asyncio.to_thread(episode.tools))
-        async with _MeteredPool(self.judge_config, meter) as judge:
+        async with contextlib.AsyncExitStack() as stack:
+            judge = None if cfg.memory == "verbatim" else await stack.enter_async_context(
+                _MeteredPool(self.judge_config, meter))
             if cfg.mode == "parallel":
                 attempts = list(await asyncio.gather(
                     *(self._attempt(i + 1, forks[i], [], context, tools, judge, meter) for i in range(n))
@@ -499,13 +539,18 @@ class RehearsalRunner:
                 attempts = []
                 for i in range(n):
                     attempts.append(await self._attempt(i + 1, forks[i], list(attempts), context, tools, judge, meter))
+            if judge is None:
+                return attempts, None, None
             memory, memory_error = await self._summarize(attempts, context, tools, judge)
         return attempts, memory, memory_error
 
     async def _attempt(self, index: int, fork: Episode, previous: list[Attempt], context: list[dict[str, Any]],
-                       tools: list[dict[str, Any]], judge: LLMPool, meter: CostMeter) -> Attempt:
+                       tools: list[dict[str, Any]], judge: LLMPool | None, meter: CostMeter) -> Attempt:
+        """One rehearsal (sequential: seeing ``previous``), then its self-evaluation unless ``judge`` is None."""
         note = ""
-        if previous:
+        if previous and judge is None:
+            note = self.verbatim_text("verbatim_history", previous)[0]
+        elif previous:
             note = self._prompts["history"].substitute(attempts=self._render_attempts(previous)).strip()
         actor = MeteredPolicy(self.client, meter, {Role.ACT: "act", Role.REHEARSE: "rehearse"},
                               {Role.ACT: self._act_sampling(index)})
@@ -518,6 +563,8 @@ class RehearsalRunner:
         finally:  # a remote fork holds a session of its own
             rehearsal.close()
         attempt = Attempt(index=index, transcript=transcript, opening=len(_with_system_note(context, note)))
+        if judge is None:
+            return attempt
         prompt = self._prompts["evaluate"].substitute(
             context=_context_text(context, self.config.max_context_chars), tools=_tools_text(tools), index=index,
             total=self.config.rehearsals, stop_reason=transcript.stop_reason,
@@ -562,6 +609,34 @@ class RehearsalRunner:
         """The attempt after its opening messages, role-prefixed and cut from the oldest end."""
         text = render_history(transcript.messages[skip:], self.config.max_trajectory_chars)
         return text or "(the attempt produced no messages)"
+
+    def verbatim_text(self, name: str, attempts: Sequence[Attempt], **fields: Any) -> tuple[str, int]:
+        """The template ``name`` (``verbatim_memory``, ``verbatim_history``) over the attempts' transcripts, and how
+        many transcript characters were cut.
+
+        Each transcript (the attempt after its opening, role-prefixed) is cut like every rendered trajectory, to
+        ``max_trajectory_chars`` from its oldest end. If the text is still longer than ``max_memory_chars``, every
+        transcript is cut to an equal share of what the headers leave, again from its oldest end: each attempt stays
+        represented by its last calls, their imagined responses and its final reply, and the text fits the cap unless
+        the headers alone exceed it (they are never cut)."""
+        full = [render_history(a.transcript.messages[a.opening:], 0) or "(the attempt produced no messages)"
+                for a in attempts]
+
+        def render(parts: Sequence[str]) -> str:
+            blocks = [self._prompts["transcript"].substitute(index=a.index, stop_reason=a.transcript.stop_reason,
+                                                             trajectory=t).strip()
+                      for a, t in zip(attempts, parts, strict=True)]
+            return self._prompts[name].substitute(attempts="\n\n".join(blocks), **fields).strip()
+
+        limit, cap = self.config.max_trajectory_chars, self.config.max_memory_chars
+        cuts = [cut_oldest(t, limit) for t in full]
+        text = render([t for t, _ in cuts])
+        if len(text) > cap and attempts:
+            headers = len(render([""] * len(attempts))) + len(attempts)  # + the newline before each transcript
+            share = max(0, cap - headers) // len(attempts)
+            cuts = [cut_oldest(t, min(limit, share)) for t in full]
+            text = render([t for t, _ in cuts])
+        return text, sum(n for _, n in cuts)
 
     def _render_attempts(self, attempts: Sequence[Attempt]) -> str:
         blocks = []

@@ -65,7 +65,8 @@ _SAMPLES: dict[str, Any] = {"mode": "parallel", "rehearsals": 3, "act_temperatur
                             "rehearse_temperature": 0.5, "rehearse_top_p": 0.5, "evaluate_temperature": 0.5,
                             "evaluate_top_p": 0.5, "summarize_temperature": 0.5, "summarize_top_p": 0.5,
                             "judge_max_tokens": 64, "repair_rounds": 2, "json_schema": True, "prompt_version": "v1",
-                            "max_trajectory_chars": 100, "max_context_chars": 100, "max_memory_items": 3}
+                            "max_trajectory_chars": 100, "max_context_chars": 100, "max_memory_items": 3,
+                            "memory": "verbatim", "max_memory_chars": 100}
 #: words Hydra's override grammar reads as something other than a string
 _NOT_STRINGS = {"null", "true", "false", "nan", "inf", "none", "yes", "no", "on", "off"}
 
@@ -76,6 +77,8 @@ def _value(name: str) -> st.SearchStrategy[Any]:
         return st.sampled_from([m for m in TTS_MODES if m != "none"])
     if name == "prompt_version":
         return st.just("v1")
+    if name == "memory":
+        return st.just("verbatim")
     base = next((a for a in typing.get_args(HINTS[name]) if a is not type(None)), HINTS[name])
     if base is bool:
         return st.just(True)
@@ -116,6 +119,8 @@ def test_a_value_set_by_flag_or_by_hydra_key_gives_the_same_config(changes):
     ("--evaluate-temperature", "evaluate_temperature", "3", "must be in [0, 2], got 3"),
     ("--tts-repair-rounds", "repair_rounds", "-1", "must be >= 0, got -1"),
     ("--tts-prompt-version", "prompt_version", "v9", "'v9' has no file"),
+    ("--tts-memory", "memory", "digest", "must be one of ['summary', 'verbatim'], got 'digest'"),
+    ("--tts-max-memory-chars", "max_memory_chars", "0", "must be >= 1, got 0"),
 ])
 def test_a_bad_value_fails_with_one_line_naming_the_flag_or_the_key(flag, key, value, reason, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:

@@ -15,18 +15,24 @@ import threading
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from envace.agents.client import ChatClient, EndpointConfig
+from envace.agents.engine import Transcript
 from envace.envs.base import EnvironmentPool, Episode, ToolCall, Verdict, get_pool
 from envace.eval.args import tts_from_args
 from envace.eval.cli import build_parser, main
 from envace.eval.runner import LoopLimits
 from envace.eval.tts import (
+    OMITTED,
+    Attempt,
     RehearsalEpisode,
     RehearsalRunner,
     RehearsalTouchedEnvironment,
     TTSConfig,
     cost_summary,
+    cut_oldest,
     format_cost_table,
     load_prompt,
 )
@@ -154,12 +160,13 @@ class SpyPool(EnvironmentPool):
         return self.inner.gold_actions(task_id)
 
 
-def run(fake_openai: Any, replies: Any, mode: str, n: int = 2, seed: int | None = None, **model_kw: Any):
+def run(fake_openai: Any, replies: Any, mode: str, n: int = 2, seed: int | None = None, memory: str = "summary",
+        **model_kw: Any):
     gold = get_pool("bfcl_multi_turn", categories=("multi_turn_base",)).gold_actions(TASK)
     model = Model(replies, gold, **model_kw)
     server = fake_openai(model)
     client = ChatClient(EndpointConfig(base_urls=server.base_url, model="m", seed=seed, max_retries=0))
-    runner = RehearsalRunner(client, TTSConfig(mode=mode, rehearsals=n), FAST)
+    runner = RehearsalRunner(client, TTSConfig(mode=mode, rehearsals=n, memory=memory), FAST)
     pool = SpyPool(model)
     rec = runner(pool, TASK)
     return rec, model, server, pool.episodes[0]
@@ -179,13 +186,16 @@ def requests_of(server: Any, kind: str) -> list[dict[str, Any]]:
     return [b for b in server.bodies if kind_of(b) == kind]
 
 
+@pytest.mark.parametrize("memory", ["summary", "verbatim"])
 @pytest.mark.parametrize("mode", ["parallel", "sequential"])
-def test_rehearsals_never_touch_the_real_environment(fake_openai, replies, mode):
-    rec, model, _, real = run(fake_openai, replies, mode)
+def test_rehearsals_never_touch_the_real_environment(fake_openai, replies, mode, memory):
+    rec, model, _, real = run(fake_openai, replies, mode, memory=memory)
     kinds = [k for k, _ in model.events]
     first_env = kinds.index("env")
-    # every rehearsal, evaluation and the summary happened before the real episode saw any call ...
-    assert {"act", "rehearse", "evaluate", "summarize"} <= set(kinds[:first_env])
+    # every rehearsal, evaluation and the summary (verbatim memory: none of the last two) happened before the real
+    # episode saw any call ...
+    private = {"act", "rehearse"} | ({"evaluate", "summarize"} if memory == "summary" else set())
+    assert set(kinds[:first_env]) == private | {"commit"}
     assert not {"act", "rehearse", "evaluate", "summarize"} & set(kinds[first_env:])
     # ... and the committed execution's first request came before it; its first real call was a tool call
     assert kinds[first_env - 1] == "commit" and model.events[first_env] == ("env", "execute")
@@ -277,6 +287,78 @@ def test_failed_evaluation_and_summary_are_masked_and_reported(fake_openai, repl
     assert (cost["unassessed_attempts"], cost["memory_failures"]) == (2, 1)
 
 
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_verbatim_memory_is_the_rehearsed_transcripts_and_nothing_reviews_them(fake_openai, replies, mode):
+    """``memory: verbatim``: no self-evaluation and no summary is asked for; the committed execution's system prompt
+    ends with the attempts' transcripts (their imagined tool responses included); sequential attempts see the
+    earlier transcripts, without reviews; the record says which memory ran and how long it was."""
+    rec, model, server, _ = run(fake_openai, replies, mode, n=2, memory="verbatim")
+    assert not {"evaluate", "summarize", "repair"} & {k for k, _ in model.events}
+    tts = rec.extra["tts"]
+    assert (tts["memory_kind"], tts["memory"], tts["memory_error"]) == ("verbatim", None, None)
+    text = tts["memory_text"]
+    assert text.startswith("# Rehearsal memory") and tts["memory_chars"] == len(text) and tts["memory_cut_chars"] == 0
+    gold = get_pool("bfcl_multi_turn").gold_actions(TASK)
+    first_call = render_tool_call(gold[0][0])
+    for i in (1, 2):
+        block = text.split(f"## Rehearsal {i} (it ended:")[1]
+        assert first_call in block and '"ok": true' in block  # the attempt's call and its imagined response
+    assert "Review:" not in text and "ASSESS-" not in text
+    commits = requests_of(server, "commit")
+    assert commits and all(b["messages"][0]["content"].endswith(text) for b in commits)
+    history = [b for b in requests_of(server, "act") if "# Earlier private rehearsals" in b["messages"][0]["content"]]
+    if mode == "sequential":  # attempt 2 saw attempt 1's transcript, no review
+        assert history and all("## Rehearsal 1 (it ended:" in b["messages"][0]["content"]
+                               and "## Rehearsal 2" not in b["messages"][0]["content"]
+                               and "Review:" not in b["messages"][0]["content"] for b in history)
+    else:
+        assert not history
+    assert set(tts["cost"]) == {"act", "rehearse", "commit"}
+    assert rec.reward == 1.0, rec.reason
+    cost = cost_summary([rec])
+    assert cost["memory_chars"] == len(text) and f"memory {len(text)} chars a task" in format_cost_table(cost)
+
+
+def _attempt(index: int, sizes: list[int]) -> Attempt:
+    """An attempt whose transcript (after a one-message opening) is assistant messages of these many characters."""
+    msgs = [{"role": "user", "content": "the task"}]
+    msgs += [{"role": "assistant", "content": chr(ord("a") + k % 26) * size} for k, size in enumerate(sizes)]
+    return Attempt(index=index, transcript=Transcript(messages=msgs), opening=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.lists(st.integers(1, 3000), min_size=1, max_size=4), min_size=1, max_size=5),
+       cap=st.integers(1, 9000), per_trajectory=st.integers(1, 6000))
+def test_a_verbatim_memory_fits_its_cap_and_cuts_each_transcript_from_its_oldest_end(sizes, cap, per_trajectory):
+    """Whatever the transcripts' lengths: the memory is at most ``max_memory_chars`` long unless its headers alone are
+    longer (then every transcript is cut to nothing), each transcript keeps its end, and the characters reported cut
+    are exactly those left out."""
+    client = ChatClient(EndpointConfig(base_urls="http://127.0.0.1:9/v1", model="m"))
+    config = TTSConfig(mode="parallel", rehearsals=len(sizes), memory="verbatim", max_memory_chars=cap,
+                       max_trajectory_chars=per_trajectory)
+    runner = RehearsalRunner(client, config, FAST)
+    text, cut = runner.verbatim_text("verbatim_memory", [_attempt(i + 1, s) for i, s in enumerate(sizes)],
+                                     total=len(sizes))
+    body = text.split("as they happened:\n\n", 1)[1].rsplit("\n\nThis conversation is the real one", 1)[0]
+    parts = [(block.split("\n", 1) + [""])[1] for block in body.split("\n\n")]
+    assert len(parts) == len(sizes)
+    assert len(text) <= cap or not any(parts)
+    left_out = 0
+    for part, s in zip(parts, sizes, strict=True):
+        full = "\n".join(f"Assistant: {chr(ord('a') + k % 26) * n}" for k, n in enumerate(s))
+        kept = part.removeprefix(OMITTED)
+        assert full.endswith(kept) and len(part) <= per_trajectory
+        left_out += len(full) - len(kept)
+    assert cut == left_out
+
+
+def test_cut_oldest_keeps_the_end_and_marks_the_cut():
+    assert cut_oldest("abcdef", 10) == ("abcdef", 0)
+    text, n = cut_oldest("x" * 100 + "END", 50)
+    assert text.startswith(OMITTED) and text.endswith("END") and len(text) == 50 and n == 103 - (50 - len(OMITTED))
+    assert cut_oldest("abcdef", 2) == ("ef", 4) and cut_oldest("abcdef", 0) == ("", 6)
+
+
 def test_rehearsal_episode_refuses_environment_access():
     pool = get_pool("bfcl_multi_turn", categories=("multi_turn_base",))
     ep = RehearsalEpisode(pool.start(TASK).fork(), note="NOTE")
@@ -295,7 +377,8 @@ def test_config_is_typed_and_fails_loudly():
                      ({"act_top_p": 0}, "envace.tts.act_top_p"), ({"prompt_version": "v9"}, "'v9' has no file")]:
         with pytest.raises(ValueError, match=re.escape(msg)):
             TTSConfig(**bad)
-    for name in ("evaluate", "summarize", "attempt", "history", "memory"):
+    for name in ("evaluate", "summarize", "attempt", "history", "memory", "transcript", "verbatim_history",
+                 "verbatim_memory"):
         assert load_prompt(name).template.strip()
     args = build_parser().parse_args(["bfcl", "--base-url", "u", "--model", "m", "--tts", "parallel",
                                       "--rehearsals", "4", "--evaluate-temperature", "0.2"])
