@@ -19,35 +19,13 @@ record-traces); this module only dispatches.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Sequence
 
 from envace.data.cli import parquet, traces
-from envace.envs.cli.common import add_pool_kwargs
-from trace2env.cliargs import ArgumentParser, run_cli
+from envace.envs.cli.common import verb_cli
 
 PROG = "python -m envace.data"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description="Training data: parquet from pools, CM2 conversion, traces.")
-    add_pool_kwargs(parser)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (parquet, traces):
-        group.add_parsers(sub)
-    return parser
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI; usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`)."""
-    return run_cli(PROG, _main, argv)
-
+main = verb_cli(PROG, "Training data: parquet from pools, CM2 conversion, traces.", (parquet, traces))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,35 +35,13 @@ converting training data is ``python -m envace.data``.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Sequence
 
 from envace.envs.cli import gold, listing, serve, verify
-from envace.envs.cli.common import add_pool_kwargs
-from trace2env.cliargs import ArgumentParser, run_cli
+from envace.envs.cli.common import verb_cli
 
 PROG = "python -m envace.envs"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description="Environment pools: inspect, check gold replays, verify, serve.")
-    add_pool_kwargs(parser)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (listing, gold, verify, serve):
-        group.add_parsers(sub)
-    return parser
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI; usage and input mistakes exit 2 with one line (:mod:`trace2env.cliargs`)."""
-    return run_cli(PROG, _main, argv)
-
+main = verb_cli(PROG, "Environment pools: inspect, check gold replays, verify, serve.", (listing, gold, verify, serve))
 
 if __name__ == "__main__":
     sys.exit(main())

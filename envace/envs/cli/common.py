@@ -1,5 +1,5 @@
-"""What every verb of ``python -m envace.envs`` and ``python -m envace.data`` shares: the exit codes, the user-facing
-error, the global ``--pool-kwargs`` option and loading a pool with it, selecting tasks.
+"""What every verb of ``python -m envace.envs`` and ``python -m envace.data`` shares: the dispatcher, the exit codes,
+the user-facing error, the global ``--pool-kwargs`` option and loading a pool with it, selecting tasks.
 
 A usage or input mistake raises :class:`CLIError` (a :class:`trace2env.cliargs.UsageError`): ``run_cli`` prints it as
 ``<prog>: error: <one line>`` and exits 2, never with a traceback.
@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from envace.envs.base import EnvironmentPool, get_pool
-from trace2env.cliargs import UsageError, json_object, number, read_text
+from trace2env.cliargs import ArgumentParser, UsageError, json_object, number, read_text, run_cli
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CLIError", "add_pool_kwargs", "load_pool", "positive_int",
-           "read_file", "task_ids"]
+           "read_file", "task_ids", "verb_cli"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -76,3 +77,23 @@ def task_ids(pool: EnvironmentPool, split: str | None, categories: Sequence[str]
 def read_file(path: str) -> str:
     """The text of ``path``; a missing, unreadable or non-UTF-8 file is a :class:`CLIError` naming it."""
     return read_text(path, CLIError)
+
+
+def verb_cli(prog: str, description: str, groups: Sequence[ModuleType]) -> Callable[[Sequence[str] | None], int]:
+    """The ``main`` of a command line made of verb groups: each module's ``add_parsers(sub)`` adds its verbs, each
+    setting ``func(args)``; ``--pool-kwargs`` comes before the verb. Usage and input mistakes exit 2 with one line
+    (:mod:`trace2env.cliargs`), never a traceback."""
+
+    def run(argv: Sequence[str] | None) -> int:
+        parser = ArgumentParser(prog=prog, description=description)
+        add_pool_kwargs(parser)
+        sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+        for group in groups:
+            group.add_parsers(sub)
+        args = parser.parse_args(argv)
+        return args.func(args)
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return run_cli(prog, run, argv)
+
+    return main
