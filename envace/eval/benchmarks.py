@@ -12,8 +12,9 @@ of it needs beyond the flags every benchmark shares (:func:`envace.eval.args.add
 * :meth:`~Benchmark.identity`: its settings that change per-task results, recorded in ``run.json`` with the common
   ones (:func:`envace.eval.args.run_identity`), so a resume with other values is refused.
 
-:data:`BENCHMARKS` is the registry: one subcommand each, in the order of the paper's table
-(:func:`envace.eval.report.format_table`). A new benchmark is a subclass overriding what differs and an entry here;
+:data:`BENCHMARKS` is the registry: one subcommand each, the paper table's first, in its order (:data:`PAPER_TABLE`,
+:func:`envace.eval.report.format_table`), then ``synthetic``, the procedurally generated pool (task shapes as its
+categories). A new benchmark is a subclass overriding what differs and an entry here;
 ``run_benchmark`` (:mod:`envace.eval.cli`) has no branch per benchmark.
 """
 
@@ -25,13 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trace2env.cliargs import number
+from trace2env.cliargs import json_object, number
 
 if typing.TYPE_CHECKING:
     from envace.agents.client import ChatClient, EndpointConfig
     from envace.envs.base import EnvironmentPool
 
-__all__ = ["BENCHMARKS", "Benchmark", "Bfcl", "Tau2"]
+__all__ = ["BENCHMARKS", "PAPER_TABLE", "Benchmark", "Bfcl", "Synthetic", "Tau2"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,37 @@ class Tau2(Benchmark):
                 "tau2_max_steps": args.tau2_max_steps, "tau2_max_errors": args.tau2_max_errors}
 
 
-#: the benchmark subcommands, in the paper table's order (τ²-bench, then BFCL multi-turn)
+@dataclass(frozen=True)
+class Synthetic(Benchmark):
+    """The procedurally generated pool (``envace/envs/synthetic/``), built with ``--pool-kwargs`` as a training recipe
+    builds it (``envace.agent.pool_kwargs.synthetic``: the same tasks and splits); its categories are task shapes."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--categories", nargs="+", default=None, metavar="SHAPE",
+                            help=f"subset of the task shapes: {' '.join(self.categories)}")
+        parser.add_argument("--pool-kwargs", type=json_object, default={}, metavar="JSON",
+                            help="pool constructor arguments, e.g. a recipe's envace.agent.pool_kwargs.synthetic "
+                            "('{\"tasks_per_env\": 65, \"renamings\": false}')")
+
+    def wanted(self, args: argparse.Namespace) -> Sequence[str] | None:
+        return args.categories
+
+    def build_pool(self, args: argparse.Namespace) -> EnvironmentPool:
+        from envace.envs.base import get_pool
+
+        try:
+            return get_pool(self.pool, **args.pool_kwargs)
+        except TypeError as exc:  # an argument the pool does not take
+            raise ValueError(f"--pool-kwargs: {exc}") from None
+
+    def identity(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {"pool_kwargs": args.pool_kwargs}
+
+
+#: the paper table's column groups (:func:`envace.eval.report.format_table`), in its order
+PAPER_TABLE = ("tau2", "bfcl")
+
+#: the benchmark subcommands: the paper table's (τ²-bench, then BFCL multi-turn), then the others
 BENCHMARKS: dict[str, Benchmark] = {
     "tau2": Tau2(name="tau2", pool="tau2", title="τ²-bench (%)", categories=("airline", "retail", "telecom"),
                  labels=("Airline", "Retail", "Telecom"), help="τ²-bench (airline, retail, telecom)"),
@@ -152,4 +183,10 @@ BENCHMARKS: dict[str, Benchmark] = {
                  categories=("base", "miss_func", "miss_param", "long_context"),
                  labels=("Base", "Miss Func.", "Miss Param.", "Long Ctx."),
                  help="BFCL multi-turn (base, miss_func, miss_param, long_context)"),
+    "synthetic": Synthetic(name="synthetic", pool="synthetic", title="Synthetic (%)",
+                           categories=("act", "query", "lookup_act", "lookup_query", "copy_value", "transfer_chain",
+                                       "create_verify", "filter_update", "multiturn"),
+                           labels=("Act", "Query", "Lookup act", "Lookup query", "Copy value", "Transfer chain",
+                                   "Create verify", "Filter update", "Multi-turn"),
+                           help="the procedurally generated synthetic pool, one column per task shape"),
 }

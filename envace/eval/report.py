@@ -5,7 +5,9 @@ The table has one row per model and the column groups of the paper's τ²/Multi-
 (Tables 1 and 3): τ²-bench Airline | Retail | Telecom | Avg., BFCL Multi-Turn Base | Miss Func. |
 Miss Param. | Long Ctx. | Avg., and Overall. Scores are mean rewards in percent; a group's Avg. is the
 unweighted mean of its categories (as in the paper: 31.4 = mean(38.0, 42.3, 14.0)); Overall is the
-mean of the two group averages. Cells without results show "–", as in the paper.
+mean of the two group averages. Cells without results show "–", as in the paper. A benchmark outside the paper's
+table (``synthetic``) adds its own column group after them, outside Overall; a table of such runs alone has only
+their groups.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from envace.eval.benchmarks import BENCHMARKS, Benchmark
+from envace.eval.benchmarks import BENCHMARKS, PAPER_TABLE, Benchmark
 from envace.eval.runner import TaskRecord
 
 __all__ = ["BENCHMARKS", "Benchmark", "format_grid", "format_table", "summarize"]
 
 
-#: the table's column groups, left to right
-TABLE_ORDER = tuple(BENCHMARKS)
+#: the paper table's column groups, left to right (Overall is their mean)
+TABLE_ORDER = PAPER_TABLE
 
 
 def summarize(benchmark: Benchmark, records: Iterable[TaskRecord], expected: Mapping[str, str]) -> dict[str, Any]:
@@ -77,19 +79,24 @@ def table_rows(
 
     ``rows``: (model label, {benchmark name: summary}) pairs.
     """
+    present = {name for _, summaries in rows for name in summaries}
+    others = [name for name in BENCHMARKS if name not in TABLE_ORDER and name in present]
+    paper = bool(present & set(TABLE_ORDER)) or not others  # the paper's groups and Overall, unless only others
+    groups = [*(TABLE_ORDER if paper else ()), *others]
     group = ["Model"]
     header = [""]
-    for name in TABLE_ORDER:
+    for name in groups:
         bench = BENCHMARKS[name]
         group += [bench.title] + [""] * len(bench.categories)
         header += list(bench.labels) + ["Avg."]
-    group.append("Overall (%)")
-    header.append("")
+    if paper:
+        group.append("Overall (%)")
+        header.append("")
     body: list[list[str]] = []
     for model, summaries in rows:
         line = [model]
         averages: list[float | None] = []
-        for name in TABLE_ORDER:
+        for name in groups:
             summary = summaries.get(name)
             cats = summary["categories"] if summary else {}
             for cat in BENCHMARKS[name].categories:
@@ -98,10 +105,12 @@ def table_rows(
             # The group average is only meaningful when every category has results.
             if summary and any(cats.get(c, {}).get("score") is None for c in BENCHMARKS[name].categories):
                 avg = None
-            averages.append(avg)
+            if name in TABLE_ORDER:
+                averages.append(avg)
             line.append(_cell(avg))
-        overall = sum(averages) / len(averages) if all(a is not None for a in averages) else None  # type: ignore[arg-type]
-        line.append(_cell(overall))
+        if paper:
+            overall = sum(averages) / len(averages) if all(a is not None for a in averages) else None  # type: ignore[arg-type]
+            line.append(_cell(overall))
         body.append(line)
     return group, header, body
 

@@ -12,7 +12,7 @@ import pytest
 from envace.agents.client import EndpointConfig
 from envace.envs.base import get_pool
 from envace.eval import benchmarks
-from envace.eval.benchmarks import BENCHMARKS, Bfcl, Tau2
+from envace.eval.benchmarks import BENCHMARKS, PAPER_TABLE, Bfcl, Synthetic, Tau2
 from envace.eval.cli import build_parser, main
 from envace.eval.driver import select_tasks
 from envace.toolcall import render_tool_call
@@ -26,11 +26,42 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_the_registry_is_the_tables_column_groups_in_order():
-    assert list(BENCHMARKS) == ["tau2", "bfcl"]
+    assert list(BENCHMARKS) == ["tau2", "bfcl", "synthetic"] and PAPER_TABLE == ("tau2", "bfcl")
     assert [b.name for b in BENCHMARKS.values()] == list(BENCHMARKS)
     assert isinstance(BENCHMARKS["tau2"], Tau2) and isinstance(BENCHMARKS["bfcl"], Bfcl)
+    assert isinstance(BENCHMARKS["synthetic"], Synthetic)
     for bench in BENCHMARKS.values():
         assert len(bench.categories) == len(bench.labels) and bench.help
+
+
+def test_synthetic_builds_its_pool_from_pool_kwargs_and_selects_held_out_tasks_by_shape():
+    from envace.envs.synthetic.domains import SHAPES
+
+    syn = BENCHMARKS["synthetic"]
+    assert syn.categories == SHAPES
+    args = parse("synthetic", *ENDPOINT, "--pool-kwargs", '{"tasks_per_env": 12, "renamings": false}',
+                 "--categories", "query", "lookup_query", "--split", "test")
+    pool = syn.build_pool(args)
+    assert pool.tasks_per_env == 12 and syn.identity(args) == {"pool_kwargs": {"tasks_per_env": 12, "renamings": False}}
+    selected = select_tasks(pool, syn, split=args.split, categories=syn.wanted(args), limit=2)
+    assert sorted(set(selected.values())) == ["lookup_query", "query"] and list(selected.values()).count("query") == 2
+    assert all(pool.task(t).category == c and pool.split_of(t) == "test" for t, c in selected.items())
+    with pytest.raises(ValueError, match="^--pool-kwargs: .*nope"):
+        syn.build_pool(parse("synthetic", *ENDPOINT, "--pool-kwargs", '{"nope": 1}'))
+
+
+def test_a_table_of_synthetic_runs_has_their_group_and_the_papers_overall_stays_the_papers():
+    from envace.eval.report import format_table
+
+    syn = {"categories": {"query": {"score": 50.0}}, "average": 50.0}
+    alone = format_table([("m", {"synthetic": syn})], markdown=True).splitlines()
+    assert alone[0].startswith("| Model | Synthetic (%) |") and "Overall" not in alone[0] and "Multi-Turn" not in alone[0]
+    assert "| 50.0 |" in alone[3]
+    bfcl = {"categories": {c: {"score": 10.0} for c in BENCHMARKS["bfcl"].categories}, "average": 10.0}
+    tau2 = {"categories": {c: {"score": 30.0} for c in BENCHMARKS["tau2"].categories}, "average": 30.0}
+    mixed = format_table([("m", {"tau2": tau2, "bfcl": bfcl, "synthetic": syn})], markdown=True).splitlines()
+    assert mixed[0].index("Multi-Turn") < mixed[0].index("Synthetic") < mixed[0].index("Overall")
+    assert mixed[3].endswith("| 20.0 |")  # Overall: the mean of τ² and BFCL, the synthetic group outside it
 
 
 def test_bfcl_names_its_categories_without_prefixes_and_selects_by_them():
