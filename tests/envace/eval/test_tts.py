@@ -9,6 +9,7 @@ It acts with BFCL's gold calls, so the committed execution scores 1.0 through th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import threading
@@ -383,6 +384,24 @@ def test_config_is_typed_and_fails_loudly():
     args = build_parser().parse_args(["bfcl", "--base-url", "u", "--model", "m", "--tts", "parallel",
                                       "--rehearsals", "4", "--evaluate-temperature", "0.2"])
     assert tts_from_args(args) == TTSConfig(mode="parallel", rehearsals=4, evaluate_temperature=0.2)
+
+
+def test_runs_record_the_memory_settings_only_with_verbatim_memory(tmp_path):
+    """``run.json`` has recorded every rehearsal setting since test-time rehearsal existed; the memory variant came
+    later, so it is recorded only when it is not the paper's summary: a run recorded before it resumes, and a verbatim
+    run never resumes into a summary run's directory."""
+    from envace.eval.args import run_identity
+    from envace.eval.benchmarks import BENCHMARKS
+
+    def options(*flags: str) -> dict[str, str]:
+        args = build_parser().parse_args(["bfcl", "--base-url", "u", "--model", "m", "--tts", "parallel", *flags])
+        return run_identity(args, BENCHMARKS["bfcl"], "m")["runner_options"]
+
+    fields = {f.name for f in dataclasses.fields(TTSConfig)}
+    assert set(options()) == fields - {"memory", "max_memory_chars"}
+    assert set(options("--tts-max-memory-chars", "99")) == set(options())  # no effect with the summary memory
+    verbatim = options("--tts-memory", "verbatim", "--tts-max-memory-chars", "99")
+    assert set(verbatim) == fields and (verbatim["memory"], verbatim["max_memory_chars"]) == ('"verbatim"', "99")
 
 
 def test_the_tts_runner_takes_its_settings_typed_not_as_runner_options():
