@@ -29,9 +29,10 @@ grpo_real_message   (not run unless named in ``--arms``) the ``grpo_real`` of th
 ==================  ================================================================================================
 
 ``grpo_real`` and ``echo`` differ from ``envace`` in more than where observations come from: one training row per
-rollout (the token-mean loss weighs a rollout's tokens together, not per message) and verl's GRPO (advantages divided
-by the group's std; ``envace.advantage.norm_by_std`` is false for EnvACE). ``grpo_real_message`` differs from
-``envace`` in the observation source alone.
+rollout (the token-mean loss weighs a rollout's tokens together, not per message) and verl's GRPO, whose advantages are
+the group's mean subtracted without the std division (``algorithm.norm_adv_by_std_in_grpo=false``, as EnvACE's
+``envace.advantage.norm_by_std: false``). ``grpo_real_message`` differs from ``envace`` in the observation source
+alone.
 
 Before the first training every arm's command passes ``envace.train``'s pre-flight (seconds), so a wrong override
 stops the benchmark before hours of runs. A run whose directory already holds its result (``benchmark.json``,
@@ -130,9 +131,11 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: ECHO's arm as its author gives it; ``grpo_real`` is the same with the coefficient 0
+#: ECHO's arm (``experiment=echo_cpu``); ``grpo_real`` is the same with the coefficient 0. Like EnvACE's role-wise
+#: advantages (``envace.advantage.norm_by_std: false``), verl's GRPO subtracts the group's mean without dividing by its
+#: std, so the arms differ in where the observations come from and in the layout, not in the advantages' scale
 _REAL_TRAJECTORY_GRPO = ["envace.agent.observation_source=real", "envace.agent.act_layout=trajectory",
-                         "algorithm.adv_estimator=grpo"]
+                         "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false"]
 
 #: each arm's Hydra overrides on the CPU default (the module docstring's table says what each changes)
 ARMS: dict[str, list[str]] = {

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 ECHO = ["envace.agent.observation_source=real", "envace.agent.act_layout=trajectory", "algorithm.adv_estimator=grpo",
-        "envace.loss.observation_nll_coef=0.1"]
+        "algorithm.norm_adv_by_std_in_grpo=false", "envace.loss.observation_nll_coef=0.1"]
 
 
 def _result(arm: str, seed: int, first: float, last: float, tasks: dict[str, float] | None = None) -> dict:
@@ -33,7 +33,7 @@ def test_the_arms_are_the_issues_five_and_grpo_is_echo_without_the_observation_l
     assert lb.DEFAULT_ARMS == ("envace", "grpo_real", "echo", "no_rehearse_loss", "control")
     assert set(lb.DEFAULT_ARMS) < set(lb.ARMS)
     assert lb.ARMS["envace"] == [] and lb.ARMS["control"] == []  # control: critic_warmup added per run
-    assert lb.ARMS["echo"] == ECHO  # its author's list
+    assert lb.ARMS["echo"] == ECHO  # experiment=echo_cpu's overrides
     assert lb.ARMS["grpo_real"] == [*ECHO[:-1], "envace.loss.observation_nll_coef=0"]
     assert lb.ARMS["no_rehearse_loss"] == ["envace.advantage.trained_roles=[act]"]
     assert lb.ARMS["grpo_real_message"] == ["envace.agent.observation_source=real"]

@@ -207,6 +207,7 @@ def test_the_echo_recipe_is_the_cpu_default_as_real_environment_grpo_with_the_ob
         "envace.agent.observation_source": "real",
         "envace.agent.act_layout": "trajectory",
         "algorithm.adv_estimator": "grpo",
+        "algorithm.norm_adv_by_std_in_grpo": False,  # as the default's role-wise advantages (no std division)
         "envace.loss.observation_nll_coef": coef,
         "trainer.experiment_name": "echo_cpu",
         "trainer.default_local_dir": "outputs/envace/echo_cpu",
