@@ -15,7 +15,9 @@ run of the evaluation CLI users run, ``python -m envace.eval synthetic``, on the
 default recipe (``experiment=cpu_default``) builds them: its pool arguments, its loop limits, its acting tokens and
 temperature, rehearsals at its rehearsal temperature, the chat template without thinking, seed 0. Cells: N = 0 (no
 rehearsal: ``--temperature`` = the acting temperature, so N = 0 and N >= 1 act alike) and, for N >= 1, every
-``--tts MODE`` x ``--tts-memory MEMORY``. ``--checkpoint`` is served per run (``--server``; a finished run needs none).
+``--tts MODE`` x ``--tts-memory MEMORY``. ``--checkpoint`` is served per run (``--server``; a finished run needs none;
+``transformers serve`` in fp32 unless ``--server-arg=--dtype=...`` says otherwise: the export is bf16, the warm start
+fp32, and both were trained in fp32).
 
 Runs resume: each cell's directory (``OUT/<policy>/<cell>``) is the CLI's own ``--out``, so rerunning this command runs
 only what is missing. The table reads what the CLI wrote: ``summary.json`` (per shape: finished and passed tasks, the
@@ -117,7 +119,10 @@ def policies(args: argparse.Namespace) -> dict[str, list[str]]:
     """Policy name → the endpoint flags of its runs."""
     if args.base_url:
         return {args.label: ["--base-url", args.base_url, "--model", args.model]}
-    serve = ["--server", args.server, *(f"--server-arg={a}" for a in args.server_arg)]
+    server_args = list(args.server_arg)
+    if args.server == "transformers" and not any(a.startswith("--dtype") for a in server_args):
+        server_args.insert(0, "--dtype=float32")  # both policies compute in fp32, as training did (an export is bf16)
+    serve = ["--server", args.server, *(f"--server-arg={a}" for a in server_args)]
     warm = args.warm or _run([sys.executable, "-m", "envace.models", "build", "--warm-start"], "the warm start")
     return {"trained": ["--checkpoint", model_dir(args.trained, args.out, "trained"), *serve],
             "warm": ["--checkpoint", model_dir(warm, args.out, "warm"), *serve]}

@@ -26,6 +26,22 @@ def test_cells_put_the_no_rehearsal_run_first_and_name_each_setting():
     assert flags[flags.index("--rehearse-temperature") + 1] == "0.6"
 
 
+def test_checkpoints_are_served_by_the_cli_in_fp32_unless_told_otherwise(tmp_path: Path):
+    """A Hugging Face directory is used as it is (a verl run would be exported first); ``transformers serve`` gets
+    ``--dtype=float32`` for both policies unless a ``--server-arg`` names a dtype."""
+    trained, warm = tmp_path / "trained", tmp_path / "warm"
+    for d in (trained, warm):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    args, _ = bench.parse_args(["--trained", str(trained), "--warm", str(warm), "--out", str(tmp_path / "o")])
+    assert bench.policies(args) == {
+        name: ["--checkpoint", str(d), "--server", "transformers", "--server-arg=--dtype=float32"]
+        for name, d in (("trained", trained), ("warm", warm))}
+    args, _ = bench.parse_args(["--trained", str(trained), "--warm", str(warm), "--server-arg=--dtype=bfloat16"])
+    assert bench.policies(args)["warm"][-1] == "--server-arg=--dtype=bfloat16"
+    assert not (tmp_path / "o").exists()
+
+
 def scripted(pool: Any, replies: Any) -> Any:
     """The policy: the gold calls of the task its first user message names, then the gold reply; the rehearsal role
     imagines ``{"ok": true}``; nothing else is expected with verbatim memory."""
