@@ -1,7 +1,7 @@
-"""Benchmark evaluation: BFCL multi-turn and τ²-bench against OpenAI-compatible endpoints.
+"""Benchmark evaluation: BFCL multi-turn, τ²-bench and the synthetic pool against OpenAI-compatible endpoints.
 
-Entry point: ``python -m envace.eval {bfcl,tau2,table,tts-table,sweep} ...`` (see :mod:`envace.eval.cli`), wrapped by
-``scripts/eval_bfcl.sh`` and ``scripts/eval_tau2.sh``. Building blocks:
+Entry point: ``python -m envace.eval {bfcl,tau2,synthetic,table,tts-table,sweep} ...`` (see :mod:`envace.eval.cli`),
+wrapped by ``scripts/eval_bfcl.sh`` and ``scripts/eval_tau2.sh``. Building blocks:
 
 * :mod:`envace.eval.benchmarks`: the benchmarks, objects owning their flags, pool, endpoints and identity;
 * :mod:`envace.eval.runner`: the agent loop and the per-task runner hook (:func:`register_runner`);

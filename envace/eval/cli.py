@@ -1,4 +1,4 @@
-"""``python -m envace.eval {bfcl,tau2,w2r,table} ...``: benchmark evaluation against an OpenAI-compatible
+"""``python -m envace.eval {bfcl,tau2,synthetic,w2r,table} ...``: benchmark evaluation against an OpenAI-compatible
 endpoint or a checkpoint served on the fly.
 
 Examples::

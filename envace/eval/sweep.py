@@ -4,7 +4,7 @@
 (mode, rehearsal model): ``Non-TTS``, ``Par. (rehearsal: M)``, ``Seq. (rehearsal: M)``, with the τ² domains,
 the BFCL multi-turn categories, the group averages and Overall (:func:`envace.eval.report.format_table`).
 
-``python -m envace.eval sweep {bfcl,tau2} --out DIR [--modes parallel sequential] [--budgets 1 2 3 4 5]
+``python -m envace.eval sweep {bfcl,tau2,synthetic} --out DIR [--modes parallel sequential] [--budgets 1 2 3 4 5]
 [--baseline] -- EVAL_ARGS...`` runs the evaluation once per (mode, N) into ``DIR/<mode>-n<N>`` (each run is
 resumable on its own, so rerunning the sweep finishes what is missing), then writes ``DIR/sweep.json``,
 ``DIR/sweep.md`` and ``DIR/sweep.png`` (average score against N per mode; matplotlib). The sweep exits 3 when a

@@ -46,7 +46,7 @@ def test_each_command_gets_its_arguments(command, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "usage:" in out and "envace COMMAND" not in out
-    assert {"train": "Hydra overrides", "eval": "{tau2,bfcl,w2r,table,tts-table,sweep}",
+    assert {"train": "Hydra overrides", "eval": "{tau2,bfcl,synthetic,w2r,table,tts-table,sweep}",
             "envs": "gold replays", "data": "record-traces",
             "models": "{build,path,export}"}[command] in out
 
