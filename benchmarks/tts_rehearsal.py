@@ -101,7 +101,8 @@ def recipe_flags(overrides: list[str]) -> tuple[list[str], float, float]:
 def _run(cmd: list[str], what: str) -> str:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"{what} failed ({shlex.join(cmd)}): {proc.stderr.strip().splitlines()[-1:]}")
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"{what} failed (exit {proc.returncode}: {shlex.join(cmd)}): {last}")
     return proc.stdout.strip().splitlines()[-1]
 
 
