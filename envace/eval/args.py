@@ -292,6 +292,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                          "--tts parallel|sequential")
     elif args.runner != "agent_loop" or args.runner_arg:  # --tts X is the runner "tts", set by the typed config
         parser.error("--tts parallel/sequential is a runner of its own; drop --runner / --runner-arg")
+    elif tts.memory != "verbatim" and "max_memory_chars" in tts_flags_given(args):  # read by the verbatim memory only
+        parser.error(f"{TTSConfig.flags()['max_memory_chars']} has no effect without "
+                     f"{TTSConfig.flags()['memory']} verbatim")
     if args.checkpoint:
         from envace.eval.server import server_command
 

@@ -59,6 +59,8 @@ def test_every_loop_limit_has_a_flag_with_the_loop_default():
         (["bfcl", *ENDPOINT, "--tool-timeout-s", "inf"], "argument --tool-timeout-s: expected a number"),
         (["bfcl", *ENDPOINT, "--rehearsals", "5"], "--rehearsals has no effect without --tts"),
         (["tau2", *ENDPOINT, "--rehearsal-model", "x"], "--rehearsal-model has no effect without --tts"),
+        (["bfcl", *ENDPOINT, "--tts", "parallel", "--tts-max-memory-chars", "100"],
+         "--tts-max-memory-chars has no effect without --tts-memory verbatim"),
         (["sweep", "bfcl", "--out", "s", "--budgets", "0"], "argument --budgets: expected an integer >= 1"),
         (["bfcl", *ENDPOINT, "--chat-template-kwargs", "[1]"], "expected a JSON object"),
         (["sweep", "bfcl", "--out", "s", "--", *ENDPOINT, "--temperature", "nan"], "argument --temperature"),
