@@ -224,8 +224,8 @@ def build_parquet(
     spread over categories, not the first N ids). ``train_task_ids`` keeps, instead, exactly those training
     tasks, in that order (each must be in some pool's ``splits[0]``). ``categories`` keeps only the tasks whose
     ``TaskSpec.category`` is one of them, in both files, before ``limit_per_pool`` (explicit ``train_task_ids`` are
-    kept as given). Raises :class:`DatasetBuildError` if a task
-    would appear in both files, a file would be empty or a ``train_task_ids`` entry is in no pool's train split.
+    kept as given). Raises :class:`DatasetBuildError` if a pool refuses its ``pool_kwargs``, a task would appear in
+    both files, a file would be empty or a ``train_task_ids`` entry is in no pool's train split.
     """
     if not pool_names:
         raise DatasetBuildError("no pools given")
@@ -241,7 +241,11 @@ def build_parquet(
                                 **({"train_agent_by_env": dict(sorted(by_env.items()))} if by_env else {})}
     unplaced = set(train_task_ids or ())
     for name in dict.fromkeys(pool_names):
-        pool = get_pool(name, **dict((pool_kwargs or {}).get(name, {})))
+        kwargs = dict((pool_kwargs or {}).get(name, {}))
+        try:
+            pool = get_pool(name, **kwargs)
+        except (TypeError, ValueError) as exc:  # an option the pool does not take, or a value it refuses
+            raise DatasetBuildError(f"pool {name!r} with options {kwargs}: {exc}") from None
         ids_by_split = {}
         for split in splits:
             ids = pool.task_ids(split)

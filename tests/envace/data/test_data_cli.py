@@ -44,6 +44,16 @@ def test_build_data(tmp_path):
     assert not ids(train) & ids(val)
 
 
+def test_a_pool_option_the_pool_does_not_take_is_one_line_and_writes_nothing(tmp_path):
+    res = cli("--pool-kwargs", '{"synthetic": {"no_such": 1}}', "build", "--pools", "synthetic",
+              "--out", str(tmp_path / "out"))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines() == [
+        ("python -m envace.data: error: pool 'synthetic' with options {'no_such': 1}: "
+         "SyntheticPool.__init__() got an unexpected keyword argument 'no_such'")]
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_cm2(tmp_path):
     good = {
         "id": "x",
