@@ -3,6 +3,7 @@
 #   scripts/test.sh                 # everything that runs on CPU, end-to-end training included
 #   scripts/test.sh -m "not slow"   # skip the end-to-end trainer runs
 #   scripts/test.sh tests/envsched  # any pytest arguments
+#   scripts/test.sh --extended      # the tests marked `extended` too (second opinions CI leaves out: docs/testing.md)
 #   scripts/test.sh --cov [--cov-files] -m "not slow"
 #                                   # line coverage of envace, envsched, trace2env and envllm (pytest-cov), then a
 #                                   # per-package table (scripts/coverage_table.py; --cov-files: per file too)
@@ -15,7 +16,8 @@
 # slow worker runs the `heavy` ones (a whole trainer or a vLLM engine: GiBs each, so one at a time) in one pytest
 # and, once the warm start is built, the other slow ones beside them in a second pytest, whose output follows. Without `-m`, both sets run, in that
 # order; `-m EXPR` runs one pytest over EXPR (on the workers when EXPR is "not slow" or "slow"); `-n` given
-# explicitly is passed as it is.
+# explicitly is passed as it is. Tests marked `extended` are left out of every set unless --extended is given, and the
+# command ends with a line counting them.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/bootstrap.sh
@@ -35,9 +37,10 @@ for v in "ENVACE_TEST_WORKERS=$workers" "ENVACE_SLOW_WORKERS=$slow_workers"; do
   [[ "${v#*=}" =~ ^[1-9][0-9]*$ ]] ||
     { echo "envace: ${v%%=*} must be a positive integer (got '${v#*=}')" >&2; exit 2; }
 done
-args=() cov=0 cov_files="" marker="" has_n=0
+args=() cov=0 cov_files="" marker="" has_n=0 extended=0
 while (($#)); do
   case "$1" in
+    --extended) extended=1 ;;
     --cov) cov=1 ;;
     --cov-files) cov=1 cov_files="--files" ;;
     -m) [[ $# -ge 2 ]] || { echo "envace: -m needs a marker expression" >&2; exit 2; }; marker="$2"; shift ;;
@@ -52,6 +55,10 @@ if [[ $cov == 1 ]]; then
   covdir="$(mktemp -d)"
   export COVERAGE_FILE="$covdir/.coverage"
 fi
+# EXPR restricted to the tier: "(EXPR) and not extended" unless --extended (EXPR empty: "not extended")
+tier() {
+  if [[ $extended == 1 ]]; then echo "$1"; else echo "${1:+($1) and }not extended"; fi
+}
 # one pytest over MARKER; the first run of a coverage session starts the data file, later ones append to it
 cov_started=0
 run() {
@@ -71,7 +78,9 @@ run() {
     run_beside "${extra[@]}"
     return
   fi
-  [[ -z "$expr" ]] || extra+=(-m "$expr")
+  local sel
+  sel="$(tier "$expr")"
+  [[ -z "$sel" ]] || extra+=(-m "$sel")
   "$PY" -m pytest "${extra[@]}" "${args[@]}"
 }
 # the slow tests on one worker: the heavy ones one after another, the light ones in a second pytest beside them
@@ -83,10 +92,10 @@ trap 'for p in $light_pid $heavy_pid; do kill "$p" 2>/dev/null || true; done; [[
 run_beside() {
   local log gate heavy=0 light=0
   log="$(mktemp)" gate="$(mktemp -u)"
-  ENVACE_TEST_GATE="$gate" "$PY" -m pytest "$@" -m "slow and heavy" "${args[@]}" &
+  ENVACE_TEST_GATE="$gate" "$PY" -m pytest "$@" -m "$(tier "slow and heavy")" "${args[@]}" &
   heavy_pid=$!
   while [[ ! -e "$gate" ]] && kill -0 "$heavy_pid" 2>/dev/null; do sleep 1; done
-  "$PY" -m pytest "$@" -m "slow and not heavy" "${args[@]}" >"$log" 2>&1 &
+  "$PY" -m pytest "$@" -m "$(tier "slow and not heavy")" "${args[@]}" >"$log" 2>&1 &
   light_pid=$!
   wait "$heavy_pid" || heavy=$?
   heavy_pid=""
@@ -116,4 +125,11 @@ else
   fi
 fi
 [[ $cov == 0 ]] || "$PY" "$ROOT/scripts/coverage_table.py" "$COVERAGE_FILE" $cov_files
+# nothing left out silently: the selection's tests marked `extended`, counted (pytest's "[N/]M tests collected")
+if [[ $extended == 0 ]]; then
+  left="$("$PY" -m pytest --collect-only -m "${marker:+($marker) and }extended" "${args[@]}" -n 0 --verbosity=-1 2>/dev/null |
+          sed -n 's#^\([0-9][0-9]*\)\(/[0-9]*\)\{0,1\} tests\{0,1\} collected.*#\1#p' | tail -1 || true)"
+  [[ -z "$left" ]] || echo "envace: $left test$([[ $left == 1 ]] || echo s) marked extended not run" \
+    "(scripts/test.sh --extended runs them; docs/testing.md)"
+fi
 exit $rc

@@ -149,6 +149,29 @@ def test_one_worker_runs_in_process_and_nothing_selected_is_exit_5(tmp_path):
     assert proc.returncode == 5, proc.stdout + proc.stderr
 
 
+#: the scratch suite and a slow test marked ``extended`` that records that it ran
+EXTENDED = dict(SUITE, **{"test_extended.py": (
+    "import os, pathlib\nimport pytest\n\n\n@pytest.mark.slow\n@pytest.mark.extended\ndef test_extended():\n"
+    "    (pathlib.Path(os.environ['THREADS_OUT']).parent / 'extended').touch()\n")})
+
+
+@pytest.mark.parametrize("args", [(), ("-m", "slow")])
+def test_extended_tests_run_only_with_extended_and_are_counted_when_left_out(tmp_path, args):
+    proc = run(tmp_path, "-v", *args, files=EXTENDED)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "test_slow.py::test_slow PASSED" in out, out
+    assert not (tmp_path / "extended").exists() and "test_extended.py::" not in out, out
+    assert out.rstrip().endswith("envace: 1 test marked extended not run (scripts/test.sh --extended runs them; "
+                                 "docs/testing.md)"), out[-500:]
+    proc = run(tmp_path, "-v", "--extended", *args, files=EXTENDED)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "test_extended.py::test_extended PASSED" in out, out
+    assert (tmp_path / "extended").exists() and "marked extended not run" not in out, out
+    # a selection without extended tests ends without the line
+    proc = run(tmp_path, "-m", "not slow", files=EXTENDED)
+    assert proc.returncode == 0 and "marked extended" not in proc.stdout + proc.stderr, proc.stdout
+
+
 @pytest.mark.parametrize("variable", ["ENVACE_TEST_WORKERS", "ENVACE_SLOW_WORKERS"])
 @pytest.mark.parametrize("value", ["0", "two", "-1"])
 def test_a_bad_worker_count_is_refused(tmp_path, variable, value):
