@@ -1,9 +1,13 @@
-"""End to end on CPU, asynchronous (issue 46): EnvACE with EnvSched on verl's colocated async trainer
-(``trainer.v1.trainer_mode=envsched_colocate_async``) through scripts/train.sh, killed and resumed.
+"""End to end on CPU, asynchronous (issue 46), all three methods in one run: EnvACE with EnvSched and Trace2Env
+(``cpu_all``) on verl's colocated async trainer (``trainer.v1.trainer_mode=envsched_colocate_async``) through
+scripts/train.sh, killed and resumed.
 
-The CPU default (``cpu_default``: the warm-started tiny Qwen3 acting and rehearsing on the synthetic pool, role-wise
-GRPO), 4 prompts × 2 rollouts a step, two warm-up batches in flight beyond the step's own, and a staleness bound of 2
-under verl's ``drop`` strategy. Run A trains steps 1 and 2, checkpointing each; once step 2's checkpoint is complete
+``cpu_all``: the warm-started tiny Qwen3 acting and rehearsing (role-wise GRPO) on batches EnvSched picks from two
+environments of the synthetic pool: one served by a Trace2Env worldbook built from its recorded traces (the
+``envace_simulator`` loop: only the acting role, every call answered by the simulator), one the policy rehearses
+(both roles); in both the reward is the pool's verifier on the real environment's shadow replay. 4 prompts × 2
+rollouts a step, two warm-up batches in flight beyond the step's own, and a staleness bound of 2 under verl's
+``drop`` strategy. Run A trains steps 1 and 2, checkpointing each; once step 2's checkpoint is complete
 it is SIGKILLed, with prompts in flight. Run B relaunches in the same folder: verl restores the finished groups and
 re-issues the pending ones from TransferQueue's checkpoint, and trains steps 3 and 4.
 
@@ -19,11 +23,20 @@ Checked, from the runs' own records (metrics, rollout dumps, the prompt ledger `
   would stop the run); after the resume the scheduler's in-flight tasks are the ledger's.
 * **rollout correction**: verl's token-level importance weights (decoupled mode) reach the act and the rehearse
   role's tokens alike.
+* **all three methods**: EnvSched's cold start took a task of each environment; the simulated one's rows are the
+  acting role's only, their calls answered by the worldbook; the rehearsed one's are both roles', none simulated;
+  answered calls were compared with the real environment's responses; within each prompt's group each role's
+  advantages are centred on that role's mean (role-wise GRPO).
 * envace's per-role metrics and dump columns, as in the sync trainer.
+
+The synchronous trainer's resume, checkpoint export and vLLM weight sync are checked elsewhere: the two-node run's
+relaunch (``test_multinode.py``), ``tests/envace/models/test_export.py`` and the learning run on verl's vLLM replica
+with the fast test of the CPU weight sync (``tests/envace/platform/test_vllm_cpu_sync.py``).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -31,20 +44,29 @@ import signal
 import subprocess
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
+from envace.data.datasets import stable_order
+from envace.envs.base import get_pool
 from envace.launch import STEP_LINE
+from envace.verl.config import compose
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.warm_start]
 
 REPO = Path(__file__).resolve().parents[2]
 B, N, THRESHOLD = 4, 2, 2
+#: the environment cpu_all serves with a Trace2Env worldbook, and one it leaves to the policy's rehearsal
+SIMULATED, REHEARSED = "syn-bank-00", "syn-shop-01"
 OVERRIDES = [
-    "experiment=cpu_default",
+    # EnvACE + EnvSched + Trace2Env (the training tasks, envace.data.train_task_ids=training_tasks(), are added in
+    # the test: collection builds no pool)
+    "experiment=cpu_all",
     "trainer.v1.trainer_mode=envsched_colocate_async",
+    # partial credit gives reward variance inside groups, so the advantages the role-wise check reads are not all zero
+    "envace.agent.pool_kwargs.synthetic.reward=partial",
     f"data.train_batch_size={B}", f"actor_rollout_ref.rollout.n={N}", f"actor_rollout_ref.actor.ppo_mini_batch_size={B}",
     # two batches in flight beyond the step's: the oldest groups reach the staleness bound at step 3
     "trainer.v1.colocate_async.num_warmup_batches=2",
@@ -57,11 +79,23 @@ OVERRIDES = [
 ]
 
 
-def launch(run: Path) -> tuple[subprocess.Popen[str], list[str]]:
+def training_tasks(per_env: int = 8) -> list[str]:
+    """``per_env`` train-split tasks of each of the two environments (EnvSched's cold start takes one of each)."""
+    kwargs = compose(["experiment=cpu_all"]).envace.agent.pool_kwargs.synthetic
+    pool = get_pool("synthetic", **kwargs)
+    ids = stable_order(pool.task_ids("train"))
+    return [t for env in (SIMULATED, REHEARSED) for t in [t for t in ids if pool.task(t).env_id == env][:per_env]]
+
+
+def env_of(key: str) -> str:
+    return key.split("/")[-2]  # EnvSched's task keys are <pool>/<env_id>/t<N>
+
+
+def launch(run: Path, tasks: list[str]) -> tuple[subprocess.Popen[str], list[str]]:
     env = dict(os.environ, RAY_DEDUP_LOGS="0")
     env.pop("RAY_ADDRESS", None)
     cmd = [str(REPO / "scripts" / "train.sh"), *OVERRIDES, f"trainer.default_local_dir={run}",
-           f"trainer.rollout_data_dir={run / 'rollouts'}"]
+           f"trainer.rollout_data_dir={run / 'rollouts'}", f"envace.data.train_task_ids=[{','.join(tasks)}]"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
@@ -79,9 +113,18 @@ def trained_groups(run: Path, step: int) -> Counter[str]:
     return Counter(r["uid"].split("_")[0] for r in {r["trajectory_id"]: r for r in rows if not r["uid"].startswith("pad")}.values())
 
 
+def roles_trained(run: Path, step: int) -> set[str]:
+    rows = [json.loads(x) for x in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+    return {r["role"] for r in rows if not r["uid"].startswith("pad")}
+
+
 def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(tmp_path):
+    patterns = compose(["experiment=cpu_all"]).envace.agent.simulated_envs
+    assert any(fnmatch.fnmatchcase(SIMULATED, p) for p in patterns)
+    assert not any(fnmatch.fnmatchcase(REHEARSED, p) for p in patterns)
+    tasks = training_tasks()
     run = tmp_path / "run"
-    proc, lines = launch(run)
+    proc, lines = launch(run, tasks)
     tracker = run / "latest_checkpointed_iteration.txt"
     try:
         deadline = time.monotonic() + 1800
@@ -98,7 +141,7 @@ def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(
     a = ledger(run)
     assert [x["step"] for x in a] == [1, 2], "the kill came after step 3 trained: " + "".join(lines)[-3000:]
 
-    proc, lines = launch(run)
+    proc, lines = launch(run, tasks)
     proc.wait(timeout=1800)
     out = "".join(lines)
     assert proc.returncode == 0 and "envace: training finished" in out, out[-8000:]
@@ -114,11 +157,14 @@ def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(
         assert m["envace/staleness/max"] <= THRESHOLD - 1 and m["envace/staleness/violations"] == 0, (step, m)
         assert m["envace/staleness/bound"] == THRESHOLD - 1
         assert m["training/off_policy/trajectory_staleness_worst/max"] == m["envace/staleness/max"]
-        for key in ("envace/act/outputs", "envace/rehearse/outputs", "envace/masked_rate", "envsched/batch_size"):
+        for key in ("envace/act/outputs", "envace/masked_rate", "envsched/batch_size"):
             assert key in m, (step, key)
-        # the importance weights reached both roles' tokens
-        assert m["envace/act/is_weighted_tokens"] > 0 and m["envace/rehearse/is_weighted_tokens"] > 0, (step, m)
+        # the importance weights reached each trained role's tokens (a step of the simulated environment's prompts
+        # alone has no rehearsals)
+        for role in roles_trained(run, step):
+            assert m[f"envace/{role}/outputs"] > 0 and m[f"envace/{role}/is_weighted_tokens"] > 0, (step, role, m)
     assert max(m["envace/staleness/max"] for m in metrics.values()) == THRESHOLD - 1
+    assert set().union(*(roles_trained(run, step) for step in metrics)) == {"act", "rehearse"}
     dropped = {u for x in a + b for u in x["dropped"]}
     assert dropped, "no group reached the staleness bound: the check was idle"
 
@@ -141,6 +187,33 @@ def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(
     for step, x in enumerate(a + b, start=1):
         groups = trained_groups(run, step)
         assert set(groups) == set(x["trained"]) and set(groups.values()) == {N}, (step, groups)
+
+    # all three methods: EnvSched's cold start took a task of each environment, the simulated one's rows are the acting
+    # role's only (calls answered by the worldbook), the rehearsed one's both roles' (none simulated)
+    selections = [json.loads(x) for x in (run / "envsched_selections.jsonl").read_text().splitlines()]
+    assert {env_of(t) for t in selections[0]["task_ids"]} == {SIMULATED, REHEARSED}, selections[0]
+    by_env: dict[str, list[dict]] = defaultdict(list)
+    for step in metrics:
+        rows = [json.loads(x) for x in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for r in rows:
+            if r["uid"].startswith("pad"):
+                continue
+            assert r["role"] in ("act", "rehearse") and r["trajectory_id"] == r["uid"].rsplit("_", 1)[0]
+            groups[(r["uid"].split("_")[0], r["role"])].append(r["advantage"])
+            by_env[r["env_id"]].append(r)
+        # role-wise GRPO: within each prompt's group, each role's advantages are centred on that role's mean
+        for advs in groups.values():
+            assert abs(sum(advs)) < 1e-4 * max(1, len(advs)), (step, advs)
+    assert set(by_env) == {SIMULATED, REHEARSED}, set(by_env)
+    sim, reh = by_env[SIMULATED], by_env[REHEARSED]
+    assert {r["observation_source"] for r in sim} == {"simulator"} and {r["role"] for r in sim} == {"act"}
+    assert sum(r["simulated_calls"] for r in sim) > 0
+    assert {r["observation_source"] for r in reh} == {"rehearse"} and {r["role"] for r in reh} == {"act", "rehearse"}
+    assert all(r["simulated_calls"] == 0 for r in reh)
+    # answered calls, simulated or rehearsed, were compared with the real environment's responses (the shadow)
+    assert sum(m.get("envace/rehearsal_fidelity/compared", 0.0) for m in metrics.values()) > 0
+    assert any(r["advantage"] != 0 for r in sim + reh)  # the centring check had advantages to check
 
     # EnvSched's view after the resume: what it holds in flight is the ledger's
     import torch

@@ -256,7 +256,7 @@ def test_two_ray_nodes_train_through_a_lost_worker_and_the_relaunch_resumes(tmp_
         "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2", "trainer.logger=[console]",
         # hfcpu, the CPU default (the servers' names below are its): each vLLM CPU engine binds its worker to a core
         # and reserves another for its engine process, and two of them on one 2-core machine were not tried;
-        # tests/envace/test_train_e2e.py runs the vLLM rollout
+        # tests/envace/learning/test_grpo_rolewise.py runs the vLLM rollout
         "actor_rollout_ref.rollout.name=hfcpu",
         # verl pads a step's rows to a multiple of ppo_mini_batch_size x n = 8, 4 per rank: micro-batches of 4
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",

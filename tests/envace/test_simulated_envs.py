@@ -1,7 +1,8 @@
 """Per-environment simulation (``envace.agent.simulated_envs``, the ``cpu_all`` recipe): the config checks, the
 pre-flight that resolves the entries against the training data and builds or checks the worldbooks, the data
 build that routes the simulated environments' training rows to the simulator's loop, and the loop's count of
-simulated calls. The end-to-end run of ``cpu_all`` is ``tests/envace/test_train_e2e.py``."""
+simulated calls. The end-to-end run of ``cpu_all`` is ``tests/envace/test_async_e2e.py`` (on verl's async trainer).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """envace's verl agent loops (one turn engine, three observation sources) with the real BFCL pool and the
 real Qwen tokenizer, driven by a scripted ``generate`` in place of the rollout server (verl's own
-agent-loop tests use the same fake-server pattern; the real server path runs in test_train_e2e.py)."""
+agent-loop tests use the same fake-server pattern; the real server path runs in the slow trainer runs:
+``tests/envace/learning``, ``test_async_e2e.py``, ``test_multinode.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """vLLM's CPU build as verl's rollout: the install check, and pins of every verl and vLLM line the worker extension
 (``envace/platform/vllm_cpu.py``) and the CPU platform config rely on, so a verl or vLLM upgrade that moves one fails
 here, in the fast suite, instead of inside a Ray worker. The extension itself runs in ``test_vllm_cpu_sync.py`` (two
-syncs into vLLM's CPU engine) and in the slow end-to-end test (``tests/envace/test_train_e2e.py``)."""
+syncs into vLLM's CPU engine) and in the slow EnvACE learning run (``tests/envace/learning/test_grpo_rolewise.py``)."""
 
 from __future__ import annotations
 
