@@ -43,7 +43,7 @@ from .graph_cache import load_or_build_graph
 from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
 from .relations import RelationWeights
-from .select import BatchBuilder, CapState, RowCache, cold_start_batch, scan_order
+from .select import BatchBuilder, CapState, PenaltyBlock, RowCache, cold_start_batch, scan_order
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ class EnvScheduler:
         self._metrics: dict[int, dict[str, float]] = {}
         self._pred_cache: tuple[int, int, Prediction] | None = None
         self._row_cache: RowCache | None = None  # x_full rows read by the Eq. 5 penalties, kept across batches
+        self._block: PenaltyBlock | None = None  # the Eq. 5 penalty block, emptied and kept across batches
         # relation_weights: measured (beyond the paper, envsched/relations.py): the relations' Eq. 3 weights
         self.relation_weights = RelationWeights(self.cfg) if self.cfg.relation_weights == "measured" else None
         if self.cfg.scheduler == "envsched":
@@ -314,15 +315,18 @@ class EnvScheduler:
         pred = self.predict(step)
         if self._row_cache is None:
             self._row_cache = RowCache(self.graph.x_full)
+            self._block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(cfg.batch_size, 1),
+                                       self.graph.release_pages, row_cache=self._row_cache)
         caps = self._cap_state(step)
-        builder = BatchBuilder(self.graph, cfg, caps, free.copy(), row_cache=self._row_cache)
+        builder = BatchBuilder(self.graph, cfg, caps, free.copy(), row_cache=self._row_cache, block=self._block)
         try:
             chosen, phases, metrics = self._fill(builder, step, pred.q, size)
         finally:
             builder.close()
         if len(chosen) >= size or np.array_equal(free, self.available):
             return chosen, phases, metrics
-        builder = BatchBuilder(self.graph, cfg, caps, self.available.copy(), row_cache=self._row_cache)
+        builder = BatchBuilder(self.graph, cfg, caps, self.available.copy(), row_cache=self._row_cache,
+                               block=self._block)
         try:
             for i, phase in zip(chosen, phases):
                 builder.add(i, phase)

@@ -164,6 +164,12 @@ class RowCache:
         self.rows = self.used = 0
 
 
+def _all_columns(entries: int, cap: int, needed: int, width: int) -> bool:
+    """Whether a block refresh multiplies all ``cap`` member columns as they lie (``entries`` x ``cap - needed``
+    products wasted) rather than copy the ``needed`` ones contiguous (``width`` x ``needed`` values copied)."""
+    return entries * (cap - needed) < width * needed
+
+
 class PenaltyBlock:
     """Batch members' rows of S_full's feature matrix, for the Eq. 5 penalties max_{j in B} S_full_ij.
 
@@ -283,22 +289,34 @@ class PenaltyBlock:
                 out[grp] = best
             else:
                 lo = int(st.min())  # the members some row of the group has not seen, lo..m-1, all at once
-                mat = np.ascontiguousarray(self.by_slot[:width, lo:m])
+                # the members' columns lo..m-1, copied contiguous, or all the block's columns as they lie when
+                # multiplying the unused ones costs less than the copy (each column's sums are the same either way)
+                if _all_columns(len(vals), self.cap, m - lo, width):
+                    lo, hi, mat = 0, self.cap, self.by_slot[:width]
+                else:
+                    hi, mat = m, np.ascontiguousarray(self.by_slot[:width, lo:m])
                 if _csr_matvecs is not None:
-                    y2 = np.zeros((len(grp), m - lo))
-                    _csr_matvecs(len(grp), width, m - lo, indptr, slots, vals, mat.ravel(), y2.ravel())
+                    y2 = np.zeros((len(grp), hi - lo))
+                    _csr_matvecs(len(grp), width, hi - lo, indptr, slots, vals, mat.ravel(), y2.ravel())
                 else:
                     y2 = sp.csr_matrix((vals, slots, indptr), shape=(len(grp), width)) @ mat
-                cols = np.arange(lo, m)[None, :]
-                y2 = np.where(cols >= st[:, None], y2, -np.inf)
+                cols = np.arange(lo, hi)[None, :]
+                y2 = np.where((cols >= st[:, None]) & (cols < m), y2, -np.inf)
                 out[grp] = y2.max(axis=1)
         return out
 
     def close(self) -> None:
-        """Reset the scratch map (all -1 again)."""
+        """Reset the scratch map (all -1 again) and empty the block for the next batch: the entries its members
+        wrote are zeroed in place, so a block kept across batches (``EnvScheduler``'s) reuses memory already paged
+        in instead of faulting fresh zero pages for every member (most of a small pool's step before)."""
+        width = self.n_feat + 1
+        self.by_member[: self.m, :width] = 0.0
+        self.by_slot[:width, : self.m] = 0.0
         for u in self.used:
             self.fmap[u] = -1
+            self.slot_of[u] = 0
         self.used = []
+        self.m = self.n_feat = 0
 
 
 @dataclass
@@ -319,6 +337,7 @@ class BatchBuilder:
     phases: list[str] = field(default_factory=list)
     relaxations: int = 0
     row_cache: RowCache | None = None  # x_full rows kept across batches (EnvScheduler's); None: one per batch
+    block: PenaltyBlock | None = None  # an empty penalty block kept across batches (EnvScheduler's); None: a new one
 
     def __post_init__(self) -> None:
         n = self.graph.n
@@ -327,7 +346,10 @@ class BatchBuilder:
         self.in_batch = np.zeros(n, dtype=bool)
         self.pen = np.zeros(n)
         self.pen_upto = np.zeros(n, dtype=np.int64)
-        self.block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(self.cfg.batch_size, 1), self.graph.release_pages, row_cache=self.row_cache)
+        if self.block is None:
+            self.block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(self.cfg.batch_size, 1),
+                                      self.graph.release_pages, row_cache=self.row_cache)
+        assert self.block.m == 0, "a penalty block is reused only once closed"
         # per environment: members not yet in the batch that are available (level >= 1) and, in addition, not
         # blocked by C_task (level 0); kept up to date by add(), so the coverage phase works on environments
         n_env = len(self.graph.env_members)
@@ -527,7 +549,7 @@ class BatchBuilder:
         self.block.add(int(i))
 
     def close(self) -> None:
-        """Release the scratch map of the penalty block."""
+        """Release the scratch map of the penalty block and empty it for the next batch."""
         self.block.close()
 
     # ---- phases (§2.4) -----------------------------------------------------------------------------

@@ -473,11 +473,12 @@ def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
     n = g.n
     entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
     shared, small = RowCache(g.x_full, entry * g.x_full.nnz), RowCache(g.x_full, entry * g.x_full.nnz // 3)
+    kept = PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=shared)  # closed after a batch and used again
     for batch in range(2):  # the shared caches carry rows from one batch's block to the next
         blocks = {"none": PenaltyBlock(g.x_full, np.full(80, -1), 4, cache_bytes=0),
                   "own": PenaltyBlock(g.x_full, np.full(80, -1), 4),
                   "shared": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=shared),
-                  "small": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=small)}
+                  "small": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=small), "kept": kept}
         members = []
         for _ in range(6):  # members arrive between refreshes, rows are read again
             j = int(rng.integers(n))
@@ -487,7 +488,7 @@ def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
             rows = rng.choice(n, 90, replace=False)
             start = rng.integers(0, blocks["none"].m + 1, size=90)
             want = blocks["none"].max_sim(rows, start)
-            for name in ("own", "shared", "small"):
+            for name in ("own", "shared", "small", "kept"):
                 before = blocks[name].rows_read
                 cached = (blocks[name].cached(rows) >= 0).sum()
                 assert np.array_equal(blocks[name].max_sim(rows, start), want), (batch, name)
@@ -495,8 +496,12 @@ def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
         assert blocks["none"].row_cache.rows == 0 and 0 < small.used <= small.capacity < shared.used
         cached = shared.lookup(np.arange(n))
         assert (cached >= 0).sum() == shared.rows and np.array_equal(np.sort(cached[cached >= 0]), np.arange(shared.rows))
+        full = blocks["none"].max_sim(np.arange(n), np.zeros(n, dtype=np.int64))
         for b in blocks.values():
             b.close()
+        # a closed block holds nothing: every entry its members wrote is zero again, the scratch map all -1
+        assert kept.m == kept.n_feat == 0 and not kept.by_member.any() and not kept.by_slot.any()
+        assert not kept.slot_of.any() and (kept.fmap == -1).all()
     small.clear()
     assert small.rows == 0 and (small.lookup(np.arange(n)) == -1).all()
     # the numpy gather (scipy's private kernel missing) gives the same floats
@@ -505,7 +510,32 @@ def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
     for j in members:
         plain.add(j)
     rows, start = np.arange(n), np.zeros(n, dtype=np.int64)
-    assert np.array_equal(plain.max_sim(rows, start), blocks["none"].max_sim(rows, start))
+    assert np.array_equal(plain.max_sim(rows, start), full)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_block_refresh_gives_the_same_floats_multiplying_all_columns_or_the_needed_ones(seed, monkeypatch):
+    """Eq. 5 penalties of rows that have not seen several members: the refresh multiplies either the members'
+    columns copied contiguous or all the block's columns as they lie, whichever costs less; each column's sums are
+    the same products in the same order, so both give the same floats (and the exact dense products, closely)."""
+    from envsched import select
+    from envsched.select import PenaltyBlock
+
+    g, rng = _penalty_graph(seed)
+    n = g.n
+    members = rng.choice(n, 7, replace=False)
+    rows, start = np.arange(n), rng.integers(0, 3, size=n)  # every row misses more than _FEW_MEMBERS members
+    got = {}
+    for always in (True, False):
+        monkeypatch.setattr(select, "_all_columns", lambda *a, always=always: always)
+        blk = PenaltyBlock(g.x_full, np.full(80, -1), 4, cache_bytes=0)  # capacity grows past 4
+        for j in members:
+            blk.add(int(j))
+        got[always] = blk.max_sim(rows, start)
+    assert np.array_equal(got[True], got[False])
+    dense = (g.x_full @ g.x_full[members].T).toarray()
+    dense[np.arange(len(members))[None, :] < start[:, None]] = -np.inf
+    np.testing.assert_allclose(got[True], dense.max(axis=1), rtol=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
