@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite (CPU). Creates/updates the project virtualenv first (scripts/bootstrap.sh).
-#   scripts/test.sh                 # everything that runs on CPU, end-to-end training included
+#   scripts/test.sh                 # everything on CPU but the `extended` tests, trainer runs included (CI)
 #   scripts/test.sh -m "not slow"   # skip the end-to-end trainer runs
 #   scripts/test.sh tests/envsched  # any pytest arguments
 #   scripts/test.sh --extended      # the tests marked `extended` too (second opinions CI leaves out: docs/testing.md)
@@ -127,7 +127,8 @@ fi
 [[ $cov == 0 ]] || "$PY" "$ROOT/scripts/coverage_table.py" "$COVERAGE_FILE" $cov_files
 # nothing left out silently: the selection's tests marked `extended`, counted (pytest's "[N/]M tests collected")
 if [[ $extended == 0 ]]; then
-  left="$("$PY" -m pytest --collect-only -m "${marker:+($marker) and }extended" "${args[@]}" -n 0 --verbosity=-1 2>/dev/null |
+  left="$("$PY" -m pytest --collect-only -m "${marker:+($marker) and }extended" "${args[@]}" -n 0 --verbosity=-1 \
+          2>/dev/null |
           sed -n 's#^\([0-9][0-9]*\)\(/[0-9]*\)\{0,1\} tests\{0,1\} collected.*#\1#p' | tail -1 || true)"
   [[ -z "$left" ]] || echo "envace: $left test$([[ $left == 1 ]] || echo s) marked extended not run" \
     "(scripts/test.sh --extended runs them; docs/testing.md)"
