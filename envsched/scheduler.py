@@ -315,10 +315,9 @@ class EnvScheduler:
         pred = self.predict(step)
         if self._row_cache is None:
             self._row_cache = RowCache(self.graph.x_full)
-            self._block = PenaltyBlock(self.graph.x_full, self.graph.scratch_map(), max(cfg.batch_size, 1),
-                                       self.graph.release_pages, row_cache=self._row_cache)
         caps = self._cap_state(step)
         builder = BatchBuilder(self.graph, cfg, caps, free.copy(), row_cache=self._row_cache, block=self._block)
+        self._block = builder.block  # the first builder makes it; closed, the next batch's builders reuse it
         try:
             chosen, phases, metrics = self._fill(builder, step, pred.q, size)
         finally:
