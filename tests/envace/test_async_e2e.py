@@ -107,15 +107,19 @@ def ledger(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "prompts.jsonl").read_text().splitlines()]
 
 
-def trained_groups(run: Path, step: int) -> Counter[str]:
-    """Trajectories per prompt uid in ``step``'s rollout dump (verl's padding rows left out)."""
+def dump(run: Path, step: int) -> list[dict]:
+    """``step``'s rollout dump, verl's padding rows left out."""
     rows = [json.loads(x) for x in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
-    return Counter(r["uid"].split("_")[0] for r in {r["trajectory_id"]: r for r in rows if not r["uid"].startswith("pad")}.values())
+    return [r for r in rows if not r["uid"].startswith("pad")]
+
+
+def trained_groups(run: Path, step: int) -> Counter[str]:
+    """Trajectories per prompt uid in ``step``'s rollout dump."""
+    return Counter(r["uid"].split("_")[0] for r in {r["trajectory_id"]: r for r in dump(run, step)}.values())
 
 
 def roles_trained(run: Path, step: int) -> set[str]:
-    rows = [json.loads(x) for x in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
-    return {r["role"] for r in rows if not r["uid"].startswith("pad")}
+    return {r["role"] for r in dump(run, step)}
 
 
 def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(tmp_path):
@@ -194,11 +198,8 @@ def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(
     assert {env_of(t) for t in selections[0]["task_ids"]} == {SIMULATED, REHEARSED}, selections[0]
     by_env: dict[str, list[dict]] = defaultdict(list)
     for step in metrics:
-        rows = [json.loads(x) for x in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
         groups: dict[tuple[str, str], list[float]] = defaultdict(list)
-        for r in rows:
-            if r["uid"].startswith("pad"):
-                continue
+        for r in dump(run, step):
             assert r["role"] in ("act", "rehearse") and r["trajectory_id"] == r["uid"].rsplit("_", 1)[0]
             groups[(r["uid"].split("_")[0], r["role"])].append(r["advantage"])
             by_env[r["env_id"]].append(r)
@@ -222,7 +223,7 @@ def test_async_envsched_bounds_staleness_and_a_resume_loses_and_repeats_nothing(
     ledger_open = json.loads((run / "global_step_4" / "prompt_ledger.json").read_text())["open"]
     # the state holds pool node indices; the selections log names each selection's tasks in the same order (a
     # selection the killed run made after its checkpoint was made again after the resume: the later record holds)
-    logged = {r["selection"]: r["task_ids"] for r in map(json.loads, (run / "envsched_selections.jsonl").open())}
+    logged = {r["selection"]: r["task_ids"] for r in selections}
     task_of = {int(n): t for s, nodes in zip(state["selection_steps"], state["selections"], strict=True)
                for n, t in zip(nodes.tolist(), logged[int(s)], strict=True)}
     sched_open = sorted((int(s), task_of[int(n)]) for s, nodes in zip(state["open_steps"], state["open"], strict=True)
