@@ -35,10 +35,12 @@ the group's mean subtracted without the std division (``algorithm.norm_adv_by_st
 alone.
 
 Before the first training every arm's command passes ``envace.train``'s pre-flight (seconds), so a wrong override
-stops the benchmark before hours of runs. A run whose directory already holds its result (``benchmark.json``,
-written when the run finished) is read, not re-run, so an interrupted benchmark resumes and ``--seeds`` can grow;
-one recorded for other overrides stops the benchmark. A control run that updated the actor, or another arm's run
-that never did, stops it too.
+stops the benchmark before hours of runs. The runs go seed by seed, every arm at each seed, so an interrupted
+benchmark holds its arms at the same seeds. A run whose result is recorded (``benchmark.json`` in its directory, or
+``<records>/<arm>/seed<N>.json`` with ``--records``: written when the run finished, with the commit it trained
+from) is read, not re-run, so an interrupted benchmark resumes and ``--seeds`` can grow, across machines where the
+records travel; one recorded for other overrides stops the benchmark. A control run that updated the actor, or
+another arm's run that never did, stops it too.
 
 **What it prints** (markdown), with the command and the seeds:
 
@@ -205,18 +207,33 @@ def preflight(args: Sequence[str], run_dir: Path) -> None:
         raise SystemExit(f"pre-flight refused: scripts/train.sh {shlex.join(args)}")
 
 
-def run_arm(arm: str, seed: int, out: Path, overrides: Sequence[str], steps: int) -> dict:
+def record_path(out: Path, records: Path | None, arm: str, seed: int) -> Path:
+    """Where a finished run's result lives: ``<records>/<arm>/seed<seed>.json`` with ``--records``, else
+    ``benchmark.json`` in its run directory."""
+    return records / arm / f"seed{seed}.json" if records else out / arm / f"seed{seed}" / "benchmark.json"
+
+
+def source_commit() -> str:
+    """The commit the runs train from (``git describe --always --dirty``): recorded with each result, since a
+    benchmark that grows by seeds may span commits."""
+    proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
+                          check=False)
+    return proc.stdout.strip() or "unknown"
+
+
+def run_arm(arm: str, seed: int, out: Path, overrides: Sequence[str], steps: int, records: Path | None = None) -> dict:
     from envace.metrics import load_metrics
 
     run_dir = out / arm / f"seed{seed}"
     args = train_args(arm, seed, overrides, steps)
-    done = run_dir / "benchmark.json"
+    done = record_path(out, records, arm, seed)
     if done.exists():
         result = json.loads(done.read_text())
         if result.get("overrides") != args:
             raise SystemExit(f"{done}: recorded for other overrides ({shlex.join(result.get('overrides') or [])}); "
                              "use another --out or delete it")
         return result
+    commit = source_commit()
     cmd = [str(REPO / "scripts" / "train.sh"), *args, f"trainer.default_local_dir={run_dir}"]
     print("$", shlex.join(cmd), flush=True)
     env = dict(os.environ)
@@ -239,7 +256,7 @@ def run_arm(arm: str, seed: int, out: Path, overrides: Sequence[str], steps: int
     greedy = next((k for k in series if k.startswith("val-core/heldout_greedy/success/mean@")), None)
     first, last = validation_scores(run_dir)
     result = {
-        "arm": arm, "seed": seed, "wall_s": wall, "overrides": args,
+        "arm": arm, "seed": seed, "commit": commit, "wall_s": wall, "overrides": args,
         "heldout": {str(s): v for s, v in sorted(series[key].items())},
         "heldout_sem": {str(s): v for s, v in sorted(series[key.replace("/mean@", "/sem@")].items())},
         "greedy": {str(s): v for s, v in sorted(series[greedy].items())} if greedy else {},
@@ -252,6 +269,7 @@ def run_arm(arm: str, seed: int, out: Path, overrides: Sequence[str], steps: int
         "env_calls": env_calls(series),
         "first_tasks": first, "last_tasks": last,
     }
+    done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(result, indent=1))
     return result
 
@@ -439,8 +457,9 @@ def report(results: dict[str, list[dict]], out: Path, shapes: Mapping[str, str],
            command: str) -> None:
     seeds = sorted({r["seed"] for rs in results.values() for r in rs})
     steps = sorted({int(s) for rs in results.values() for r in rs for s in r["heldout"]})
+    commits = sorted({r.get("commit", "unrecorded") for rs in results.values() for r in rs})
     print(f"\n## Learning benchmark\n\n```bash\n{command}\n```\n\nseeds: {', '.join(map(str, seeds))}; each run "
-          "`scripts/train.sh` with the arm's overrides, `data.seed=<seed>`.\n")
+          f"`scripts/train.sh` with the arm's overrides, `data.seed=<seed>`; trained from {', '.join(commits)}.\n")
     print("### Held-out success per validation step (mean ± sd over seeds)\n")
     print(markdown(["arm", *(f"step {s}" for s in steps)],
                    [[arm, *(_ms([r["heldout"].get(str(s)) for r in rs]) for s in steps)] for arm, rs in results.items()]))
@@ -496,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "default: the default's, act)")
     parser.add_argument("--out", type=Path, default=None, help="run directories, results and the plot "
                                                                "(outputs/benchmarks/learning[_smoke])")
+    parser.add_argument("--records", type=Path, default=None,
+                        help="where each finished run's result is written and read (<records>/<arm>/seed<N>.json; "
+                             "default: benchmark.json in its run directory): a small folder that can be kept, "
+                             "e.g. in the repository, while the run directories are not")
     parser.add_argument("--smoke", action="store_true", help="the whole pipeline at the smallest size")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every arm")
     return parser
@@ -524,7 +547,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "(envace.agent.pool_kwargs.synthetic.shapes)")
     for arm in arms:  # a wrong override stops here, not hours later
         preflight(train_args(arm, seeds[0], overrides, configs[arm].steps), out / arm / f"seed{seeds[0]}")
-    results = {arm: [run_arm(arm, seed, out, overrides, configs[arm].steps) for seed in seeds] for arm in arms}
+    # seed by seed, every arm at each: an interrupted benchmark leaves its arms at the same seeds, paired
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for seed in seeds:
+        for arm in arms:
+            results[arm].append(run_arm(arm, seed, out, overrides, configs[arm].steps, args.records))
     tasks = {t for rs in results.values() for r in rs for t in r["last_tasks"]}
     command = shlex.join([".venv/bin/python", "benchmarks/learning.py", *(sys.argv[1:] if argv is None else argv)])
     report(results, out, task_shapes(configs[arms[0]].pool_kwargs, tasks),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -67,6 +68,23 @@ def test_a_finished_run_is_read_not_rerun_unless_recorded_for_other_overrides(tm
         lb.run_arm("control", 1, tmp_path, ["envace.data.categories=[act,query]"], 20)
 
 
+def test_records_keep_the_results_apart_from_the_run_directories_with_their_commit(tmp_path, monkeypatch, capsys):
+    _stub_launch(monkeypatch)
+    cmds = _fake_train(monkeypatch)
+    monkeypatch.setattr(lb, "source_commit", lambda: "abc1234-dirty")
+    records = tmp_path / "records"
+    argv = ["--smoke", "--arms", "envace,control", "--out", str(tmp_path / "runs"), "--records", str(records)]
+    assert lb.main(argv) == 0 and len(cmds) == 4
+    assert sorted(str(p.relative_to(records)) for p in records.rglob("*.json")) == [
+        "control/seed0.json", "control/seed1.json", "envace/seed0.json", "envace/seed1.json"]
+    assert json.loads((records / "envace" / "seed1.json").read_text())["commit"] == "abc1234-dirty"
+    assert not list((tmp_path / "runs").rglob("benchmark.json"))
+    assert "trained from abc1234-dirty." in capsys.readouterr().out
+    # the run directories gone (another machine), the records alone resume the benchmark: nothing re-runs
+    shutil.rmtree(tmp_path / "runs")
+    assert lb.main(argv) == 0 and len(cmds) == 4
+
+
 def _write_run(run_dir: Path, arm: str, seed: int, steps: int, updated: bool, tasks: list[str]) -> None:
     """What a finished ``train.sh`` leaves: verl's file-logger metrics and envace's per-task validation scores."""
     rng = np.random.default_rng(seed)
@@ -105,6 +123,7 @@ def _fake_train(monkeypatch, tasks=TASKS) -> list[list[str]]:
         return lb.subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(lb.subprocess, "run", train_sh)
+    monkeypatch.setattr(lb, "source_commit", lambda: "abc1234")
     return cmds
 
 
@@ -275,10 +294,11 @@ def test_smoke_runs_the_whole_pipeline_at_the_smallest_size(tmp_path, monkeypatc
     preflights = _stub_launch(monkeypatch)
     cmds = _fake_train(monkeypatch)
     assert lb.main(["--smoke", "--out", str(tmp_path)]) == 0
-    # every arm passes its pre-flight before the first run; then each arm runs seeds 0 and 1 at the smoke's size
+    # every arm passes its pre-flight before the first run; then every arm runs seed 0, then seed 1, at the smoke's
+    # size (seed by seed: an interrupted benchmark holds its arms at the same seeds)
     assert [p[-1] for p in preflights] == [f"trainer.experiment_name=learning_{a}" for a in lb.DEFAULT_ARMS]
     assert [(c[-2].split("=")[1], c[-4]) for c in cmds] == [
-        (f"learning_{a}", f"data.seed={s}") for a in lb.DEFAULT_ARMS for s in (0, 1)]
+        (f"learning_{a}", f"data.seed={s}") for s in (0, 1) for a in lb.DEFAULT_ARMS]
     assert all(c[1:1 + len(lb.SMOKE_OVERRIDES)] == lb.SMOKE_OVERRIDES for c in cmds)
     assert "trainer.critic_warmup=2" in cmds[-1]
     out = capsys.readouterr().out
