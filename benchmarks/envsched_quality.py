@@ -123,6 +123,8 @@ ORACLE = "oracle q (ceiling)"
 # Relations weighted by their measured predictive value (issue 34, deliverable 3; envsched/relations.py).
 MEASURED = "measured relation weights"
 MEASURED_PAPER_START = "measured relation weights, start (1, 1)"  # relation_weight_start: paper
+# The additive latent-logit predictor (issue 49 item 1; envsched/predictor.py, config predictor: additive_logit).
+ADDITIVE_LOGIT = "additive-logit predictor"
 DIAG = ("all", "observed", "within_env", "cross_env_only")
 TRUE_DIAG = ("all", "observed", "unobs_env")
 
@@ -141,6 +143,7 @@ def arms(base: EnvSchedConfig, extra: bool) -> dict[str, Any]:
         ORACLE: base,
         MEASURED: base.replace(relation_weights="measured"),
         MEASURED_PAPER_START: base.replace(relation_weights="measured", relation_weight_start="paper"),
+        ADDITIVE_LOGIT: base.replace(predictor="additive_logit"),
         **BASELINES,
     }
     if extra:

@@ -118,6 +118,10 @@ class EnvSchedConfig(BaseModel):
     # entry per (pool content hash, graph-relevant config fields); a restart with the same pool and config
     # loads the entry instead of rebuilding.  null: no cache.  Implementation choice, not in the paper.
     graph_cache_dir: str | None = None
+    # Processes that build the static graph (operation extraction and TF-IDF counting, by row chunk, in forked
+    # children; the graph is the same for every value).  1: in this process.  null: the CPUs this process may
+    # use, at most 8.  Implementation choice, not in the paper; not part of the graph cache key.
+    build_workers: int | None = Field(None, ge=1)
     # Warn when tasks lack gold call sequences and the median share of distinct App. E abstract descriptions
     # per environment is below this (the deterministic extractor then works from tool schemas and S_abs
     # cannot tell the tasks apart; StaticGraph.report()["abstraction"] has the figures).  0 disables it.
@@ -179,6 +183,35 @@ class EnvSchedConfig(BaseModel):
     # (0, 0), every relation starts faded (the "without both" ablation) and earns its weight (needs 0.0 in
     # relation_weight_grid); "paper": (1, 1), a relation keeps the paper's weight until a smaller one ranks better.
     relation_weight_start: Literal["none", "paper"] = "none"
+    # Which predictor scores the tasks (beyond the paper; envsched/predictor.py).  "paper": Eq. 3-13 (neighbour
+    # averages of the realised v, m, d, fused with fixed shrinkage; relation_weights applies).  "additive_logit": a
+    # mixed model of each task's latent success logit (global level + environment effect + a linear effect of the
+    # S_abs structure view + the task's own deviation), fitted online by ridge regression (scikit-learn) on the
+    # empirical logits of every observed group, q = pr(expected Bernoulli variance of the posterior); the relation
+    # weights, neighbour sums, half-lives h_long / h_short and eta_decline are then unused.
+    predictor: Literal["paper", "additive_logit"] = "paper"
+    # additive_logit: half-life in steps of the observations' weights 2^(-(t - s) / h) (as Eq. 10).  Long: on the
+    # simulated learners difficulty moves little in 200 steps, and 1000 ranked better than 32 (issue 49).
+    predictor_half_life: float = Field(1000.0, gt=0.0)
+    # additive_logit: half-life of the own-history term (the task's deviation) when it should age faster than the
+    # evidence on environments and structures (a trained task's success moves); null: predictor_half_life.
+    predictor_task_half_life: float | None = Field(None, gt=0.0)
+    # additive_logit: prior sd of an environment's effect on the logit (ridge penalty 1 / sd^2; 0: no effect).
+    predictor_env_sd: float = Field(1.5, ge=0.0)
+    # additive_logit: prior sd of the coefficients of the (L2-normalised) S_abs features (0: no structure effect).
+    predictor_structure_sd: float = Field(1.5, ge=0.0)
+    # additive_logit: sd of a task's own deviation tau before predictor_min_tasks tasks are observed.
+    predictor_task_sd: float = Field(1.0, gt=0.0)
+    # additive_logit: floor of the moment estimate of tau (a fit with few tasks can drive it to 0).
+    predictor_task_sd_floor: float = Field(0.1, gt=0.0)
+    # additive_logit: observed tasks needed before tau is estimated from the residuals.
+    predictor_min_tasks: int = Field(20, ge=2)
+    # additive_logit: the score q.  "rank": q = pr(expected variance) (Eq. 8, as the paper's q).  "variance": q =
+    # expected Bernoulli variance / 0.25 (its maximum), in [0, 1]: the exposure discount q * omega of the
+    # exploitation phase then trades variance against exposure in variance units, not in ranks of the whole pool.
+    predictor_score: Literal["rank", "variance"] = "variance"
+    # additive_logit: Gauss-Hermite nodes of the expected variance over the logit's posterior.
+    predictor_quadrature_nodes: int = Field(16, ge=1, le=100)
     # h_long: long half-life in training steps (Eq. 10, 13).
     h_long: float = Field(8.0, gt=0.0)
     # h_short: short half-life in training steps (Eq. 10, 13).

@@ -42,6 +42,7 @@ from .graph import StaticGraph
 from .graph_cache import load_or_build_graph
 from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
+from .predictor import predict_additive_logit
 from .relations import RelationWeights
 from .select import BatchBuilder, CapState, PenaltyBlock, RowCache, cold_start_batch, scan_order
 
@@ -133,7 +134,9 @@ class EnvScheduler:
         self._row_cache: RowCache | None = None  # x_full rows read by the Eq. 5 penalties, kept across batches
         self._block: PenaltyBlock | None = None  # the Eq. 5 penalty block, emptied and kept across batches
         # relation_weights: measured (beyond the paper, envsched/relations.py): the relations' Eq. 3 weights
-        self.relation_weights = RelationWeights(self.cfg) if self.cfg.relation_weights == "measured" else None
+        # (used by the paper's predictor only: predictor: additive_logit has no relation sums to weight)
+        self.relation_weights = (RelationWeights(self.cfg) if self.cfg.relation_weights == "measured"
+                                 and self.cfg.predictor == "paper" else None)
         if self.cfg.scheduler == "envsched":
             _ = self.neighbors  # build the graph now (a cost paid once, before training)
 
@@ -182,6 +185,11 @@ class EnvScheduler:
             # the nodes observed since, with the later ones masked out (that would leave fewer than K)
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
+        if self.cfg.predictor == "additive_logit":  # beyond the paper: envsched/predictor.py
+            pred = predict_additive_logit(self.log, step, self.pool.task_ids, self.env, self.graph.x_abs, self.cfg,
+                                          self.pool.n_envs)
+            self._pred_cache = (*key, pred)
+            return pred
         rw = self.relation_weights.weights() if self.relation_weights is not None else None
         pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw, nb.cross_classes())
         self._pred_cache = (*key, pred)

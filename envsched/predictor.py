@@ -1,0 +1,182 @@
+"""An additive latent-logit predictor of each task's reward statistics, learned online (beyond the paper).
+
+**Beyond the paper** (config ``predictor: additive_logit``; the paper's Eq. 3-13 are ``predictor: paper``).
+
+Why.  The paper (and ``relations.py``) predicts each statistic y in {v, m, d} by shrinking averages of the
+neighbours' *realised* y toward fixed references with fixed strengths (Eq. 3-4).  A group of K = 8 rewards
+measures its variance very noisily, the neighbours' variances do not move additively (the variance is hump-shaped
+in the policy's margin on a task), and how much each source says is never fitted.  What decides a task's expected
+group variance is its success margin: for a binary reward the expected population variance of K rollouts is
+(K - 1) / K p (1 - p), and a partial-credit reward's is hump-shaped in the same margin.  So this predictor models
+the margin itself, on the logit scale where the sources of difficulty add, fits how much each source explains from
+every group observed so far, and scores each task by the variance that margin implies.
+
+Model (a linear mixed model, the Gaussian-process view of ridge regression with an additive kernel).  Each
+observed group of task i gives the empirical logit of its mean reward m (Eq. 2) and that logit's sampling
+variance (the standard small-sample forms, K = ``rollouts_per_task``)
+
+    y = log((K m + 1/2) / (K (1 - m) + 1/2)),     s^2 = (K + 1) (K + 2) / (K (K m + 1) (K (1 - m) + 1)).
+
+Observations age with the half-life weights of Eq. 10, w = 2^{-(t - s) / h} (h = ``predictor_half_life``): an
+observation of weight w counts as one of variance s^2 / w.  Per task they pool to a precision P_i = sum_s w_s /
+s_s^2 and a mean y-bar_i = sum_s (w_s / s_s^2) y_s / P_i.  The task's latent logit is
+
+    z_i = mu + sd_env a_{e(i)} + sd_struct x_i^T b + g_i,     a, b ~ N(0, I),  g_i ~ N(0, tau^2),
+
+with e(i) the task's environment (the environment reference), x_i its row of the S_abs view ``StaticGraph.x_abs``
+(the abstract operation structure that the cross-environment relation compares: the structure reference), and g_i
+the task's own deviation (its own history).  mu is the global reference (unpenalised).  Given tau^2, the
+generalised-least-squares fit of the fixed part on the observed tasks is a ridge regression
+(``sklearn.linear_model.Ridge``, alpha = 1 on the scaled features, sample weights 1 / (tau^2 + 1 / P_i)).  tau^2
+is estimated by moments from the residuals r_i = y-bar_i - z-hat_i of the fit, tau^2 = mean_i(r_i^2 - 1 / P_i),
+floored at ``predictor_task_sd_floor``^2 (``predictor_task_sd`` until ``predictor_min_tasks`` tasks are
+observed), and the fit is redone with it once.  Each task then gets its posterior (BLUP) logit
+
+    z-hat_i = f_i + k_i (y-bar_i - f_i),  k_i = tau^2 / (tau^2 + 1 / P_i),  f_i = mu + sd_env a_e + sd_struct x_i^T b,
+    var_i  = (1 - k_i) tau^2 + u_{e(i)},  u_e = 1 / (1 / sd_env^2 + sum_{j in e, observed} 1 / (tau^2 + 1 / P_j)),
+
+u_e the approximate posterior variance of the environment's effect (an environment never observed keeps its prior
+sd_env^2); a task without own history has P_i = 0, so k_i = 0 and var_i = tau^2 + u_e.
+
+Score.  The expected Bernoulli variance of the posterior, E[sigma(z)(1 - sigma(z))] with z ~ N(z-hat_i, var_i),
+by Gauss-Hermite quadrature (``numpy.polynomial.hermite_e.hermegauss``, ``predictor_quadrature_nodes``
+nodes): the variance a task chosen now is expected to show, its uncertainty included (a far-off margin known
+only vaguely may still land near 1/2).  q = pr(that variance) (Eq. 8).  The Prediction's m is E[sigma(z)], its
+v that variance times the recency-weighted mean of the observed dispersions d (Eq. 9; a constant factor, so the
+ranking is the variance's), d that mean, f = v and u = u_long = u_short = the expected variance (no decline term
+of Eq. 13: the half-life already ages the evidence).
+
+Fallbacks.  No observation before t: every task gets the prior (all equal: q = 1/2, m = 1/2).  One environment,
+one observed task, an S_abs view without columns: the same formulas (the ridge shrinks what the data cannot
+identify to mu).  The fit is a function of the observation log alone, so a restored scheduler predicts the same
+floats (no state of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.polynomial.hermite_e import hermegauss
+from sklearn.linear_model import Ridge
+
+from .config import EnvSchedConfig
+from .estimate import ObservationLog, Prediction, percentile_rank
+
+DISPERSION_FLOOR = 0.05  # least delta in the sampling variance delta s^2 (a pool of near-constant groups)
+
+
+@dataclass
+class LogitFit:
+    """What ``fit_additive_logit`` returns: per task the posterior logit and its variance, and the fitted parts."""
+
+    z: np.ndarray  # posterior mean of the latent logit z_i
+    z_var: np.ndarray  # its posterior variance
+    prior: np.ndarray  # f_i = mu + sd_env a_e + sd_struct x_i^T b (the fixed part alone)
+    precision: np.ndarray  # P_i (0: no own history)
+    tau2: float  # the task-level variance tau^2 used
+    intercept: float  # mu
+    dispersion: float  # recency-weighted mean of the observed d (1.0 without observations)
+
+
+def empirical_logit(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(y, s^2): the empirical logit of a group mean m of k rewards and its sampling variance (module docstring)."""
+    m = np.asarray(m, dtype=np.float64)
+    y = np.log((k * m + 0.5) / (k * (1.0 - m) + 0.5))
+    s2 = (k + 1.0) * (k + 2.0) / (k * (k * m + 1.0) * (k * (1.0 - m) + 1.0))
+    return y, s2
+
+
+def task_evidence(node: np.ndarray, step: np.ndarray, m: np.ndarray, t: float, n: int, k: int, h: float,
+                  dispersion: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(P, y-bar) per task from the observations with step < t: P_i = sum w / (delta s^2), y-bar_i the
+    precision-weighted mean of the empirical logits (w = 2^{-(t - s) / h}, Eq. 10; delta = ``dispersion``, the
+    rewards' variance relative to Bernoulli's); P_i = 0 and y-bar_i = 0 without history."""
+    node, step = np.asarray(node, dtype=np.int64), np.asarray(step, dtype=np.float64)
+    keep = step < t
+    y, s2 = empirical_logit(np.asarray(m)[keep], k)
+    prec = np.power(2.0, -(t - step[keep]) / h) / (dispersion * s2)
+    P = np.bincount(node[keep], weights=prec, minlength=n)
+    num = np.bincount(node[keep], weights=prec * y, minlength=n)
+    ybar = np.divide(num, P, out=np.zeros(n), where=P > 0)
+    return P, ybar
+
+
+def design_matrix(env: np.ndarray, x_struct: sp.spmatrix | None, n_envs: int, cfg: EnvSchedConfig) -> sp.csr_matrix:
+    """[sd_env * one-hot(environment) | sd_struct * x_abs]: a ridge of alpha 1 on it puts the priors N(0, sd^2)
+    of the module docstring on the environment effects and the structure coefficients."""
+    env = np.asarray(env, dtype=np.int64)
+    n = len(env)
+    onehot = sp.csr_matrix((np.full(n, cfg.predictor_env_sd), (np.arange(n), env)), shape=(n, max(n_envs, 1)))
+    if x_struct is None or x_struct.shape[1] == 0 or cfg.predictor_structure_sd == 0:
+        return onehot
+    if x_struct.shape[0] != n:
+        raise ValueError(f"predictor: the structure view has {x_struct.shape[0]} rows for {n} tasks")
+    return sp.hstack([onehot, sp.csr_matrix(x_struct, dtype=np.float64) * cfg.predictor_structure_sd], format="csr")
+
+
+def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, d: np.ndarray, t: float, env: np.ndarray,
+                       x_struct: sp.spmatrix | None, cfg: EnvSchedConfig, n_envs: int | None = None) -> LogitFit:
+    """The fit of the module docstring for selection ``t`` from the logged groups (node, step, m, d) with step < t;
+    ``env``: environment code per task, ``x_struct``: the S_abs view (one row per task; None: environment only)."""
+    env = np.asarray(env, dtype=np.int64)
+    n = len(env)
+    n_envs = int(env.max()) + 1 if n_envs is None and n else int(n_envs or 0)
+    K, h = cfg.rollouts_per_task, cfg.predictor_half_life
+    tau2 = cfg.predictor_task_sd ** 2
+    keep = np.asarray(step, dtype=np.float64) < t
+    if not keep.any():  # no evidence: the prior, every task alike
+        var = np.full(n, tau2 + cfg.predictor_env_sd ** 2)
+        return LogitFit(np.zeros(n), var, np.zeros(n), np.zeros(n), tau2, 0.0, 1.0)
+    w = np.power(2.0, -(t - np.asarray(step, dtype=np.float64)[keep]) / h)
+    dispersion = float(np.sum(w * np.asarray(d, dtype=np.float64)[keep]) / np.sum(w))
+    delta = min(max(dispersion, DISPERSION_FLOOR), 1.0)
+    P, ybar = task_evidence(node, step, m, t, n, K, h, delta)
+    obs = np.flatnonzero(P > 0)
+    h_own = h if cfg.predictor_task_half_life is None else cfg.predictor_task_half_life
+    P_own, ybar_own = (P, ybar) if h_own == h else task_evidence(node, step, m, t, n, K, h_own, delta)
+    X = design_matrix(env, x_struct, n_envs, cfg)
+    Xo = X[obs]
+    noise = 1.0 / P[obs]
+    floor2 = cfg.predictor_task_sd_floor ** 2
+    model = Ridge(alpha=1.0, fit_intercept=True, solver="sparse_cg", tol=1e-8, max_iter=2000)
+    for rnd in range(2):
+        model.fit(Xo, ybar[obs], sample_weight=1.0 / (tau2 + noise))
+        if rnd or len(obs) < cfg.predictor_min_tasks:
+            break
+        resid = ybar[obs] - model.predict(Xo)
+        tau2 = max(float(np.mean(resid ** 2 - noise)), floor2)
+    prior = model.predict(X)
+    gain = np.zeros(n)
+    gain[obs] = tau2 / (tau2 + 1.0 / P_own[obs])
+    z = prior + gain * (ybar_own - prior)
+    env_prec = np.bincount(env[obs], weights=1.0 / (tau2 + noise), minlength=n_envs)
+    u_env = 1.0 / (1.0 / cfg.predictor_env_sd ** 2 + env_prec) if cfg.predictor_env_sd > 0 else np.zeros(n_envs)
+    z_var = (1.0 - gain) * tau2 + u_env[env]
+    return LogitFit(z, z_var, prior, P, tau2, float(model.intercept_), dispersion)
+
+
+def expected_bernoulli_variance(z: np.ndarray, z_var: np.ndarray, nodes: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """(E[sigma(z)], E[sigma(z)(1 - sigma(z))]) for z ~ N(z, z_var), by Gauss-Hermite quadrature (probabilists'
+    weights, ``nodes`` points; exact for z_var = 0)."""
+    x, wq = hermegauss(nodes)
+    wq = wq / wq.sum()
+    zz = np.asarray(z, dtype=np.float64)[:, None] + np.sqrt(np.maximum(np.asarray(z_var, dtype=np.float64), 0.0))[:, None] * x[None, :]
+    p = 0.5 * (1.0 + np.tanh(0.5 * zz))  # sigma(z), overflow-free
+    return p @ wq, (p * (1.0 - p)) @ wq
+
+
+def predict_additive_logit(log: ObservationLog, t: int, task_ids: list[str], env: np.ndarray, x_struct: sp.spmatrix | None,
+                           cfg: EnvSchedConfig, n_envs: int | None = None) -> Prediction:
+    """The Prediction of selection ``t`` under ``predictor: additive_logit`` (module docstring): q = pr(expected
+    variance) (Eq. 8), m = E[sigma(z)], v = dispersion x expected Bernoulli variance."""
+    obs = log.arrays()
+    fit = fit_additive_logit(obs["node"], obs["step"], obs["m"], obs["d"], t, env, x_struct, cfg, n_envs)
+    m_hat, ev = expected_bernoulli_variance(fit.z, fit.z_var, cfg.predictor_quadrature_nodes)
+    v = fit.dispersion * ev
+    q = percentile_rank(ev) if cfg.predictor_score == "rank" else np.clip(ev / 0.25, 0.0, 1.0)
+    d = np.full(len(task_ids), fit.dispersion)
+    return Prediction(task_ids=task_ids, v=v, m=m_hat, d=d, f=v.copy(), u_long=ev, u_short=ev, u=ev, q=q,
+                      reference={"m": float(np.mean(m_hat)) if len(m_hat) else 0.0, "v": float(np.mean(v)) if len(v) else 0.0,
+                                 "d": fit.dispersion, "tau2": fit.tau2, "intercept": fit.intercept}, step=t)
