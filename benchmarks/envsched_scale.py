@@ -10,17 +10,21 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
 
 * pool: generation + validation time, RSS after it;
 * build: wall / CPU seconds of ``EnvScheduler(pool, config)`` (operation extraction, the seven TF-IDF views of
-  Eq. 1, cold-start representatives); with ``--cache DIR`` the graph goes through ``graph_cache_dir`` (the
+  Eq. 1, cold-start representatives), the CPU seconds of its worker processes (``--build-workers``, config
+  ``build_workers``; default: the config's, the usable CPUs) and, for a graph built here (not a cache hit), the
+  wall seconds of each build phase; with ``--cache DIR`` the graph goes through ``graph_cache_dir`` (the
   first run stores it, a second run of the same command loads it: the "cache hit" figure includes the pool's
   content hash);
 * step: median (and max) wall / CPU seconds of ``select(step) + observe(step, rewards)`` over ``--steps``
   steps (default 20) at B = 64, K = 8, after the cold-start step;
-* peak RSS of the process (``ru_maxrss``);
+* peak RSS of the process (``ru_maxrss``), and the peak of the whole build's memory: the process's resident set
+  plus its worker processes' private pages (sampled every 0.2 s; a forked worker shares the parent's pages until
+  it writes to them, so its own resident set would count the pool twice);
 * with ``relation_weights: measured`` (the default; ``--relation-weights paper`` for the paper's fixed weights),
   the relations' weights after the last step: while a relation is faded, the tasks without an own history share
   one prediction, and Eq. 5 must compare the similarity penalties of all the tied candidates it may pick.
 
-A watchdog thread reads the resident set every 0.2 s and exits the process (code 3) above ``--max-rss-gib``
+A watchdog thread reads that total every 0.2 s and exits the process (code 3) above ``--max-rss-gib``
 (default 8), printing every thread's stack (where the memory went), so a run that would not fit stops itself on a
 shared machine; run it under ``prlimit --as`` too, with room for the memory-mapped S_full matrix, which counts in
 the address space but not in the resident set beyond the pages a step reads (4.6 GB of files at 1,000,000 tasks:
@@ -55,15 +59,44 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have exited (the build's forked workers)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def children_private_bytes() -> int:
+    """Private resident bytes (Private_Clean + Private_Dirty of smaps_rollup) of this process's children: what the
+    build's forked workers add to the memory they share with this process."""
+    try:
+        pids = Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()
+    except OSError:
+        return 0
+    total = 0
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        except OSError:  # the worker has just exited
+            continue
+        total += sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    return total
+
+
+PEAK_TOTAL = [0]  # peak of rss_bytes() + children_private_bytes(), sampled by the watchdog
 
 
 def watchdog(limit_gib: float) -> None:
     def run() -> None:
         while True:
-            if rss_bytes() > limit_gib * GIB:
-                print(f"ABORT: resident set {rss_bytes() / GIB:.2f} GiB above --max-rss-gib {limit_gib}; where it was:", flush=True)
+            total = rss_bytes() + children_private_bytes()
+            PEAK_TOTAL[0] = max(PEAK_TOTAL[0], total)
+            if total > limit_gib * GIB:
+                print(f"ABORT: resident set with the build workers' private pages {total / GIB:.2f} GiB above --max-rss-gib "
+                      f"{limit_gib}; where it was:", flush=True)
                 faulthandler.dump_traceback(sys.stdout, all_threads=True)  # the allocation that crossed the limit
                 os._exit(3)
             time.sleep(0.2)
@@ -81,6 +114,8 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="K", help="print the K most expensive functions of the steps")
     ap.add_argument("--relation-weights", choices=("measured", "paper"), default=EnvSchedConfig.model_fields["relation_weights"].default,
                     help="EnvSchedConfig.relation_weights (default: the config's)")
+    ap.add_argument("--build-workers", type=int, default=EnvSchedConfig.model_fields["build_workers"].default,
+                    help="EnvSchedConfig.build_workers: processes of the graph build (1: in this process; default: the config's)")
     args = ap.parse_args()
     watchdog(args.max_rss_gib)
     n_envs = max(1, args.tasks // args.per_env)
@@ -98,13 +133,17 @@ def main() -> None:
     learner = SimulatedLearner(pool.env, archetype, n_checks)
 
     cfg = EnvSchedConfig(batch_size=64, rollouts_per_task=8, graph_cache_dir=args.cache,
-                         relation_weights=args.relation_weights)
-    t0, c0 = time.perf_counter(), time.process_time()
+                         relation_weights=args.relation_weights, build_workers=args.build_workers)
+    t0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu()
     sched = EnvScheduler(pool, cfg)
-    build_wall, build_cpu = time.perf_counter() - t0, time.process_time() - c0
+    build_wall, build_cpu, workers_cpu = time.perf_counter() - t0, time.process_time() - c0, children_cpu() - k0
     rep = sched.graph_report()
-    print(f"build  {build_wall:7.1f} s wall / {build_cpu:7.1f} s CPU   cache={rep['cache']}   RSS {rss_bytes() / GIB:.2f} GiB "
-          f"(peak so far {peak_rss_gib():.2f})   nnz_full {rep['nnz_full']:,}", flush=True)
+    load_after = Path("/proc/loadavg").read_text().split()[0]
+    print(f"build  {build_wall:7.1f} s wall / {build_cpu:7.1f} s CPU + {workers_cpu:.1f} s CPU in workers ({rep['build_workers']} "
+          f"build workers)   cache={rep['cache']}   RSS {rss_bytes() / GIB:.2f} GiB (peak so far {peak_rss_gib():.2f}, with the "
+          f"workers' private pages {PEAK_TOTAL[0] / GIB:.2f})   nnz_full {rep['nnz_full']:,}   load average after {load_after}", flush=True)
+    if rep["build_breakdown"]:
+        print("build phases (wall s): " + ", ".join(f"{k} {v:.1f}" for k, v in rep["build_breakdown"].items()), flush=True)
 
     def step(s: int) -> tuple[float, float]:
         w, c = time.perf_counter(), time.process_time()
@@ -136,7 +175,8 @@ def main() -> None:
               + ", ".join(f"{y} in {w['in']:g} / cross {w['cross']:g}" for y, w in rw.items()), flush=True)
     print(f"step   median {np.median(walls):.3f} s wall / {np.median(cpus):.3f} s CPU, max {max(walls):.3f} s wall "
           f"over steps 1..{args.steps}   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
-    print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} cache={rep['cache']} peak_rss_gib={peak_rss_gib():.2f} "
+    print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} build_workers={rep['build_workers']} cache={rep['cache']} "
+          f"peak_rss_gib={peak_rss_gib():.2f} peak_total_gib={PEAK_TOTAL[0] / GIB:.2f} "
           f"step_median_s={np.median(walls):.3f} step_cpu_median_s={np.median(cpus):.3f} load={load}", flush=True)
 
 

@@ -42,11 +42,19 @@ from .operations import (
     extract_all,
 )
 from .pool import Task, TaskPool
-from .tfidf import CHUNK_ROWS, DiskCSR, DiskCSRWriter, tfidf_chunks
+from .tfidf import CHUNK_ROWS, DiskCSR, DiskCSRWriter, chunk_map, tfidf_chunks, usable_cpus
 
 log = logging.getLogger(__name__)
 
 VIEW_NAMES = ("instruction_words", "instruction_chars", "verifier_checks", "verifier_code", "initial_context", "operations")
+
+MAX_AUTO_WORKERS = 8  # build_workers: null uses the CPUs this process may use, at most this many
+MIN_WORKER_ROWS = 5_000  # a pool is split between workers in chunks of at least this many tasks (a fork costs ~10 ms)
+
+
+def build_workers(cfg: EnvSchedConfig) -> int:
+    """Processes of the graph build (config ``build_workers``; null: the usable CPUs, at most ``MAX_AUTO_WORKERS``)."""
+    return cfg.build_workers if cfg.build_workers is not None else max(1, min(usable_cpus(), MAX_AUTO_WORKERS))
 
 
 def code_structure(code: str) -> str:
@@ -62,22 +70,30 @@ def code_structure(code: str) -> str:
     except (SyntaxError, ValueError):
         return " ".join(_fallback_code_tokens(code))
     toks: list[str] = []
-    for node in ast.walk(tree):
-        toks.append(type(node).__name__)
-        if isinstance(node, ast.Call):
+    nodes: list[ast.AST] = [tree]  # breadth-first, the order of ast.walk (a list instead of its generators)
+    for node in nodes:
+        for name in node._fields:
+            child = getattr(node, name, None)
+            if isinstance(child, ast.AST):
+                nodes.append(child)
+            elif isinstance(child, list):
+                nodes.extend([c for c in child if isinstance(c, ast.AST)])
+        kind = type(node)
+        toks.append(kind.__name__)
+        if kind is ast.Call:
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
             if name:
                 toks.append(f"call:{name}")
-        elif isinstance(node, ast.Attribute):
+        elif kind is ast.Attribute:
             toks.append(f"attr:{node.attr}")
-        elif isinstance(node, ast.Name):
+        elif kind is ast.Name:
             toks.append(f"name:{node.id}")
-        elif isinstance(node, ast.Compare):
+        elif kind is ast.Compare:
             toks.extend(f"cmp:{type(op).__name__}" for op in node.ops)
-        elif isinstance(node, ast.Constant):
+        elif kind is ast.Constant:
             toks.append(f"const:{type(node.value).__name__}")
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        elif kind is ast.Subscript and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
             toks.append(f"key:{node.slice.value}")
     return " ".join(toks)
 
@@ -104,16 +120,16 @@ def _tfidf_kwargs(cfg: EnvSchedConfig, **kw: Any) -> dict[str, Any]:
     return {"min_df": cfg.tfidf_min_df, "max_features": cfg.tfidf_max_features, "sublinear_tf": cfg.tfidf_sublinear_tf, "dtype": dtype, **kw}
 
 
-def _tfidf_row_chunks(texts: Sequence[str], cfg: EnvSchedConfig, chunk_rows: int = CHUNK_ROWS, **kw: Any) -> list[sp.csr_matrix] | Any:
+def _tfidf_row_chunks(texts: Sequence[str], cfg: EnvSchedConfig, chunk_rows: int = CHUNK_ROWS, workers: int = 1, **kw: Any) -> list[sp.csr_matrix] | Any:
     """One view's TF-IDF encoder (App. D settings) in row chunks: ``TfidfVectorizer.fit_transform`` of all texts
-    (``tfidf.tfidf_chunks``); rows are L2-normalised, empty rows stay zero.  A view without any term is one
-    zero column."""
+    (``tfidf.tfidf_chunks``, counted by ``workers`` processes); rows are L2-normalised, empty rows stay zero.  A
+    view without any term (also a view of empty texts) is one zero column."""
     args = _tfidf_kwargs(cfg, **kw)
     n = len(texts)
     empty = [sp.csr_matrix((min(chunk_rows, n - a), 1), dtype=args["dtype"]) for a in range(0, n, chunk_rows)]
-    if not any(t.strip() for t in texts):
+    if n == 0:
         return empty
-    gen = tfidf_chunks(texts, chunk_rows=chunk_rows, **args)
+    gen = tfidf_chunks(texts, chunk_rows=chunk_rows, workers=workers, **args)
     try:
         first = next(gen)
     except ValueError:  # e.g. only stop-word-like tokens
@@ -145,6 +161,8 @@ class StaticGraph:
     build_seconds: float = 0.0
     view_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     abstraction: dict[str, float] = field(default_factory=dict)  # abstraction_report (resolution of S_abs)
+    build_breakdown: dict[str, float] = field(default_factory=dict)  # seconds by build phase (a built graph only)
+    build_workers: int = 0  # processes the build used (0: not built here, e.g. loaded from the graph cache)
     cache: str = "off"  # graph cache: "off" (no graph_cache_dir), "miss" (built and stored), "hit" (loaded), "skip"
     disk: DiskCSR | None = field(default=None, repr=False)  # x_full memory-mapped from disk (built graphs)
     _rep_score: np.ndarray | None = field(default=None, repr=False)
@@ -165,6 +183,8 @@ class StaticGraph:
             "abstract_features": int(self.x_abs.shape[1]),
             "nnz_full": int(self.x_full.nnz),
             "build_seconds": self.build_seconds,
+            "build_breakdown": dict(self.build_breakdown),
+            "build_workers": self.build_workers,
             "abstraction": dict(self.abstraction),
             "cache": self.cache,
         }
@@ -336,6 +356,24 @@ def sparse_row_block_dot(x: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -
     return out
 
 
+class ViewTexts(Sequence):
+    """The texts of one concrete view, computed on access (``view_text`` of the asked tasks): the build slices it
+    one chunk at a time, in a worker process when there are several, so the view's texts are never all held."""
+
+    def __init__(self, name: str, tasks: Sequence[Task], operations: Sequence[str]):
+        if name not in VIEW_NAMES:
+            raise KeyError(name)
+        self.name, self.tasks, self.operations = name, tasks, operations
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return view_text(self.name, self.tasks[i], self.operations[i] if self.name == "operations" else ())
+        return view_text(self.name, [self.tasks[i]], [self.operations[i]] if self.name == "operations" else ())[0]
+
+
 def view_texts(pool: TaskPool, descriptions: Sequence[OperationDescription]) -> dict[str, list[str]]:
     ops = [concrete_text(d) for d in descriptions]
     return {name: view_text(name, pool.tasks, ops) for name in VIEW_NAMES}
@@ -425,6 +463,12 @@ def make_extractor(cfg: EnvSchedConfig, client: Any = None) -> Any:
     return DeterministicExtractor()
 
 
+def _description_texts(tasks: Sequence[Task], extractor: DeterministicExtractor) -> tuple[list[str], list[str]]:
+    """(concrete_text, abstract_text) of each task's deterministic description (what the build keeps of it)."""
+    descs = [extractor.describe(t) for t in tasks]
+    return [concrete_text(d) for d in descs], [abstract_text(d) for d in descs]
+
+
 def build_static_graph(
     pool: TaskPool,
     cfg: EnvSchedConfig,
@@ -433,18 +477,30 @@ def build_static_graph(
     extractions: Sequence[Extraction] | None = None,
     store: Path | None = None,
     chunk_rows: int = CHUNK_ROWS,
+    workers: int | None = None,
 ) -> StaticGraph:
     """Build the six concrete views and the abstract view (EnvSched Eq. 1, App. D–E).
 
-    Memory stays bounded by one chunk of ``chunk_rows`` tasks plus one view's texts: operation descriptions are
+    Memory stays bounded by one chunk of ``chunk_rows`` tasks plus the operation texts: operation descriptions are
     extracted chunk by chunk and only their texts kept (a deterministic extractor's descriptions are derived
-    again on access, ``DescribedTasks``); each view's TF-IDF is computed in row chunks (``tfidf.tfidf_chunks``,
-    equal to ``TfidfVectorizer.fit_transform``) and spilled to disk; x_full is written row chunk by row chunk
-    to ``store`` (default: a temporary folder, removed once the files are mapped) and memory-mapped.  x_abs
-    (about 25 entries a row) stays in memory: every step multiplies all of it (``NeighborIndex._add_cross``).
+    again on access, ``DescribedTasks``); each view's texts are made chunk by chunk (``ViewTexts``) and its TF-IDF
+    is computed in row chunks (``tfidf.tfidf_chunks``, equal to ``TfidfVectorizer.fit_transform``) and spilled to
+    disk; x_full is written row chunk by row chunk to ``store`` (default: a temporary folder, removed once the files
+    are mapped) and memory-mapped.  x_abs (about 25 entries a row) stays in memory: every step multiplies all of it
+    (``NeighborIndex._add_cross``).
+
+    The per-document work (a deterministic extractor's descriptions, each view's texts and TF-IDF counts) runs in
+    ``workers`` processes (default: config ``build_workers``), one row chunk each (``tfidf.chunk_map``); what
+    depends on the order of the rows (vocabulary ids, idf, pruning) is merged here in chunk order, so the graph is
+    the same for any number of workers.  An LLM extractor or given ``extractions`` are read in this process.
     """
     t0 = time.perf_counter()
+    workers = build_workers(cfg) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     n = len(pool)
+    if workers > 1:  # a pool of fewer than workers x chunk_rows tasks is still shared among the workers
+        chunk_rows = min(chunk_rows, max(MIN_WORKER_ROWS, -(-n // workers)))
     if extractions is not None and len(extractions) != n:
         raise ValueError(f"{len(extractions)} extractions for {n} tasks")
     if extractions is None:
@@ -455,22 +511,31 @@ def build_static_graph(
     kept: list[OperationDescription] = []
     ops_texts: list[str] = []
     abstract: list[str] = []
-    for a in range(0, n, chunk_rows):
-        part = extractions[a : a + chunk_rows] if extractions is not None else extract_all(pool.tasks[a : a + chunk_rows], extractor)
-        for k, e in enumerate(part):
-            counts[e.extractor] += 1
-            if e.reason:
-                fallbacks[pool.task_ids[a + k]] = e.reason
-            ops_texts.append(concrete_text(e.description))
-            abstract.append(abstract_text(e.description))
-            if not derive:
+    bounds = [(a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows)]
+    if derive:
+        for ops_part, abstract_part in chunk_map(lambda a, b: _description_texts(pool.tasks[a:b], extractor), bounds, workers):
+            ops_texts.extend(ops_part)
+            abstract.extend(abstract_part)
+        counts[extractor.name] = n
+    else:
+        for a, b in bounds:
+            part = extractions[a:b] if extractions is not None else extract_all(pool.tasks[a:b], extractor)
+            for k, e in enumerate(part):
+                counts[e.extractor] += 1
+                if e.reason:
+                    fallbacks[pool.task_ids[a + k]] = e.reason
+                ops_texts.append(concrete_text(e.description))
+                abstract.append(abstract_text(e.description))
                 kept.append(e.description)
     descriptions: Sequence[OperationDescription] = DescribedTasks(pool.tasks, extractor) if derive else kept
     log.info("envsched: operation descriptions by extractor: %s", dict(counts))
+    breakdown = {"operations": time.perf_counter() - t0}
+    t1 = time.perf_counter()
     members = env_members(pool)
     abstraction = abstraction_report(pool, abstract, members, cfg.abstraction_min_distinct_fraction)
-    x_abs = _tfidf(abstract, cfg, token_pattern=r"\S+", lowercase=False)
+    x_abs = _tfidf(abstract, cfg, chunk_rows=chunk_rows, workers=workers, token_pattern=r"\S+", lowercase=False)
     del abstract
+    breakdown["abstract_view"] = time.perf_counter() - t1
 
     own = store is None
     folder = Path(tempfile.mkdtemp(prefix="envsched-graph-")) if own else Path(store)
@@ -481,12 +546,11 @@ def build_static_graph(
         # the operations view first, so that its texts (one new string a task) are freed before the others
         order = sorted(range(len(VIEW_NAMES)), key=lambda v: VIEW_NAMES[v] != "operations")
         for v in order:
+            t1 = time.perf_counter()
             name, weight = VIEW_NAMES[v], cfg.view_weights[v]
-            texts = view_text(name, pool.tasks, ops_texts)
-            if name == "operations":
-                ops_texts = []
+            texts = ViewTexts(name, pool.tasks, ops_texts)
             width = 0
-            for c, h in enumerate(_tfidf_row_chunks(texts, cfg, chunk_rows, **_VIEW_KWARGS[name])):
+            for c, h in enumerate(_tfidf_row_chunks(texts, cfg, chunk_rows, workers, **_VIEW_KWARGS[name])):
                 h = sp.csr_matrix(h * np.sqrt(weight))  # x_i = [sqrt(alpha_a) h_i^(a)]_a
                 width = h.shape[1]
                 chunk_nnz[c] += h.nnz
@@ -495,7 +559,11 @@ def build_static_graph(
                 np.save(folder / f"view{v}_c{c}_indptr.npy", h.indptr)
             shapes[name] = (n, width)
             del texts
+            if name == "operations":
+                ops_texts = []
+            breakdown[f"view:{name}"] = time.perf_counter() - t1
         shapes = {name: shapes[name] for name in VIEW_NAMES}
+        t1 = time.perf_counter()
         writer = DiskCSRWriter(folder, "x_full", n, sum(w for _, w in shapes.values()), int(chunk_nnz.sum()), np.float64)
         for c in range(len(chunk_nnz)):
             blocks = []
@@ -510,11 +578,14 @@ def build_static_graph(
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)  # the mappings stay valid
+    breakdown["x_full"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
     graph = StaticGraph(
         x_full=disk.matrix, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,  # type: ignore[arg-type]
         extractor_counts=dict(counts), fallback_reasons=fallbacks, build_seconds=time.perf_counter() - t0,
-        view_shapes=shapes, abstraction=abstraction, disk=disk,
+        view_shapes=shapes, abstraction=abstraction, disk=disk, build_breakdown=breakdown, build_workers=workers,
     )
     graph.mean_within_env_similarity()  # cold-start representatives use static structure only
+    breakdown["representatives"] = time.perf_counter() - t1
     graph.build_seconds = time.perf_counter() - t0
     return graph

@@ -25,14 +25,19 @@ step reads only the rows it needs, and ``release()`` drops the pages a step touc
 
 from __future__ import annotations
 
+import gc
 import itertools
 import mmap
+import multiprocessing
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import scipy.sparse as sp
@@ -40,11 +45,91 @@ from sklearn.feature_extraction.text import CountVectorizer, TfidfTransformer, T
 
 CHUNK_ROWS = 50_000
 
+T = TypeVar("T")
 
-def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch: Path | None = None, **vectorizer_kwargs: Any) -> Iterator[sp.csr_matrix]:
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def chunk_map(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]], workers: int) -> Iterator[T]:
+    """``fn(a, b)`` for each ``(a, b)`` of ``bounds``, yielded in order.
+
+    ``workers`` <= 1, a single chunk, or a platform without ``fork``: in this process.  Otherwise each call runs in
+    its own forked child process, at most ``workers`` at once, and sends its result back pickled: a child sees
+    the parent's data (the pool, ``fn``'s closure) without pickling, and the pages it copies by touching them
+    (reference counts) are freed when it exits after its one chunk, so the memory a child adds stays bounded by
+    one chunk's share however large the pool.  A child finished ahead of the consumer waits to send its result, so
+    at most ``workers`` results are pending.  An exception in a child is raised here (the remaining children are
+    killed); a child that dies without an answer raises RuntimeError.
+    """
+    if workers <= 1 or len(bounds) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for a, b in bounds:
+            yield fn(a, b)
+        return
+    ctx = multiprocessing.get_context("fork")
+    todo = iter(bounds)
+    running: deque[tuple[Any, Any]] = deque()
+
+    def start() -> None:
+        for a, b in itertools.islice(todo, 1):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_chunk_child, args=(send, fn, a, b), daemon=True)
+            proc.start()
+            send.close()
+            running.append((proc, recv))
+
+    try:
+        for _ in range(workers):
+            start()
+        while running:
+            proc, recv = running.popleft()
+            try:
+                status, value = recv.recv()
+            except EOFError:
+                proc.join()
+                raise RuntimeError(f"a build worker (pid {proc.pid}) exited with code {proc.exitcode} without a result") from None
+            finally:
+                recv.close()
+            proc.join()
+            start()
+            if status == "error":
+                raise value
+            yield value
+    finally:
+        for proc, recv in running:  # only after an error or an abandoned iteration
+            proc.kill()
+            proc.join()
+            recv.close()
+
+
+def _chunk_child(send: Any, fn: Callable[[int, int], Any], a: int, b: int) -> None:
+    """Body of a ``chunk_map`` child: one call, its result (or exception) sent to the parent."""
+    gc.freeze()  # a collection would otherwise write to every inherited object's header and copy its page
+    try:
+        out: tuple[str, Any] = ("ok", fn(a, b))
+    except BaseException as exc:  # noqa: BLE001 - whatever fn raises is raised again in the parent
+        out = ("error", exc)
+    try:
+        send.send(out)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception still reaches the parent
+        send.send(("error", RuntimeError(f"a build worker could not send its result: {type(exc).__name__}: {exc}")))
+    send.close()
+
+
+def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch: Path | None = None, workers: int = 1,
+                 **vectorizer_kwargs: Any) -> Iterator[sp.csr_matrix]:
     """Row chunks (``chunk_rows`` rows each, in order) of ``TfidfVectorizer(**vectorizer_kwargs).fit_transform(texts)``.
 
-    Raises ValueError as ``fit_transform`` does when the vocabulary is empty (before anything is yielded).
+    ``texts`` only needs ``len`` and slicing (``texts[a:b]`` is asked once per chunk, in pass 1): a lazy sequence
+    computes each chunk's texts when it is counted.  ``workers`` > 1 counts the chunks of pass 1 in forked
+    processes (``chunk_map``), at most ``workers`` at once; the vocabulary is still merged in chunk order, so the
+    result is the same.  Raises ValueError as ``fit_transform`` does when the vocabulary is empty (before anything
+    is yielded).
     """
     vec = TfidfVectorizer(**vectorizer_kwargs)
     dtype = vec.dtype
@@ -57,38 +142,29 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
         vocab: dict[str, int] = {}  # term -> global first-appearance id
         tf = np.zeros(0, dtype=np.int64)
         df = np.zeros(0, dtype=np.int64)
-        bounds = list(range(0, n_doc, chunk_rows)) + [n_doc]
-        for c, (a, b) in enumerate(itertools.pairwise(bounds)):
-            cv = CountVectorizer(**counter_kwargs, dtype=np.int64)
-            try:
-                x = cv.fit_transform(texts[a:b]).tocsr()
-            except ValueError:  # a chunk without any term
-                x = sp.csr_matrix((b - a, 0), dtype=np.int64)
-                local_terms: list[str] = []
-            else:
-                by_col = [""] * len(cv.vocabulary_)
-                for t, j in cv.vocabulary_.items():
-                    by_col[j] = t
-                # new terms get global ids in order of first appearance (the order of x.indices, row by row)
-                cols, first = np.unique(x.indices, return_index=True)
-                local_terms = [by_col[j] for j in cols[np.argsort(first, kind="stable")]]
-            order = np.fromiter((vocab.setdefault(t, len(vocab)) for t in local_terms), dtype=np.int64, count=len(local_terms))
-            gid = np.zeros(x.shape[1], dtype=np.int64)
-            if len(local_terms):
-                gid[cols[np.argsort(first, kind="stable")]] = order
+        bounds = list(itertools.pairwise(list(range(0, n_doc, chunk_rows)) + [n_doc]))
+
+        def count(a: int, b: int) -> ChunkCounts:
+            return count_chunk(texts[a:b], counter_kwargs)
+
+        for c, part in enumerate(chunk_map(count, bounds, workers)):
+            # new terms get global ids in order of first appearance (the chunk's terms come in that order, once each)
+            vocab.update(zip([t for t in part.terms if t not in vocab], itertools.count(len(vocab))))
+            gid = np.fromiter(map(vocab.__getitem__, part.terms), dtype=np.int64, count=len(part.terms))
             if len(vocab) > len(tf):
                 tf = np.concatenate([tf, np.zeros(len(vocab) - len(tf), dtype=np.int64)])
                 df = np.concatenate([df, np.zeros(len(vocab) - len(df), dtype=np.int64)])
-            np.add.at(tf, gid[x.indices], x.data)
-            np.add.at(df, gid[x.indices], 1)
+            tf[gid] += part.tf  # gid is one-to-one within a chunk
+            df[gid] += part.df
             # rows in sklearn's in-row order: by first appearance of the term in the whole corpus
-            g = sp.csr_matrix((x.data.astype(np.int32), gid[x.indices], x.indptr), shape=(b - a, max(len(vocab), 1)))
-            g.has_sorted_indices = False
-            g.sort_indices()
+            g = sp.csr_matrix((part.data, gid[part.indices], part.indptr), shape=(len(part.indptr) - 1, max(len(vocab), 1)))
+            if len(gid) and not np.all(gid[1:] > gid[:-1]):  # first-appearance ids increasing: rows already sorted
+                g.has_sorted_indices = False
+                g.sort_indices()
             np.save(folder / f"c{c}_data.npy", g.data)
             np.save(folder / f"c{c}_indices.npy", g.indices.astype(np.int64))
             np.save(folder / f"c{c}_indptr.npy", g.indptr.astype(np.int64))
-            del x, g
+            del part, g
         if not vocab:
             raise ValueError("empty vocabulary; perhaps the documents only contain stop words")
         col = _kept_columns(vocab, tf, df, n_doc, vec)
@@ -97,7 +173,7 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
         kept_df = np.zeros(n_features, dtype=np.int64)
         kept_df[col[col >= 0]] = df[col >= 0]
         transformer = _transformer(vec, kept_df, n_doc, dtype)
-        for c in range(len(bounds) - 1):
+        for c in range(len(bounds)):
             data = np.load(folder / f"c{c}_data.npy")
             idx = col[np.load(folder / f"c{c}_indices.npy")]
             indptr = np.load(folder / f"c{c}_indptr.npy")
@@ -115,13 +191,55 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
                 f.unlink()
 
 
+@dataclass
+class ChunkCounts:
+    """Pass 1 of ``tfidf_chunks`` for one chunk of documents: ``terms`` in order of first appearance in the chunk,
+    the chunk's count matrix over them (CSR parts, term k = column k, rows sorted by column), and each term's
+    total count ``tf`` and document frequency ``df`` in the chunk."""
+
+    terms: list[str]
+    data: np.ndarray
+    indices: np.ndarray
+    indptr: np.ndarray
+    tf: np.ndarray
+    df: np.ndarray
+
+
+def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> ChunkCounts:
+    """Count one chunk with scikit-learn's ``CountVectorizer(**counter_kwargs)`` (its own analyzer), columns renumbered
+    in order of first appearance (the order ``CountVectorizer`` numbers terms in before it sorts them)."""
+    cv = CountVectorizer(**counter_kwargs, dtype=np.int64)
+    try:
+        x = cv.fit_transform(texts).tocsr()
+    except ValueError:  # a chunk without any term
+        return ChunkCounts([], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(len(texts) + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    by_col = [""] * len(cv.vocabulary_)
+    for t, j in cv.vocabulary_.items():
+        by_col[j] = t
+    # fit_transform sorted the vocabulary alphabetically without reordering the rows' entries, which stay in order
+    # of first appearance: the first position of each column in x.indices orders the columns by first appearance
+    cols, first = np.unique(x.indices, return_index=True)
+    by_first = cols[np.argsort(first, kind="stable")]
+    rank = np.empty(x.shape[1], dtype=np.int32)
+    rank[by_first] = np.arange(len(by_first), dtype=np.int32)
+    indices = rank[x.indices]
+    n_terms = len(by_first)
+    return ChunkCounts(
+        terms=[by_col[j] for j in by_first], data=x.data.astype(np.int32), indices=indices, indptr=x.indptr.astype(np.int64),
+        tf=np.bincount(indices, weights=x.data, minlength=n_terms).astype(np.int64),  # exact below 2**53
+        df=np.bincount(indices, minlength=n_terms).astype(np.int64),
+    )
+
+
 def _kept_columns(vocab: dict[str, int], tf: np.ndarray, df: np.ndarray, n_doc: int, vec: TfidfVectorizer) -> np.ndarray:
     """Final column of each global term id (-1: pruned), as ``CountVectorizer.fit_transform`` decides it."""
     max_df, min_df, limit = vec.max_df, vec.min_df, vec.max_features
     high = max_df if isinstance(max_df, Integral) else max_df * n_doc
     low = min_df if isinstance(min_df, Integral) else min_df * n_doc
-    if limit is not None:  # _sort_features: alphabetical order
-        order = np.fromiter((g for _, g in sorted(vocab.items())), dtype=np.int64, count=len(vocab))
+    if limit is not None:  # _sort_features: alphabetical order (vocab's insertion order is the id order)
+        terms = list(vocab)
+        order = np.fromiter(sorted(range(len(terms)), key=terms.__getitem__), dtype=np.int64, count=len(terms))
+        del terms
     else:
         order = np.arange(len(vocab))
     dfs = df[order]

@@ -1,10 +1,12 @@
 """The static graph (``envsched/graph.py``): Eq. 1 as the weighted sum of the views' cosines, the sparse row-block
-products, code-structure tokens, the abstraction report (App. E.1), and a graph built in chunks equal to one built
-in one chunk."""
+products, code-structure tokens, the abstraction report (App. E.1), and a graph built in chunks, or by worker
+processes, equal to one built in one chunk in this process."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.metrics.pairwise import cosine_similarity
 
 from envsched import EnvSchedConfig, TaskPool, build_static_graph
-from envsched.graph import code_structure, sparse_row_block_dot
+from envsched.graph import _fallback_code_tokens, code_structure, sparse_row_block_dot
 from envsched.synthetic import synthetic_records
 
 
@@ -52,6 +54,45 @@ def test_code_structure_tokens():
     toks = code_structure("assert db['cards']['4411'].frozen == True\nok = check(x)").split()
     assert "Assert" in toks and "attr:frozen" in toks and "cmp:Eq" in toks and "call:check" in toks and "key:cards" in toks
     assert code_structure("if (x === 1) { y(); }")  # not Python: token fallback
+
+
+def _code_structure_by_ast_walk(code: str) -> str:
+    """code_structure as it was written with ``ast.walk`` (the reference its list-based walk must equal)."""
+    if not code.strip():
+        return ""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return " ".join(_fallback_code_tokens(code))
+    toks: list[str] = []
+    for node in ast.walk(tree):
+        toks.append(type(node).__name__)
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name:
+                toks.append(f"call:{name}")
+        elif isinstance(node, ast.Attribute):
+            toks.append(f"attr:{node.attr}")
+        elif isinstance(node, ast.Name):
+            toks.append(f"name:{node.id}")
+        elif isinstance(node, ast.Compare):
+            toks.extend(f"cmp:{type(op).__name__}" for op in node.ops)
+        elif isinstance(node, ast.Constant):
+            toks.append(f"const:{type(node.value).__name__}")
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            toks.append(f"key:{node.slice.value}")
+    return " ".join(toks)
+
+
+def test_code_structure_equals_the_ast_walk_it_replaces(pool):
+    codes = [t.verifier_code for t in pool.tasks] + [
+        inspect.getsource(ast), inspect.getsource(dataclasses), "x[1]['a'].b(c)(d)", "a < b <= c != d", "1 +", "", "  ",
+        "def f(*, a=1, **k):\n    return lambda y: [z async for z in y]", "match x:\n    case [1, *r]: pass\n    case {'k': v}: pass",
+        "print(f'{a!r:>{w}}', b'x', 1j, ..., None)", "del a[1:2, ::3]", "if (x === 1) { y(); }",
+    ]
+    for code in codes:
+        assert code_structure(code) == _code_structure_by_ast_walk(code), code[:80]
 
 
 def test_abstraction_without_gold_calls_warns(caplog):
@@ -104,3 +145,27 @@ def test_graph_built_in_chunks_equals_one_chunk(pool):
     assert np.array_equal(one.sim_full(rows, cols), want)
     one.release_pages()
     assert np.array_equal(one.sim_full(rows, cols), want)
+
+
+def test_graph_built_by_worker_processes_equals_the_in_process_build(pool):
+    """workers = 2 over 5 chunks (forked children count each chunk's TF-IDF terms and derive its operation texts):
+    the same x_full (values, indices, in-row order), x_abs, representatives, shapes and descriptions."""
+    cfg = EnvSchedConfig()
+    one = build_static_graph(pool, cfg, chunk_rows=50, workers=1)
+    two = build_static_graph(pool, cfg, chunk_rows=50, workers=2)
+    assert one.report()["build_workers"] == 1 and two.report()["build_workers"] == 2
+    assert _same(one.x_full, two.x_full) and _same(one.x_abs, two.x_abs)
+    assert one.x_full.indices.dtype == two.x_full.indices.dtype and one.x_full.indptr.dtype == two.x_full.indptr.dtype
+    assert np.array_equal(one.mean_within_env_similarity(), two.mean_within_env_similarity())
+    assert one.view_shapes == two.view_shapes and one.abstraction == two.abstraction
+    assert one.extractor_counts == two.extractor_counts == {"deterministic": len(pool)} and two.fallback_reasons == {}
+    assert [d.model_dump() for d in one.descriptions] == [d.model_dump() for d in two.descriptions]
+    assert set(two.build_breakdown) >= {"operations", "abstract_view", "view:instruction_chars", "x_full", "representatives"}
+
+
+def test_build_workers_must_be_positive(pool):
+    with pytest.raises(ValueError, match="build_workers"):
+        EnvSchedConfig(build_workers=0)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        build_static_graph(pool, EnvSchedConfig(), workers=0)
+    assert EnvSchedConfig().build_workers is None and EnvSchedConfig(build_workers=1).build_workers == 1

@@ -1,8 +1,11 @@
 """Row-chunked TF-IDF (``envsched/tfidf.py``): ``tfidf_chunks`` gives exactly ``TfidfVectorizer.fit_transform``
-(values, column indices, in-row order) with and without a binding ``max_features``, for every view's analyzer; the
+(values, column indices, in-row order) with and without a binding ``max_features``, for every view's analyzer, in
+this process or counted by worker processes; ``chunk_map`` keeps the order and raises a worker's failure; the
 on-disk CSR round-trips and refuses a short write."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from envsched import TaskPool
 from envsched.graph import code_structure
 from envsched.synthetic import synthetic_records
-from envsched.tfidf import DiskCSR, DiskCSRWriter, tfidf_chunks
+from envsched.tfidf import DiskCSR, DiskCSRWriter, chunk_map, tfidf_chunks
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +37,28 @@ def test_chunked_tfidf_equals_sklearn(pool, view, max_features):
     texts[3] = ""  # an empty document stays an empty row
     args = {"min_df": 1, "max_features": max_features, "sublinear_tf": True, "dtype": np.float32, **kw}
     want = TfidfVectorizer(**args).fit_transform(texts)
-    for chunk_rows in (len(texts), 37, 4):
-        got = sp.vstack(list(tfidf_chunks(texts, chunk_rows=chunk_rows, **args)), format="csr")
-        assert _same(got, want), (view, max_features, chunk_rows)
+    for chunk_rows, workers in ((len(texts), 1), (37, 1), (4, 1), (37, 2)):
+        got = sp.vstack(list(tfidf_chunks(texts, chunk_rows=chunk_rows, workers=workers, **args)), format="csr")
+        assert _same(got, want), (view, max_features, chunk_rows, workers)
+
+
+def _square_or_fail(a: int, b: int) -> list[int]:
+    if a == 6:
+        raise KeyError("chunk 6")
+    if a == 9:
+        os._exit(7)  # a worker that dies without an answer
+    return [i * i for i in range(a, b)]
+
+
+def test_chunk_map_keeps_the_order_and_raises_a_workers_failure():
+    bounds = [(a, a + 3) for a in range(0, 6, 3)]
+    want = [[0, 1, 4], [9, 16, 25]]
+    for workers in (1, 2, 3):
+        assert list(chunk_map(_square_or_fail, bounds, workers)) == want
+    with pytest.raises(KeyError, match="chunk 6"):
+        list(chunk_map(_square_or_fail, [*bounds, (6, 9), (9, 12)], 2))
+    with pytest.raises(RuntimeError, match="exited with code 7"):
+        list(chunk_map(_square_or_fail, [*bounds, (9, 12)], 2))
 
 
 def test_disk_csr_round_trip(tmp_path):
