@@ -193,9 +193,9 @@ class EnvSchedConfig(BaseModel):
     # additive_logit: half-life in steps of the observations' weights 2^(-(t - s) / h) (as Eq. 10).  Long: on the
     # simulated learners difficulty moves little in 200 steps, and 1000 ranked better than 32 (issue 49).
     predictor_half_life: float = Field(1000.0, gt=0.0)
-    # additive_logit: half-life of the own-history term (the task's deviation) when it should age faster than the
-    # evidence on environments and structures (a trained task's success moves); null: predictor_half_life.
-    predictor_task_half_life: float | None = Field(None, gt=0.0)
+    # additive_logit: prior sd of the drift terms: the logit's change per unit of reward spread trained on so far in
+    # the task's environment, on the task itself and over the pool (each scaled to 1 at its current total; 0: none).
+    predictor_drift_sd: float = Field(2.0, ge=0.0)
     # additive_logit: prior sd of an environment's effect on the logit (ridge penalty 1 / sd^2; 0: no effect).
     predictor_env_sd: float = Field(1.5, ge=0.0)
     # additive_logit: prior sd of the coefficients of the (L2-normalised) S_abs features (0: no structure effect).

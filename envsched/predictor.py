@@ -88,21 +88,6 @@ def empirical_logit(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return y, s2
 
 
-def task_evidence(node: np.ndarray, step: np.ndarray, m: np.ndarray, t: float, n: int, k: int, h: float,
-                  dispersion: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """(P, y-bar) per task from the observations with step < t: P_i = sum w / (delta s^2), y-bar_i the
-    precision-weighted mean of the empirical logits (w = 2^{-(t - s) / h}, Eq. 10; delta = ``dispersion``, the
-    rewards' variance relative to Bernoulli's); P_i = 0 and y-bar_i = 0 without history."""
-    node, step = np.asarray(node, dtype=np.int64), np.asarray(step, dtype=np.float64)
-    keep = step < t
-    y, s2 = empirical_logit(np.asarray(m)[keep], k)
-    prec = np.power(2.0, -(t - step[keep]) / h) / (dispersion * s2)
-    P = np.bincount(node[keep], weights=prec, minlength=n)
-    num = np.bincount(node[keep], weights=prec * y, minlength=n)
-    ybar = np.divide(num, P, out=np.zeros(n), where=P > 0)
-    return P, ybar
-
-
 def design_matrix(env: np.ndarray, x_struct: sp.spmatrix | None, n_envs: int, cfg: EnvSchedConfig) -> sp.csr_matrix:
     """[sd_env * one-hot(environment) | sd_struct * x_abs]: a ridge of alpha 1 on it puts the priors N(0, sd^2)
     of the module docstring on the environment effects and the structure coefficients."""
@@ -116,42 +101,83 @@ def design_matrix(env: np.ndarray, x_struct: sp.spmatrix | None, n_envs: int, cf
     return sp.hstack([onehot, sp.csr_matrix(x_struct, dtype=np.float64) * cfg.predictor_structure_sd], format="csr")
 
 
-def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, d: np.ndarray, t: float, env: np.ndarray,
-                       x_struct: sp.spmatrix | None, cfg: EnvSchedConfig, n_envs: int | None = None) -> LogitFit:
-    """The fit of the module docstring for selection ``t`` from the logged groups (node, step, m, d) with step < t;
-    ``env``: environment code per task, ``x_struct``: the S_abs view (one row per task; None: environment only)."""
+def exposure_before(group: np.ndarray, step: np.ndarray, signal: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """(before, now): per observation, the sum of ``signal`` over the observations of its group (environment, task,
+    ...) at strictly earlier steps; per group, the sum over all the observations given."""
+    group, step = np.asarray(group, dtype=np.int64), np.asarray(step, dtype=np.int64)
+    signal = np.asarray(signal, dtype=np.float64)
+    n = len(group)
+    order = np.lexsort((step, group))
+    g, s = group[order], step[order]
+    cs = np.concatenate([[0.0], np.cumsum(signal[order])])
+    idx = np.arange(n)
+    new_block = np.ones(n, dtype=bool)
+    new_block[1:] = (g[1:] != g[:-1]) | (s[1:] != s[:-1])
+    new_group = np.ones(n, dtype=bool)
+    new_group[1:] = g[1:] != g[:-1]
+    block_start = np.maximum.accumulate(np.where(new_block, idx, 0)) if n else idx
+    group_start = np.maximum.accumulate(np.where(new_group, idx, 0)) if n else idx
+    before = np.empty(n)
+    before[order] = cs[block_start] - cs[group_start]
+    return before, np.bincount(group, weights=signal, minlength=n_groups)
+
+
+def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.ndarray, d: np.ndarray, t: float,
+                       env: np.ndarray, x_struct: sp.spmatrix | None, cfg: EnvSchedConfig, n_envs: int | None = None) -> LogitFit:
+    """The fit of the module docstring for selection ``t`` from the logged groups (node, step, m, v, d: Eq. 2 / 9)
+    with step < t; ``env``: environment code per task, ``x_struct``: the S_abs view (one row per task; None:
+    environment only)."""
     env = np.asarray(env, dtype=np.int64)
     n = len(env)
-    n_envs = int(env.max()) + 1 if n_envs is None and n else int(n_envs or 0)
+    n_envs = (int(env.max()) + 1 if n else 0) if n_envs is None else int(n_envs)
     K, h = cfg.rollouts_per_task, cfg.predictor_half_life
     tau2 = cfg.predictor_task_sd ** 2
-    keep = np.asarray(step, dtype=np.float64) < t
+    step_all = np.asarray(step, dtype=np.int64)
+    keep = step_all < t
     if not keep.any():  # no evidence: the prior, every task alike
         var = np.full(n, tau2 + cfg.predictor_env_sd ** 2)
         return LogitFit(np.zeros(n), var, np.zeros(n), np.zeros(n), tau2, 0.0, 1.0)
-    w = np.power(2.0, -(t - np.asarray(step, dtype=np.float64)[keep]) / h)
+    node_o, step_o = np.asarray(node, dtype=np.int64)[keep], step_all[keep]
+    m_o, v_o = np.asarray(m, dtype=np.float64)[keep], np.asarray(v, dtype=np.float64)[keep]
+    w = np.power(2.0, -(t - step_o.astype(np.float64)) / h)
     dispersion = float(np.sum(w * np.asarray(d, dtype=np.float64)[keep]) / np.sum(w))
     delta = min(max(dispersion, DISPERSION_FLOOR), 1.0)
-    P, ybar = task_evidence(node, step, m, t, n, K, h, delta)
-    obs = np.flatnonzero(P > 0)
-    h_own = h if cfg.predictor_task_half_life is None else cfg.predictor_task_half_life
-    P_own, ybar_own = (P, ybar) if h_own == h else task_evidence(node, step, m, t, n, K, h_own, delta)
+    y, s2 = empirical_logit(m_o, K)
+    noise_o = delta * s2 / w  # an aged observation counts as a noisier one
+    # the fixed part: environment, structure and (drift) the reward spread trained on so far (module docstring)
     X = design_matrix(env, x_struct, n_envs, cfg)
-    Xo = X[obs]
-    noise = 1.0 / P[obs]
+    X_o, X_now = X[node_o], X
+    if cfg.predictor_drift_sd > 0:
+        spread = np.sqrt(np.maximum(v_o, 0.0))
+        before, now = [], []
+        for group, n_groups in ((env[node_o], n_envs), (node_o, n), (np.zeros(len(node_o), dtype=np.int64), 1)):
+            b, c = exposure_before(group, step_o, spread, n_groups)
+            before.append(b)
+            now.append(c)
+        now_rows = [now[0][env], now[1], np.full(n, now[2][0])]
+        scale = [max(float(c.max()), 1e-12) for c in now]
+        F_o = np.column_stack([b / sc for b, sc in zip(before, scale)]) * cfg.predictor_drift_sd
+        F_now = np.column_stack([c / sc for c, sc in zip(now_rows, scale)]) * cfg.predictor_drift_sd
+        X_o = sp.hstack([X_o, sp.csr_matrix(F_o)], format="csr")
+        X_now = sp.hstack([X_now, sp.csr_matrix(F_now)], format="csr")
+    prec_o = 1.0 / noise_o
+    P = np.bincount(node_o, weights=prec_o, minlength=n)
+    obs = np.flatnonzero(P > 0)
     floor2 = cfg.predictor_task_sd_floor ** 2
     model = Ridge(alpha=1.0, fit_intercept=True, solver="sparse_cg", tol=1e-8, max_iter=2000)
     for rnd in range(2):
-        model.fit(Xo, ybar[obs], sample_weight=1.0 / (tau2 + noise))
+        model.fit(X_o, y, sample_weight=1.0 / (tau2 + noise_o))
+        resid = y - model.predict(X_o)
+        rbar = np.bincount(node_o, weights=prec_o * resid, minlength=n)[obs] / P[obs]
         if rnd or len(obs) < cfg.predictor_min_tasks:
             break
-        resid = ybar[obs] - model.predict(Xo)
-        tau2 = max(float(np.mean(resid ** 2 - noise)), floor2)
-    prior = model.predict(X)
+        tau2 = max(float(np.mean(rbar ** 2 - 1.0 / P[obs])), floor2)
+    prior = model.predict(X_now)
     gain = np.zeros(n)
-    gain[obs] = tau2 / (tau2 + 1.0 / P_own[obs])
-    z = prior + gain * (ybar_own - prior)
-    env_prec = np.bincount(env[obs], weights=1.0 / (tau2 + noise), minlength=n_envs)
+    gain[obs] = tau2 / (tau2 + 1.0 / P[obs])
+    z = prior.copy()
+    z[obs] += gain[obs] * rbar
+    env_prec = np.bincount(env[obs], weights=1.0 / (tau2 + 1.0 / P[obs]), minlength=n_envs)
     u_env = 1.0 / (1.0 / cfg.predictor_env_sd ** 2 + env_prec) if cfg.predictor_env_sd > 0 else np.zeros(n_envs)
     z_var = (1.0 - gain) * tau2 + u_env[env]
     return LogitFit(z, z_var, prior, P, tau2, float(model.intercept_), dispersion)
@@ -172,7 +198,7 @@ def predict_additive_logit(log: ObservationLog, t: int, task_ids: list[str], env
     """The Prediction of selection ``t`` under ``predictor: additive_logit`` (module docstring): q = pr(expected
     variance) (Eq. 8), m = E[sigma(z)], v = dispersion x expected Bernoulli variance."""
     obs = log.arrays()
-    fit = fit_additive_logit(obs["node"], obs["step"], obs["m"], obs["d"], t, env, x_struct, cfg, n_envs)
+    fit = fit_additive_logit(obs["node"], obs["step"], obs["m"], obs["v"], obs["d"], t, env, x_struct, cfg, n_envs)
     m_hat, ev = expected_bernoulli_variance(fit.z, fit.z_var, cfg.predictor_quadrature_nodes)
     v = fit.dispersion * ev
     q = percentile_rank(ev) if cfg.predictor_score == "rank" else np.clip(ev / 0.25, 0.0, 1.0)
