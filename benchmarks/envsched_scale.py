@@ -18,13 +18,14 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
 * step: median (and max) wall / CPU seconds of ``select(step) + observe(step, rewards)`` over ``--steps``
   steps (default 20) at B = 64, K = 8, after the cold-start step;
 * peak RSS of the process (``ru_maxrss``), and the peak of the whole build's memory: the process's resident set
-  plus its worker processes' private pages (sampled every 0.2 s; a forked worker shares the parent's pages until
-  it writes to them, so its own resident set would count the pool twice);
+  plus its worker processes' private pages (the resident set sampled every 0.2 s, the workers' pages every 2 s; a
+  forked worker shares the parent's pages until it writes to them, so its own resident set would count the pool
+  twice);
 * with ``relation_weights: measured`` (the default; ``--relation-weights paper`` for the paper's fixed weights),
   the relations' weights after the last step: while a relation is faded, the tasks without an own history share
   one prediction, and Eq. 5 must compare the similarity penalties of all the tied candidates it may pick.
 
-A watchdog thread reads that total every 0.2 s and exits the process (code 3) above ``--max-rss-gib``
+A watchdog thread reads that total and exits the process (code 3) above ``--max-rss-gib``
 (default 8), printing every thread's stack (where the memory went), so a run that would not fit stops itself on a
 shared machine; run it under ``prlimit --as`` too, with room for the memory-mapped S_full matrix, which counts in
 the address space but not in the resident set beyond the pages a step reads (4.6 GB of files at 1,000,000 tasks:
@@ -91,8 +92,12 @@ PEAK_TOTAL = [0]  # peak of rss_bytes() + children_private_bytes(), sampled by t
 
 def watchdog(limit_gib: float) -> None:
     def run() -> None:
+        children, tick = 0, 0
         while True:
-            total = rss_bytes() + children_private_bytes()
+            if tick % 10 == 0:  # every 2 s: reading a worker's smaps_rollup walks its page tables (CPU charged here)
+                children = children_private_bytes()
+            tick += 1
+            total = rss_bytes() + children
             PEAK_TOTAL[0] = max(PEAK_TOTAL[0], total)
             if total > limit_gib * GIB:
                 print(f"ABORT: resident set with the build workers' private pages {total / GIB:.2f} GiB above --max-rss-gib "
@@ -143,7 +148,8 @@ def main() -> None:
           f"build workers)   cache={rep['cache']}   RSS {rss_bytes() / GIB:.2f} GiB (peak so far {peak_rss_gib():.2f}, with the "
           f"workers' private pages {PEAK_TOTAL[0] / GIB:.2f})   nnz_full {rep['nnz_full']:,}   load average after {load_after}", flush=True)
     if rep["build_breakdown"]:
-        print("build phases (wall s): " + ", ".join(f"{k} {v:.1f}" for k, v in rep["build_breakdown"].items()), flush=True)
+        print("build phases (s wall / CPU here + CPU in workers): "
+              + ", ".join(f"{k} {v['wall']:.1f} / {v['cpu']:.1f} + {v['workers_cpu']:.1f}" for k, v in rep["build_breakdown"].items()), flush=True)
 
     def step(s: int) -> tuple[float, float]:
         w, c = time.perf_counter(), time.process_time()

@@ -18,6 +18,7 @@ import ast
 import io
 import logging
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -161,7 +162,8 @@ class StaticGraph:
     build_seconds: float = 0.0
     view_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     abstraction: dict[str, float] = field(default_factory=dict)  # abstraction_report (resolution of S_abs)
-    build_breakdown: dict[str, float] = field(default_factory=dict)  # seconds by build phase (a built graph only)
+    # by build phase (a built graph only): {"wall": s, "cpu": this process's CPU s, "workers_cpu": the workers' CPU s}
+    build_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
     build_workers: int = 0  # processes the build used (0: not built here, e.g. loaded from the graph cache)
     cache: str = "off"  # graph cache: "off" (no graph_cache_dir), "miss" (built and stored), "hit" (loaded), "skip"
     disk: DiskCSR | None = field(default=None, repr=False)  # x_full memory-mapped from disk (built graphs)
@@ -183,7 +185,7 @@ class StaticGraph:
             "abstract_features": int(self.x_abs.shape[1]),
             "nnz_full": int(self.x_full.nnz),
             "build_seconds": self.build_seconds,
-            "build_breakdown": dict(self.build_breakdown),
+            "build_breakdown": {k: dict(v) for k, v in self.build_breakdown.items()},
             "build_workers": self.build_workers,
             "abstraction": dict(self.abstraction),
             "cache": self.cache,
@@ -465,8 +467,27 @@ def make_extractor(cfg: EnvSchedConfig, client: Any = None) -> Any:
 
 def _description_texts(tasks: Sequence[Task], extractor: DeterministicExtractor) -> tuple[list[str], list[str]]:
     """(concrete_text, abstract_text) of each task's deterministic description (what the build keeps of it)."""
-    descs = [extractor.describe(t) for t in tasks]
-    return [concrete_text(d) for d in descs], [abstract_text(d) for d in descs]
+    texts = [extractor.texts(t) for t in tasks]
+    return [c for c, _ in texts], [a for _, a in texts]
+
+
+class _PhaseClock:
+    """Wall seconds, this process's CPU seconds and its reaped children's (the build workers') CPU seconds of each
+    build phase, from one ``lap(name)`` at the end of each."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, float]] = {}
+        self._last = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float]:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.perf_counter(), time.process_time(), kids.ru_utime + kids.ru_stime
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.phases[name] = {k: round(b - a, 3) for k, a, b in zip(("wall", "cpu", "workers_cpu"), self._last, now)}
+        self._last = now
 
 
 def build_static_graph(
@@ -495,6 +516,7 @@ def build_static_graph(
     the same for any number of workers.  An LLM extractor or given ``extractions`` are read in this process.
     """
     t0 = time.perf_counter()
+    clock = _PhaseClock()
     workers = build_workers(cfg) if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -529,13 +551,12 @@ def build_static_graph(
                 kept.append(e.description)
     descriptions: Sequence[OperationDescription] = DescribedTasks(pool.tasks, extractor) if derive else kept
     log.info("envsched: operation descriptions by extractor: %s", dict(counts))
-    breakdown = {"operations": time.perf_counter() - t0}
-    t1 = time.perf_counter()
+    clock.lap("operations")
     members = env_members(pool)
     abstraction = abstraction_report(pool, abstract, members, cfg.abstraction_min_distinct_fraction)
     x_abs = _tfidf(abstract, cfg, chunk_rows=chunk_rows, workers=workers, token_pattern=r"\S+", lowercase=False)
     del abstract
-    breakdown["abstract_view"] = time.perf_counter() - t1
+    clock.lap("abstract_view")
 
     own = store is None
     folder = Path(tempfile.mkdtemp(prefix="envsched-graph-")) if own else Path(store)
@@ -546,7 +567,6 @@ def build_static_graph(
         # the operations view first, so that its texts (one new string a task) are freed before the others
         order = sorted(range(len(VIEW_NAMES)), key=lambda v: VIEW_NAMES[v] != "operations")
         for v in order:
-            t1 = time.perf_counter()
             name, weight = VIEW_NAMES[v], cfg.view_weights[v]
             texts = ViewTexts(name, pool.tasks, ops_texts)
             width = 0
@@ -561,9 +581,8 @@ def build_static_graph(
             del texts
             if name == "operations":
                 ops_texts = []
-            breakdown[f"view:{name}"] = time.perf_counter() - t1
+            clock.lap(f"view:{name}")
         shapes = {name: shapes[name] for name in VIEW_NAMES}
-        t1 = time.perf_counter()
         writer = DiskCSRWriter(folder, "x_full", n, sum(w for _, w in shapes.values()), int(chunk_nnz.sum()), np.float64)
         for c in range(len(chunk_nnz)):
             blocks = []
@@ -578,14 +597,13 @@ def build_static_graph(
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)  # the mappings stay valid
-    breakdown["x_full"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
+    clock.lap("x_full")
     graph = StaticGraph(
         x_full=disk.matrix, x_abs=x_abs.tocsr(), env=pool.env, env_members=members, descriptions=descriptions,  # type: ignore[arg-type]
         extractor_counts=dict(counts), fallback_reasons=fallbacks, build_seconds=time.perf_counter() - t0,
-        view_shapes=shapes, abstraction=abstraction, disk=disk, build_breakdown=breakdown, build_workers=workers,
+        view_shapes=shapes, abstraction=abstraction, disk=disk, build_breakdown=clock.phases, build_workers=workers,
     )
     graph.mean_within_env_similarity()  # cold-start representatives use static structure only
-    breakdown["representatives"] = time.perf_counter() - t1
+    clock.lap("representatives")
     graph.build_seconds = time.perf_counter() - t0
     return graph

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -279,6 +280,38 @@ class DeterministicExtractor:
         return Extraction(self.describe(task), self.name)
 
     def describe(self, task: Task) -> OperationDescription:
+        """The validated App. E description of ``task``."""
+        plan = self._plan(task)
+        ops = []
+        for o in plan.operations:
+            op = Operation(id=o.id, type=o.type, tool=o.tool, target_kind=o.target_kind, description=o.description, arguments=o.arguments)
+            op.depends_on.extend(o.depends_on)
+            ops.append(op)
+        return OperationDescription(
+            operations=ops,
+            gates=[Gate(id=g.id, type=g.type, provenance=g.provenance, blocks=g.blocks) for g in plan.gates],
+            dependencies=[Dependency(source=d.source, target=d.target) for d in plan.dependencies],
+            reward_groups=[RewardGroup(checks=r.checks, relation=r.relation, controlled_by=r.controlled_by) for r in plan.reward_groups],
+            conflicts=[Conflict(first=c.first, second=c.second, type=c.type) for c in plan.conflicts],
+        )
+
+    def texts(self, task: Task) -> tuple[str, str]:
+        """``(concrete_text, abstract_text)`` of ``describe(task)``, without building the pydantic models (what a graph
+        build keeps of a description; the models' validation is about a third of ``describe``).
+
+        The unvalidated plan is valid by construction: ids are ``op<k>`` / ``g<k>`` made here, every reference
+        names one of them, the literal fields take their values from the schema's vocabularies and every reward
+        group has a check.  Only a tool's name and description and the argument names come from the pool; unless
+        they are plain strings the description is validated (``describe``), so bad input fails as it does there.
+        """
+        plan = self._plan(task)
+        if not all(type(o.tool) is str and type(o.description) is str and all(type(a) is str for a in o.arguments) for o in plan.operations):
+            desc = self.describe(task)
+            return concrete_text(desc), abstract_text(desc)
+        return concrete_text(plan), abstract_text(plan)  # type: ignore[arg-type]  # the same attributes
+
+    def _plan(self, task: Task) -> Any:
+        """The description's fields as plain objects (``SimpleNamespace`` with the models' attribute names)."""
         tools = {t.name: t for t in task.tools}
         calls: list[tuple[str, dict[str, Any]]] = [(a.name, dict(a.arguments)) for a in task.gold_actions]
         if not calls:
@@ -289,10 +322,10 @@ class DeterministicExtractor:
             calls = [("respond", {})]
         instr = f"{task.instruction} {task.initial_state}".lower()
 
-        ops: list[Operation] = []
-        gates: list[Gate] = []
+        ops: list[Any] = []
+        gates: list[Any] = []
         deps: set[tuple[str, str]] = set()
-        conflicts: list[Conflict] = []
+        conflicts: list[Any] = []
         values_of: list[set[str]] = []
         since_change: list[str] = []
         for k, (name, args) in enumerate(calls):
@@ -306,13 +339,14 @@ class DeterministicExtractor:
             if typ in MUTATING:
                 for prev in since_change:
                     deps.add((prev, oid))
-            ops.append(
-                Operation(
-                    id=oid, type=typ, tool=name, target_kind=_target_kind(typ, name, arg_names),
-                    description=(tools[name].description if name in tools else ""),
-                    arguments={a: literal_type(args.get(a), a) if a in args else "<string>" for a in arg_names},
-                )
-            )
+            fields = {
+                "id": oid, "type": typ, "tool": name, "target_kind": _target_kind(typ, name, arg_names),
+                "description": (tools[name].description if name in tools else ""),
+                "arguments": {a: literal_type(args.get(a), a) if a in args else "<string>" for a in arg_names},
+            }
+            if type(fields["description"]) is not str or not all(type(a) is str for a in fields["arguments"]):
+                Operation(**fields)  # values from the pool the schema may refuse: raises here, as it always did
+            ops.append(SimpleNamespace(**fields, depends_on=[]))
             # identifier gates
             earlier_lookup = any(o.type == "lookup" for o in ops[:-1])
             for a, v in args.items():
@@ -329,7 +363,7 @@ class DeterministicExtractor:
                     prov = "agent_generated"
                 else:
                     prov = "unavailable"
-                gates.append(Gate(id=f"g{len(gates)}", type="identifier_resolution", provenance=prov, blocks=[oid]))
+                gates.append(SimpleNamespace(id=f"g{len(gates)}", type="identifier_resolution", provenance=prov, blocks=[oid], description=""))
             values_of.append(vals)
             if typ in MUTATING:
                 since_change = []
@@ -339,15 +373,15 @@ class DeterministicExtractor:
         for k, o in enumerate(ops):
             later_changes = [p.id for p in ops[k + 1 :] if p.type in MUTATING]
             if o.type == "authorize" and later_changes:
-                gates.append(Gate(id=f"g{len(gates)}", type="authorization", provenance="prior_tool_output", blocks=later_changes))
-                conflicts.append(Conflict(first=o.id, second=later_changes[0], type="order"))
+                gates.append(SimpleNamespace(id=f"g{len(gates)}", type="authorization", provenance="prior_tool_output", blocks=later_changes, description=""))
+                conflicts.append(SimpleNamespace(first=o.id, second=later_changes[0], type="order"))
             if o.type == "validate" and later_changes:
-                gates.append(Gate(id=f"g{len(gates)}", type="state_precondition", provenance="prior_tool_output", blocks=later_changes[:1]))
-                conflicts.append(Conflict(first=o.id, second=later_changes[0], type="order"))
+                gates.append(SimpleNamespace(id=f"g{len(gates)}", type="state_precondition", provenance="prior_tool_output", blocks=later_changes[:1], description=""))
+                conflicts.append(SimpleNamespace(first=o.id, second=later_changes[0], type="order"))
             if o.type == "delete":
                 for p, pv in zip(ops[k + 1 :], values_of[k + 1 :]):
                     if pv & values_of[k] and p.type != "lookup":
-                        conflicts.append(Conflict(first=o.id, second=p.id, type="destructive"))
+                        conflicts.append(SimpleNamespace(first=o.id, second=p.id, type="destructive"))
                         break
         for src, dst in deps:
             op = ops[int(dst[2:])]
@@ -374,10 +408,10 @@ class DeterministicExtractor:
                 rel = "shared_gate"
             else:
                 rel = "shared_operation"
-            reward_groups.append(RewardGroup(checks=checks, relation=rel, controlled_by=list(ctrl)))
-        return OperationDescription(
+            reward_groups.append(SimpleNamespace(checks=checks, relation=rel, controlled_by=list(ctrl)))
+        return SimpleNamespace(
             operations=ops, gates=gates,
-            dependencies=[Dependency(source=s, target=t) for s, t in sorted(deps, key=lambda e: (int(e[0][2:]), int(e[1][2:])))],
+            dependencies=[SimpleNamespace(source=s, target=t) for s, t in sorted(deps, key=lambda e: (int(e[0][2:]), int(e[1][2:])))],
             reward_groups=reward_groups, conflicts=conflicts,
         )
 

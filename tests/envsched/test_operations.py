@@ -1,6 +1,7 @@
 """Operation descriptions (``envsched/operations.py``, App. E): the abstraction of identifiers, fields and
-literals, tool operation types, the deterministic extractor, and the LLM extractor (fake client, schema failures,
-cache, and the real openai client against a local stdlib HTTP server)."""
+literals, tool operation types, the deterministic extractor (and its unvalidated texts, equal to its validated
+description's), and the LLM extractor (fake client, schema failures, cache, and the real openai client against a
+local stdlib HTTP server)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from envsched import (
     build_static_graph,
 )
 from envsched.config import ConfigError
-from envsched.operations import DeterministicExtractor, OperationDescription, tool_operation_type
+from envsched.operations import DeterministicExtractor, OperationDescription, concrete_text, tool_operation_type
+from envsched.pool import Action, Task, Tool
 from envsched.synthetic import synthetic_records
 
 
@@ -124,6 +126,30 @@ class FailingClient(FakeClient):
     def _create(self, **kw):
         self.calls.append(kw)
         raise self.exc
+
+
+def test_deterministic_texts_equal_the_validated_descriptions_texts():
+    """DeterministicExtractor.texts (what a graph build keeps, made without the pydantic models) equals the texts of
+    describe's validated description, with and without gold calls; pool values the schema refuses fail as in
+    describe, and values it coerces are taken from the validated description."""
+    recs = synthetic_records(8, 30, seed=5)
+    bare = [{k: v for k, v in r.items() if k != "gold_actions"} for r in recs]
+    ext = DeterministicExtractor()
+    for pool in (TaskPool.from_records(recs), TaskPool.from_records(bare)):
+        for t in pool.tasks:
+            d = ext.describe(t)
+            assert OperationDescription.model_validate(d.model_dump()) == d
+            assert ext.texts(t) == (concrete_text(d), abstract_text(d))
+    bad = Task(task_id="t", env_id="e", instruction="get it", tools=(Tool(name="get_it", description=None),),  # type: ignore[arg-type]
+               gold_actions=(Action(name="get_it", arguments={"id": "A-12"}),))
+    with pytest.raises(ValueError, match="description"):
+        ext.describe(bad)
+    with pytest.raises(ValueError, match="description"):
+        ext.texts(bad)
+    coerced = Task(task_id="t", env_id="e", instruction="get it", tools=(Tool(name="get_it", description=b"raw bytes"),),  # type: ignore[arg-type]
+                   gold_actions=(Action(name="get_it", arguments={"id": "A-12"}),))
+    d = ext.describe(coerced)
+    assert d.operations[0].description == "raw bytes" and ext.texts(coerced) == (concrete_text(d), abstract_text(d))
 
 
 def test_valid_answer_is_validated_and_cached(tmp_path):
