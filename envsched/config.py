@@ -119,8 +119,9 @@ class EnvSchedConfig(BaseModel):
     # loads the entry instead of rebuilding.  null: no cache.  Implementation choice, not in the paper.
     graph_cache_dir: str | None = None
     # Processes that build the static graph (operation extraction and TF-IDF counting, by row chunk, in forked
-    # children; the graph is the same for every value).  1: in this process.  null: the CPUs this process may
-    # use, at most 8.  Implementation choice, not in the paper; not part of the graph cache key.
+    # children; the graph is the same for every value; each busy worker holds one chunk's counts, a few hundred
+    # MiB).  1: in this process.  null: the CPUs this process may use, at most graph.MAX_AUTO_WORKERS.
+    # Implementation choice, not in the paper; not part of the graph cache key.
     build_workers: int | None = Field(None, ge=1)
     # Warn when tasks lack gold call sequences and the median share of distinct App. E abstract descriptions
     # per environment is below this (the deterministic extractor then works from tool schemas and S_abs

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 VIEW_NAMES = ("instruction_words", "instruction_chars", "verifier_checks", "verifier_code", "initial_context", "operations")
 
-MAX_AUTO_WORKERS = 8  # build_workers: null uses the CPUs this process may use, at most this many
+MAX_AUTO_WORKERS = 4  # build_workers: null uses the CPUs this process may use, at most this many (memory: one chunk each)
 MIN_WORKER_ROWS = 5_000  # a pool is split between workers in chunks of at least this many tasks (a fork costs ~10 ms)
 
 
