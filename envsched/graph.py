@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import io
+import itertools
 import logging
 import re
 import resource
@@ -24,7 +25,7 @@ import tempfile
 import time
 import tokenize
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,17 @@ from .operations import (
     extract_all,
 )
 from .pool import Task, TaskPool
-from .tfidf import CHUNK_ROWS, DiskCSR, DiskCSRWriter, chunk_map, tfidf_chunks, usable_cpus
+from .tfidf import (
+    CHUNK_ROWS,
+    ChunkCounts,
+    DiskCSR,
+    DiskCSRWriter,
+    chunk_map,
+    count_chunk,
+    counter_kwargs,
+    tfidf_from_counts,
+    usable_cpus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +137,37 @@ def _tfidf_row_chunks(texts: Sequence[str], cfg: EnvSchedConfig, chunk_rows: int
     (``tfidf.tfidf_chunks``, counted by ``workers`` processes); rows are L2-normalised, empty rows stay zero.  A
     view without any term (also a view of empty texts) is one zero column."""
     args = _tfidf_kwargs(cfg, **kw)
-    n = len(texts)
+    ckw = counter_kwargs(args)
+    counts = chunk_map(lambda a, b: count_chunk(texts[a:b], ckw), _row_chunks(len(texts), chunk_rows), workers)
+    return _tfidf_counted(counts, len(texts), cfg, chunk_rows, **kw)
+
+
+def _row_chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows)]
+
+
+def _tfidf_counted(counts: Iterator[ChunkCounts], n: int, cfg: EnvSchedConfig, chunk_rows: int, **kw: Any) -> list[sp.csr_matrix] | Any:
+    """``_tfidf_row_chunks`` from the view's pass 1 counts (``count_chunk`` of each of its row chunks, in order)."""
+    args = _tfidf_kwargs(cfg, **kw)
     empty = [sp.csr_matrix((min(chunk_rows, n - a), 1), dtype=args["dtype"]) for a in range(0, n, chunk_rows)]
     if n == 0:
         return empty
-    gen = tfidf_chunks(texts, chunk_rows=chunk_rows, workers=workers, **args)
+    gen = tfidf_from_counts(counts, n, **args)
     try:
         first = next(gen)
     except ValueError:  # e.g. only stop-word-like tokens
         return empty
     return _chain(first, gen)
+
+
+def _no_value_errors(counts: Iterator[ChunkCounts]) -> Iterator[ChunkCounts]:
+    """``counts`` with a ValueError raised while counting turned into a RuntimeError: ``_tfidf_counted`` reads a
+    ValueError as "the view has no terms", which must come from its own view's merge, never from the stream that
+    the next views read from."""
+    try:
+        yield from counts
+    except ValueError as exc:
+        raise RuntimeError(f"counting a chunk of a TF-IDF view failed: {exc}") from exc
 
 
 def _chain(first: sp.csr_matrix, rest: Any) -> Any:
@@ -566,11 +598,16 @@ def build_static_graph(
         chunk_nnz = np.zeros(-(-n // chunk_rows), dtype=np.int64)
         # the operations view first, so that its texts (one new string a task) are freed before the others
         order = sorted(range(len(VIEW_NAMES)), key=lambda v: VIEW_NAMES[v] != "operations")
+        # every view's chunks are counted in one stream of jobs, so the workers go on with the next view's chunks
+        # while this process merges and transforms a view (tfidf_from_counts reads exactly its view's chunks)
+        texts = {v: ViewTexts(VIEW_NAMES[v], pool.tasks, ops_texts if VIEW_NAMES[v] == "operations" else ()) for v in order}
+        kwargs = {v: counter_kwargs(_tfidf_kwargs(cfg, **_VIEW_KWARGS[VIEW_NAMES[v]])) for v in order}
+        bounds = _row_chunks(n, chunk_rows)
+        stream = _no_value_errors(chunk_map(lambda v, a, b: count_chunk(texts[v][a:b], kwargs[v]), [(v, a, b) for v in order for a, b in bounds], workers))
         for v in order:
             name, weight = VIEW_NAMES[v], cfg.view_weights[v]
-            texts = ViewTexts(name, pool.tasks, ops_texts)
             width = 0
-            for c, h in enumerate(_tfidf_row_chunks(texts, cfg, chunk_rows, workers, **_VIEW_KWARGS[name])):
+            for c, h in enumerate(_tfidf_counted(itertools.islice(stream, len(bounds)), n, cfg, chunk_rows, **_VIEW_KWARGS[name])):
                 h = sp.csr_matrix(h * np.sqrt(weight))  # x_i = [sqrt(alpha_a) h_i^(a)]_a
                 width = h.shape[1]
                 chunk_nnz[c] += h.nnz
@@ -578,10 +615,11 @@ def build_static_graph(
                 np.save(folder / f"view{v}_c{c}_indices.npy", h.indices)
                 np.save(folder / f"view{v}_c{c}_indptr.npy", h.indptr)
             shapes[name] = (n, width)
-            del texts
-            if name == "operations":
+            if name == "operations":  # workers forked from now on do not need the texts
+                del texts[v]
                 ops_texts = []
             clock.lap(f"view:{name}")
+        del stream
         shapes = {name: shapes[name] for name in VIEW_NAMES}
         writer = DiskCSRWriter(folder, "x_full", n, sum(w for _, w in shapes.values()), int(chunk_nnz.sum()), np.float64)
         for c in range(len(chunk_nnz)):

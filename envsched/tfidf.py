@@ -56,10 +56,10 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def chunk_map(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]], workers: int) -> Iterator[T]:
-    """``fn(a, b)`` for each ``(a, b)`` of ``bounds``, yielded in order.
+def chunk_map(fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]], workers: int) -> Iterator[T]:
+    """``fn(*job)`` for each job of ``jobs`` (e.g. a chunk's ``(start, stop)`` rows), yielded in order.
 
-    ``workers`` <= 1, a single chunk, or a platform without ``fork``: in this process.  Otherwise each call runs in
+    ``workers`` <= 1, a single job, or a platform without ``fork``: in this process.  Otherwise each call runs in
     its own forked child process, at most ``workers`` at once, and sends its result back pickled: a child sees
     the parent's data (the pool, ``fn``'s closure) without pickling, and the pages it copies by touching them
     (reference counts) are freed when it exits after its one chunk, so the memory a child adds stays bounded by
@@ -67,18 +67,18 @@ def chunk_map(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]], wo
     at most ``workers`` results are pending.  An exception in a child is raised here (the remaining children are
     killed); a child that dies without an answer raises RuntimeError.
     """
-    if workers <= 1 or len(bounds) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        for a, b in bounds:
-            yield fn(a, b)
+    if workers <= 1 or len(jobs) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for job in jobs:
+            yield fn(*job)
         return
     ctx = multiprocessing.get_context("fork")
-    todo = iter(bounds)
+    todo = iter(jobs)
     running: deque[tuple[Any, Any]] = deque()
 
     def start() -> None:
-        for a, b in itertools.islice(todo, 1):
+        for job in itertools.islice(todo, 1):
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_chunk_child, args=(send, fn, a, b), daemon=True)
+            proc = ctx.Process(target=_chunk_child, args=(send, fn, job), daemon=True)
             proc.start()
             send.close()
             running.append((proc, recv))
@@ -107,11 +107,11 @@ def chunk_map(fn: Callable[[int, int], T], bounds: Sequence[tuple[int, int]], wo
             recv.close()
 
 
-def _chunk_child(send: Any, fn: Callable[[int, int], Any], a: int, b: int) -> None:
+def _chunk_child(send: Any, fn: Callable[..., Any], job: tuple[Any, ...]) -> None:
     """Body of a ``chunk_map`` child: one call, its result (or exception) sent to the parent."""
     gc.freeze()  # a collection would otherwise write to every inherited object's header and copy its page
     try:
-        out: tuple[str, Any] = ("ok", fn(a, b))
+        out: tuple[str, Any] = ("ok", fn(*job))
     except BaseException as exc:  # noqa: BLE001 - whatever fn raises is raised again in the parent
         out = ("error", exc)
     try:
@@ -131,10 +131,25 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
     result is the same.  Raises ValueError as ``fit_transform`` does when the vocabulary is empty (before anything
     is yielded).
     """
+    n_doc = len(texts)
+    kwargs = counter_kwargs(vectorizer_kwargs)
+    bounds = list(itertools.pairwise(list(range(0, n_doc, chunk_rows)) + [n_doc]))
+    counts = chunk_map(lambda a, b: count_chunk(texts[a:b], kwargs), bounds, workers)
+    yield from tfidf_from_counts(counts, n_doc, scratch=scratch, **vectorizer_kwargs)
+
+
+def counter_kwargs(vectorizer_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``CountVectorizer`` arguments (analyzer, n-grams, ...) of ``TfidfVectorizer(**vectorizer_kwargs)``'s pass 1."""
+    params = TfidfVectorizer(**vectorizer_kwargs).get_params()
+    return {k: v for k, v in params.items() if k not in ("norm", "use_idf", "smooth_idf", "sublinear_tf", "max_df", "min_df", "max_features", "dtype", "vocabulary")}
+
+
+def tfidf_from_counts(counts: Iterator[ChunkCounts], n_doc: int, *, scratch: Path | None = None, **vectorizer_kwargs: Any) -> Iterator[sp.csr_matrix]:
+    """``tfidf_chunks`` from its pass 1 counts: ``count_chunk`` of each row chunk of the ``n_doc`` texts with
+    ``counter_kwargs(vectorizer_kwargs)``, in order; ``counts`` is read to its end before the first chunk is yielded
+    (a caller may count several views' chunks in one ``chunk_map`` and hand each view its slice)."""
     vec = TfidfVectorizer(**vectorizer_kwargs)
     dtype = vec.dtype
-    counter_kwargs = {k: v for k, v in vec.get_params().items() if k not in ("norm", "use_idf", "smooth_idf", "sublinear_tf", "max_df", "min_df", "max_features", "dtype", "vocabulary")}
-    n_doc = len(texts)
     own = scratch is None
     folder = Path(tempfile.mkdtemp(prefix="envsched-tfidf-")) if own else Path(scratch)
     folder.mkdir(parents=True, exist_ok=True)
@@ -142,12 +157,9 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
         vocab: dict[str, int] = {}  # term -> global first-appearance id
         tf = np.zeros(0, dtype=np.int64)
         df = np.zeros(0, dtype=np.int64)
-        bounds = list(itertools.pairwise(list(range(0, n_doc, chunk_rows)) + [n_doc]))
-
-        def count(a: int, b: int) -> ChunkCounts:
-            return count_chunk(texts[a:b], counter_kwargs)
-
-        for c, part in enumerate(chunk_map(count, bounds, workers)):
+        n_chunks = 0
+        for c, part in enumerate(counts):
+            n_chunks += 1
             # new terms get global ids in order of first appearance (the chunk's terms come in that order, once each)
             vocab.update(zip([t for t in part.terms if t not in vocab], itertools.count(len(vocab))))
             gid = np.fromiter(map(vocab.__getitem__, part.terms), dtype=np.int64, count=len(part.terms))
@@ -173,7 +185,7 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
         kept_df = np.zeros(n_features, dtype=np.int64)
         kept_df[col[col >= 0]] = df[col >= 0]
         transformer = _transformer(vec, kept_df, n_doc, dtype)
-        for c in range(len(bounds)):
+        for c in range(n_chunks):
             data = np.load(folder / f"c{c}_data.npy")
             idx = col[np.load(folder / f"c{c}_indices.npy")]
             indptr = np.load(folder / f"c{c}_indptr.npy")

@@ -169,3 +169,20 @@ def test_build_workers_must_be_positive(pool):
     with pytest.raises(ValueError, match="workers must be >= 1"):
         build_static_graph(pool, EnvSchedConfig(), workers=0)
     assert EnvSchedConfig().build_workers is None and EnvSchedConfig(build_workers=1).build_workers == 1
+
+
+def test_a_failure_while_counting_a_view_is_raised_not_read_as_an_empty_view(pool, monkeypatch):
+    """The views' chunks are counted in one stream; a ValueError there must not pass for "this view has no terms"
+    (which leaves the view one zero column) and shift the chunks the next views read."""
+    import envsched.graph as graph_mod
+
+    real = graph_mod.count_chunk
+
+    def failing(texts, kwargs):
+        if kwargs.get("analyzer") == "char_wb":
+            raise ValueError("broken analyzer")
+        return real(texts, kwargs)
+
+    monkeypatch.setattr(graph_mod, "count_chunk", failing)
+    with pytest.raises(RuntimeError, match="broken analyzer"):
+        build_static_graph(pool, EnvSchedConfig(), chunk_rows=50, workers=1)
