@@ -47,7 +47,10 @@ full EnvSched is what better prediction can still gain.  ``measured relation wei
 ``relation_weights: measured`` (``envsched/relations.py``: each relation's Eq. 3 weight chosen online by how
 well it predicted the realised statistics, starting from relations faded; issue 34, deliverable 3);
 ``measured relation weights, start (1, 1)``: the same with the paper's weights as the reference
-(``relation_weight_start: paper``).  ``--extra`` adds the non-paper relation options (``fusion: evidence``,
+(``relation_weight_start: paper``).  ``additive-logit predictor`` is the shipped default (``predictor:
+additive_logit``, ``envsched/predictor.py``: a mixed model of each task's success logit, environment + S_abs
+structure + drift + own deviation, fitted online; issue 49 item 1); every other EnvSched arm has the paper's
+predictor (``predictor: paper``).  ``--extra`` adds the non-paper relation options (``fusion: evidence``,
 ``cross_reference: environment``, and the same with longer half-lives; longer half-lives alone;
 ``cross_reference: environment_mean`` with ``quantile_weight_v: 0.35``, with and without longer half-lives;
 ``reconstructed_target: learnability``);
@@ -123,7 +126,8 @@ ORACLE = "oracle q (ceiling)"
 # Relations weighted by their measured predictive value (issue 34, deliverable 3; envsched/relations.py).
 MEASURED = "measured relation weights"
 MEASURED_PAPER_START = "measured relation weights, start (1, 1)"  # relation_weight_start: paper
-# The additive latent-logit predictor (issue 49 item 1; envsched/predictor.py, config predictor: additive_logit).
+# The additive latent-logit predictor (issue 49 item 1; envsched/predictor.py, config predictor: additive_logit), the
+# shipped default since 2026-12-07.
 ADDITIVE_LOGIT = "additive-logit predictor"
 DIAG = ("all", "observed", "within_env", "cross_env_only")
 TRUE_DIAG = ("all", "observed", "unobs_env")
@@ -348,9 +352,10 @@ def main() -> None:
         _fail(f"--learners: unknown learner(s) {unknown}; choose from {list(LEARNERS)}")
     try:
         overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-        # every arm starts from the paper's method, its fixed relation weights (the library's default, the measured
-        # weights, is the arm MEASURED)
-        base = EnvSchedConfig(batch_size=BATCH, rollouts_per_task=ROLLOUTS, relation_weights="paper").replace(**overrides)
+        # every arm starts from the paper's method: its predictor (Eq. 3-13) and fixed relation weights (the library's
+        # default, predictor: additive_logit, is the arm ADDITIVE_LOGIT; the measured weights are the arm MEASURED)
+        base = EnvSchedConfig(batch_size=BATCH, rollouts_per_task=ROLLOUTS, relation_weights="paper",
+                              predictor="paper").replace(**overrides)
     except ValueError as exc:  # a --set without '=', invalid JSON, an unknown or invalid config field
         _fail(f"--set: {exc}".splitlines()[0])
     variants = arms(base, args.extra)
@@ -480,13 +485,13 @@ def print_cost_table(results: dict, steps: int, seeds: int, shape: tuple[int, in
                     else:
                         reach[j] = f"> {steps} (0/{len(runs)})" if j == 0 else "-"
             print(f"{aname:<34}" + "".join(f" {c:>17}" for c in cells) + f" {reach[0]:>21} {reach[1]:>21}")
-        ours = {"full": "EnvSched (full)", "measured": MEASURED}  # label -> arm
+        ours = {"full": "EnvSched (full)", "measured": MEASURED, "default": ADDITIVE_LOGIT}  # label -> arm
         for label, arm in ours.items():
             if arm not in arms_:
                 continue
             mine, n = arms_[arm], len(arms_[arm])
             for aname, runs in arms_.items():
-                if aname in ours.values():
+                if aname == arm:
                     continue
                 (dv, sv, wv), (dh, sh, wh), (de, se, we) = (
                     _paired(mine, runs, key) for key in ("mean_var", "heldout", "heldout_equal_rollouts"))

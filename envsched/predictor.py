@@ -12,27 +12,34 @@ the margin itself, on the logit scale where the sources of difficulty add, fits 
 every group observed so far, and scores each task by the variance that margin implies.
 
 Model (a linear mixed model, the Gaussian-process view of ridge regression with an additive kernel).  Each
-observed group of task i gives the empirical logit of its mean reward m (Eq. 2) and that logit's sampling
+observed group o of task i gives the empirical logit of its mean reward m (Eq. 2) and that logit's sampling
 variance (the standard small-sample forms, K = ``rollouts_per_task``)
 
-    y = log((K m + 1/2) / (K (1 - m) + 1/2)),     s^2 = (K + 1) (K + 2) / (K (K m + 1) (K (1 - m) + 1)).
+    y_o = log((K m + 1/2) / (K (1 - m) + 1/2)),     s_o^2 = (K + 1) (K + 2) / (K (K m + 1) (K (1 - m) + 1)),
 
-Observations age with the half-life weights of Eq. 10, w = 2^{-(t - s) / h} (h = ``predictor_half_life``): an
-observation of weight w counts as one of variance s^2 / w.  Per task they pool to a precision P_i = sum_s w_s /
-s_s^2 and a mean y-bar_i = sum_s (w_s / s_s^2) y_s / P_i.  The task's latent logit is
+the Bernoulli form scaled by delta, the recency-weighted mean observed dispersion d (Eq. 9) clipped to
+[0.05, 1] (partial credit spreads less than 0/1 rewards of the same mean).  Observations age with the half-life
+weights of Eq. 10, w_o = 2^{-(t - s_o) / h} (h = ``predictor_half_life``): one of weight w counts as one of
+variance n_o = delta s_o^2 / w_o.  The task's latent logit when group o was drawn is
 
-    z_i = mu + sd_env a_{e(i)} + sd_struct x_i^T b + g_i,     a, b ~ N(0, I),  g_i ~ N(0, tau^2),
+    z_o = mu + sd_env a_{e(i)} + sd_struct x_i^T b + sd_drift c^T F_o + g_i,    a, b, c ~ N(0, I),  g_i ~ N(0, tau^2),
 
 with e(i) the task's environment (the environment reference), x_i its row of the S_abs view ``StaticGraph.x_abs``
-(the abstract operation structure that the cross-environment relation compares: the structure reference), and g_i
-the task's own deviation (its own history).  mu is the global reference (unpenalised).  Given tau^2, the
-generalised-least-squares fit of the fixed part on the observed tasks is a ridge regression
-(``sklearn.linear_model.Ridge``, alpha = 1 on the scaled features, sample weights 1 / (tau^2 + 1 / P_i)).  tau^2
-is estimated by moments from the residuals r_i = y-bar_i - z-hat_i of the fit, tau^2 = mean_i(r_i^2 - 1 / P_i),
-floored at ``predictor_task_sd_floor``^2 (``predictor_task_sd`` until ``predictor_min_tasks`` tasks are
-observed), and the fit is redone with it once.  Each task then gets its posterior (BLUP) logit
+(the abstract operation structure the cross-environment relation compares: the structure reference), g_i the
+task's own deviation (its own history), mu the global reference (unpenalised), and F_o the drift features: the
+reward spread sqrt(v) (Eq. 2) summed over the groups observed before step s_o in the task's environment, of the
+task itself and over the whole pool, each divided by its largest current total (over environments, over tasks)
+(a policy learns where its groups had spread: GRPO learns nothing from a group without it; ``predictor_drift_sd``
+= 0 leaves them out).  For the prediction at t the features are the current totals, so c says how far the
+logits moved with the training so far.  Given tau^2, the generalised-least-squares fit of the fixed part, one row per
+observed group, is a ridge regression (``sklearn.linear_model.Ridge``, alpha = 1 on the scaled features, sample
+weights 1 / (tau^2 + n_o); the groups of one task are treated as independent there).  Per task the residuals
+r_o = y_o - f_o pool to a precision P_i = sum_o 1 / n_o and a mean r-bar_i = sum_o r_o / n_o / P_i; tau^2 is
+estimated by moments, tau^2 = mean_i(r-bar_i^2 - 1 / P_i), floored at ``predictor_task_sd_floor``^2
+(``predictor_task_sd`` until ``predictor_min_tasks`` tasks are observed), and the fit is redone with it once.  Each
+task then gets its posterior (BLUP) logit
 
-    z-hat_i = f_i + k_i (y-bar_i - f_i),  k_i = tau^2 / (tau^2 + 1 / P_i),  f_i = mu + sd_env a_e + sd_struct x_i^T b,
+    z-hat_i = f_i + k_i r-bar_i,   k_i = tau^2 / (tau^2 + 1 / P_i),   f_i the fixed part at t,
     var_i  = (1 - k_i) tau^2 + u_{e(i)},  u_e = 1 / (1 / sd_env^2 + sum_{j in e, observed} 1 / (tau^2 + 1 / P_j)),
 
 u_e the approximate posterior variance of the environment's effect (an environment never observed keeps its prior
@@ -41,14 +48,16 @@ sd_env^2); a task without own history has P_i = 0, so k_i = 0 and var_i = tau^2 
 Score.  The expected Bernoulli variance of the posterior, E[sigma(z)(1 - sigma(z))] with z ~ N(z-hat_i, var_i),
 by Gauss-Hermite quadrature (``numpy.polynomial.hermite_e.hermegauss``, ``predictor_quadrature_nodes``
 nodes): the variance a task chosen now is expected to show, its uncertainty included (a far-off margin known
-only vaguely may still land near 1/2).  q = pr(that variance) (Eq. 8).  The Prediction's m is E[sigma(z)], its
-v that variance times the recency-weighted mean of the observed dispersions d (Eq. 9; a constant factor, so the
-ranking is the variance's), d that mean, f = v and u = u_long = u_short = the expected variance (no decline term
-of Eq. 13: the half-life already ages the evidence).
+only vaguely may still land near 1/2).  ``predictor_score: variance`` (default): q = that variance / 0.25 (its
+maximum), so the exposure discount q omega of the exploitation phase (EnvSched Sec. 2.4) trades variance against
+exposure in variance units; ``rank``: q = pr(that variance) (Eq. 8), as the paper's q.  The Prediction's m is
+E[sigma(z)], its v that variance times delta (a constant factor, so the ranking is the variance's), d = delta,
+f = v and u = u_long = u_short = the expected variance (no decline term of Eq. 13: the drift terms and the
+half-life already age the evidence).
 
-Fallbacks.  No observation before t: every task gets the prior (all equal: q = 1/2, m = 1/2).  One environment,
+Fallbacks.  No observation before t: every task gets the prior (all alike, m = 1/2).  One environment,
 one observed task, an S_abs view without columns: the same formulas (the ridge shrinks what the data cannot
-identify to mu).  The fit is a function of the observation log alone, so a restored scheduler predicts the same
+identify to mu; a feature whose total is 0 stays 0).  The fit is a function of the observation log alone, so a restored scheduler predicts the same
 floats (no state of its own).
 """
 

@@ -976,7 +976,7 @@ def test_prediction_over_classes_equals_the_prediction_per_task(many_envs_pool, 
         classes = prediction_classes(sched.log, nb.idx, step, len(many_envs_pool), nb.cross_classes())
         classes_seen.append(step > 1 and (classes.counts > 1).any() and (classes.counts == 1).any())  # shared and own classes
 
-    run_steps(many_envs_pool, EnvSchedConfig(batch_size=8, **extra), 7, check)
+    run_steps(many_envs_pool, EnvSchedConfig(batch_size=8, predictor="paper", **extra), 7, check)  # Eq. 3-13's classes
     assert any(classes_seen)
 
 
@@ -1024,7 +1024,7 @@ def test_kernel_cache_kept_between_steps_gives_the_uncached_prediction(pool):
     neighbour list changed are recomputed) give every step the prediction of a pass without any cache."""
     from envsched.estimate import predict_all
 
-    sched = EnvScheduler(pool, EnvSchedConfig(batch_size=16))
+    sched = EnvScheduler(pool, EnvSchedConfig(batch_size=16, predictor="paper"))  # the Eq. 7 kernel cache
     rng = np.random.default_rng(5)
     masks = []
     for step in range(6):

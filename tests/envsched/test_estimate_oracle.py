@@ -27,8 +27,9 @@ from envsched.synthetic import synthetic_records
 PARAMS = {
     "lambda_g": 0.7, "lambda_s": 3.1, "h_long": 5.0, "h_short": 1.5, "eta_decline": 0.35, "fusion_within": 0.3,
     "quantile_weight_v": 0.55, "bandwidth_floor": 0.12, "neighbor_weight_clip": (0.2, 2.4), "dispersion_floor": 0.03,
-    # the oracles are the paper's equations: its fixed relation weights (envsched/relations.py is beyond the paper)
-    "relation_weights": "paper",
+    # the oracles are the paper's equations: its predictor and fixed relation weights (envsched/relations.py and
+    # envsched/predictor.py are beyond the paper)
+    "relation_weights": "paper", "predictor": "paper",
 }
 
 

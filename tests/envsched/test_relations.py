@@ -31,7 +31,8 @@ def graph(pool):
 
 
 def _sched(pool, graph, **cfg):
-    return EnvScheduler(pool, EnvSchedConfig(batch_size=B, rollouts_per_task=K, **cfg), graph=graph)
+    # the relation weights belong to the paper's predictor (Eq. 3-13), not the default additive-logit one
+    return EnvScheduler(pool, EnvSchedConfig(batch_size=B, rollouts_per_task=K, **{"predictor": "paper", **cfg}), graph=graph)
 
 
 def _rewards(ids, seed):
@@ -110,7 +111,7 @@ def _feed(rw, steps, own_history, cross_informative, n=64, seed=0):
         rw.update(s, src, real)
 
 
-CFG = EnvSchedConfig(relation_weights="measured")
+CFG = EnvSchedConfig(relation_weights="measured", predictor="paper")
 
 
 PAPER_START = CFG.replace(relation_weight_start="paper")

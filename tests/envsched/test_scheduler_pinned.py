@@ -2,7 +2,8 @@
 
 The scale work (sparse / memory-mapped graph, chunked TF-IDF, pruned candidate search) must leave EnvSched's
 choices unchanged where the paper runs it: the batches of steps 0-5 for seed 0, the default config with the paper's
-fixed relation weights (``relation_weights: paper``; the measured weights are beyond the paper) and fixed
+predictor and fixed relation weights (``predictor: paper``, ``relation_weights: paper``; the default additive-logit
+predictor and the measured weights are beyond the paper) and fixed
 rewards (a deterministic function of task and step, so no learner is involved) are stored in
 ``data/pinned_selections_51x50.json``, taken on the code before those changes.  Regenerate only for a
 deliberate change of the method: ``python tests/envsched/test_scheduler_pinned.py --write``.
@@ -32,7 +33,7 @@ def fixed_rewards(node: int, step: int, k: int = 8) -> list[float]:
 
 def run(cfg: EnvSchedConfig | None = None) -> dict[str, list]:
     pool = TaskPool.from_records(synthetic_records(51, 50, seed=0))
-    sched = EnvScheduler(pool, cfg or EnvSchedConfig(relation_weights="paper"))
+    sched = EnvScheduler(pool, cfg or EnvSchedConfig(relation_weights="paper", predictor="paper"))
     batches, q = [], []
     for step in range(STEPS):
         ids = sched.select(step)
