@@ -132,10 +132,12 @@ def exposure_before(group: np.ndarray, step: np.ndarray, signal: np.ndarray, n_g
 
 
 def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.ndarray, d: np.ndarray, t: float,
-                       env: np.ndarray, x_struct: sp.spmatrix | None, cfg: EnvSchedConfig, n_envs: int | None = None) -> LogitFit:
+                       env: np.ndarray, x_struct: sp.spmatrix | None, cfg: EnvSchedConfig, n_envs: int | None = None,
+                       design: sp.csr_matrix | None = None) -> LogitFit:
     """The fit of the module docstring for selection ``t`` from the logged groups (node, step, m, v, d: Eq. 2 / 9)
     with step < t; ``env``: environment code per task, ``x_struct``: the S_abs view (one row per task; None:
-    environment only)."""
+    environment only).  ``design``: ``design_matrix(env, x_struct, n_envs, cfg)`` when the caller keeps it (it
+    depends on the pool and the config only; at a million tasks building it is seconds a step)."""
     env = np.asarray(env, dtype=np.int64)
     n = len(env)
     n_envs = (int(env.max()) + 1 if n else 0) if n_envs is None else int(n_envs)
@@ -154,8 +156,10 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
     y, s2 = empirical_logit(m_o, K)
     noise_o = delta * s2 / w  # an aged observation counts as a noisier one
     # the fixed part: environment, structure and (drift) the reward spread trained on so far (module docstring)
-    X = design_matrix(env, x_struct, n_envs, cfg)
-    X_o, X_now = X[node_o], X
+    X = design_matrix(env, x_struct, n_envs, cfg) if design is None else design
+    if X.shape[0] != n:
+        raise ValueError(f"predictor: the design matrix has {X.shape[0]} rows for {n} tasks")
+    X_o, F_now = X[node_o], None
     if cfg.predictor_drift_sd > 0:
         spread = np.sqrt(np.maximum(v_o, 0.0))
         before, now = [], []
@@ -168,7 +172,6 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
         F_o = np.column_stack([b / sc for b, sc in zip(before, scale)]) * cfg.predictor_drift_sd
         F_now = np.column_stack([c / sc for c, sc in zip(now_rows, scale)]) * cfg.predictor_drift_sd
         X_o = sp.hstack([X_o, sp.csr_matrix(F_o)], format="csr")
-        X_now = sp.hstack([X_now, sp.csr_matrix(F_now)], format="csr")
     prec_o = 1.0 / noise_o
     P = np.bincount(node_o, weights=prec_o, minlength=n)
     obs = np.flatnonzero(P > 0)
@@ -181,7 +184,11 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
         if rnd or len(obs) < cfg.predictor_min_tasks:
             break
         tau2 = max(float(np.mean(rbar ** 2 - 1.0 / P[obs])), floor2)
-    prior = model.predict(X_now)
+    # the fixed part of every task at t: model.predict of [X | F_now] without stacking the pool's rows
+    coef = np.asarray(model.coef_, dtype=np.float64)
+    prior = X @ coef[: X.shape[1]] + model.intercept_
+    if F_now is not None:
+        prior += F_now @ coef[X.shape[1]:]
     gain = np.zeros(n)
     gain[obs] = tau2 / (tau2 + 1.0 / P[obs])
     z = prior.copy()
@@ -203,11 +210,12 @@ def expected_bernoulli_variance(z: np.ndarray, z_var: np.ndarray, nodes: int = 1
 
 
 def predict_additive_logit(log: ObservationLog, t: int, task_ids: list[str], env: np.ndarray, x_struct: sp.spmatrix | None,
-                           cfg: EnvSchedConfig, n_envs: int | None = None) -> Prediction:
+                           cfg: EnvSchedConfig, n_envs: int | None = None, design: sp.csr_matrix | None = None) -> Prediction:
     """The Prediction of selection ``t`` under ``predictor: additive_logit`` (module docstring): q = pr(expected
-    variance) (Eq. 8), m = E[sigma(z)], v = dispersion x expected Bernoulli variance."""
+    variance) (Eq. 8), m = E[sigma(z)], v = dispersion x expected Bernoulli variance; ``design`` as in
+    ``fit_additive_logit``."""
     obs = log.arrays()
-    fit = fit_additive_logit(obs["node"], obs["step"], obs["m"], obs["v"], obs["d"], t, env, x_struct, cfg, n_envs)
+    fit = fit_additive_logit(obs["node"], obs["step"], obs["m"], obs["v"], obs["d"], t, env, x_struct, cfg, n_envs, design)
     m_hat, ev = expected_bernoulli_variance(fit.z, fit.z_var, cfg.predictor_quadrature_nodes)
     v = fit.dispersion * ev
     q = percentile_rank(ev) if cfg.predictor_score == "rank" else np.clip(ev / 0.25, 0.0, 1.0)

@@ -42,7 +42,7 @@ from .graph import StaticGraph
 from .graph_cache import load_or_build_graph
 from .neighbors import NeighborIndex
 from .pool import Task, TaskPool
-from .predictor import predict_additive_logit
+from .predictor import design_matrix, predict_additive_logit
 from .relations import RelationWeights
 from .select import BatchBuilder, CapState, PenaltyBlock, RowCache, cold_start_batch, scan_order
 
@@ -131,6 +131,7 @@ class EnvScheduler:
         self.counters = {"identifier_checked": 0, "identifier_filtered": 0, "replay_mismatch": 0, "replay_error": 0}
         self._metrics: dict[int, dict[str, float]] = {}
         self._pred_cache: tuple[int, int, Prediction] | None = None
+        self._design = None  # predictor: additive_logit's design matrix (predictor.design_matrix), built once
         self._row_cache: RowCache | None = None  # x_full rows read by the Eq. 5 penalties, kept across batches
         self._block: PenaltyBlock | None = None  # the Eq. 5 penalty block, emptied and kept across batches
         # relation_weights: measured (beyond the paper, envsched/relations.py): the relations' Eq. 3 weights
@@ -178,6 +179,13 @@ class EnvScheduler:
         key = (step, len(self.log))
         if self._pred_cache is not None and self._pred_cache[:2] == key:
             return self._pred_cache[2]
+        if self.cfg.predictor == "additive_logit":  # beyond the paper: envsched/predictor.py
+            if self._design is None:  # a function of the pool and the config alone: built once
+                self._design = design_matrix(self.env, self.graph.x_abs, self.pool.n_envs, self.cfg)
+            pred = predict_additive_logit(self.log, step, self.pool.task_ids, self.env, self.graph.x_abs, self.cfg,
+                                          self.pool.n_envs, self._design)
+            self._pred_cache = (*key, pred)
+            return pred
         nb = self.neighbors
         steps = self.log.arrays()["step"]
         if len(steps) and step <= int(steps.max()):
@@ -185,11 +193,6 @@ class EnvScheduler:
             # the nodes observed since, with the later ones masked out (that would leave fewer than K)
             nb = NeighborIndex(self.graph, self.cfg.k_within, self.cfg.k_cross, self.cfg.min_neighbor_similarity)
             nb.add_observed(np.unique(self.log.arrays()["node"][steps < step]))
-        if self.cfg.predictor == "additive_logit":  # beyond the paper: envsched/predictor.py
-            pred = predict_additive_logit(self.log, step, self.pool.task_ids, self.env, self.graph.x_abs, self.cfg,
-                                          self.pool.n_envs)
-            self._pred_cache = (*key, pred)
-            return pred
         rw = self.relation_weights.weights() if self.relation_weights is not None else None
         pred = predict_all(self.log, nb.idx, nb.sim, step, self.pool.task_ids, self.cfg, self.env, nb.kernel_cache, rw, nb.cross_classes())
         self._pred_cache = (*key, pred)

@@ -40,6 +40,11 @@ def test_shipped_yaml_loads():
 
     path = Path(__file__).resolve().parents[2] / "configs" / "envsched" / "envsched.yaml"
     assert EnvSchedConfig.from_yaml(path) == EnvSchedConfig()
+    # it lists every field (a user reads the options there), so a new field cannot be left out of it
+    import yaml
+
+    listed = set(yaml.safe_load(path.read_text())["envsched"])
+    assert listed == set(EnvSchedConfig.model_fields), set(EnvSchedConfig.model_fields) ^ listed
 
 
 def test_new_fields_are_validated():

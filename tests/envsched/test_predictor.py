@@ -134,6 +134,12 @@ def test_prediction_is_the_expected_variance_of_the_fit():
     np.testing.assert_allclose(pred.v, fit.dispersion * ev)
     ranked = predict_additive_logit(log, 6, [str(i) for i in range(40)], env, x, cfg.replace(predictor_score="rank"))
     np.testing.assert_array_equal(ranked.q, percentile_rank(ev))
+    # the design matrix a scheduler keeps (built once per pool) gives the same prediction as one built per call
+    kept = predict_additive_logit(log, 6, [str(i) for i in range(40)], env, x, cfg, None, design_matrix(env, x, 4, cfg))
+    np.testing.assert_array_equal(kept.q, pred.q)
+    np.testing.assert_array_equal(kept.m, pred.m)
+    with pytest.raises(ValueError, match="design matrix has 39 rows for 40 tasks"):
+        fit_additive_logit(o["node"], o["step"], o["m"], o["v"], o["d"], 6, env, x, cfg, 4, design_matrix(env[:39], x[:39], 4, cfg))
 
 
 def test_recovers_environment_and_structure_effects():
