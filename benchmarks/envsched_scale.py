@@ -21,7 +21,9 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
   plus its worker processes' private pages (the resident set sampled every 0.2 s, the workers' pages every 2 s; a
   forked worker shares the parent's pages until it writes to them, so its own resident set would count the pool
   twice);
-* with ``relation_weights: measured`` (the default; ``--relation-weights paper`` for the paper's fixed weights),
+* ``--predictor paper`` scores the tasks with the paper's Eq. 3-13 instead of the default learned predictor
+  (``envsched/predictor.py``), whose ridge fit covers every group observed so far, so its step grows with the steps;
+* with ``relation_weights: measured`` (the paper predictor's default; ``--relation-weights paper`` for the paper's fixed weights),
   the relations' weights after the last step: while a relation is faded, the tasks without an own history share
   one prediction, and Eq. 5 must compare the similarity penalties of all the tied candidates it may pick.
 
@@ -117,6 +119,8 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="graph_cache_dir (run twice: the second run is a cache hit)")
     ap.add_argument("--max-rss-gib", type=float, default=8.0, help="abort above this resident set")
     ap.add_argument("--cprofile", type=int, default=0, metavar="K", help="print the K most expensive functions of the steps")
+    ap.add_argument("--predictor", choices=("additive_logit", "paper"), default=EnvSchedConfig.model_fields["predictor"].default,
+                    help="the task scores: the learned predictor (the default) or the paper's Eq. 3-13")
     ap.add_argument("--relation-weights", choices=("measured", "paper"), default=EnvSchedConfig.model_fields["relation_weights"].default,
                     help="EnvSchedConfig.relation_weights (default: the config's)")
     ap.add_argument("--build-workers", type=int, default=EnvSchedConfig.model_fields["build_workers"].default,
@@ -138,7 +142,8 @@ def main() -> None:
     learner = SimulatedLearner(pool.env, archetype, n_checks)
 
     cfg = EnvSchedConfig(batch_size=64, rollouts_per_task=8, graph_cache_dir=args.cache,
-                         relation_weights=args.relation_weights, build_workers=args.build_workers)
+                         relation_weights=args.relation_weights, build_workers=args.build_workers,
+                         predictor=args.predictor)
     t0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu()
     sched = EnvScheduler(pool, cfg)
     build_wall, build_cpu, workers_cpu = time.perf_counter() - t0, time.process_time() - c0, children_cpu() - k0
@@ -180,10 +185,11 @@ def main() -> None:
         print("relation weights after step " + str(args.steps) + ": "
               + ", ".join(f"{y} in {w['in']:g} / cross {w['cross']:g}" for y, w in rw.items()), flush=True)
     print(f"step   median {np.median(walls):.3f} s wall / {np.median(cpus):.3f} s CPU, max {max(walls):.3f} s wall "
-          f"over steps 1..{args.steps}   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
+          f"over steps 1..{args.steps}, last {walls[-1]:.3f} s wall   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
     print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} build_workers={rep['build_workers']} cache={rep['cache']} "
           f"peak_rss_gib={peak_rss_gib():.2f} peak_total_gib={PEAK_TOTAL[0] / GIB:.2f} "
-          f"step_median_s={np.median(walls):.3f} step_cpu_median_s={np.median(cpus):.3f} load={load}", flush=True)
+          f"step_median_s={np.median(walls):.3f} step_cpu_median_s={np.median(cpus):.3f} step_last_s={walls[-1]:.3f} "
+          f"predictor={args.predictor} load={load}", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ from sklearn.linear_model import Ridge
 from .config import EnvSchedConfig
 from .estimate import ObservationLog, Prediction, percentile_rank
 
+QUADRATURE_ROWS = 1 << 16  # tasks a block of the quadrature (its temporaries: rows x nodes floats each)
 DISPERSION_FLOOR = 0.05  # least delta in the sampling variance delta s^2 (a pool of near-constant groups)
 
 
@@ -204,9 +205,14 @@ def expected_bernoulli_variance(z: np.ndarray, z_var: np.ndarray, nodes: int = 1
     weights, ``nodes`` points; exact for z_var = 0)."""
     x, wq = hermegauss(nodes)
     wq = wq / wq.sum()
-    zz = np.asarray(z, dtype=np.float64)[:, None] + np.sqrt(np.maximum(np.asarray(z_var, dtype=np.float64), 0.0))[:, None] * x[None, :]
-    p = 0.5 * (1.0 + np.tanh(0.5 * zz))  # sigma(z), overflow-free
-    return p @ wq, (p * (1.0 - p)) @ wq
+    z = np.asarray(z, dtype=np.float64)
+    sd = np.sqrt(np.maximum(np.asarray(z_var, dtype=np.float64), 0.0))
+    mean, var = np.empty(len(z)), np.empty(len(z))
+    for a in range(0, len(z), QUADRATURE_ROWS):  # rows x nodes temporaries, bounded at a million tasks
+        zz = z[a:a + QUADRATURE_ROWS, None] + sd[a:a + QUADRATURE_ROWS, None] * x[None, :]
+        p = 0.5 * (1.0 + np.tanh(0.5 * zz))  # sigma(z), overflow-free
+        mean[a:a + QUADRATURE_ROWS], var[a:a + QUADRATURE_ROWS] = p @ wq, (p * (1.0 - p)) @ wq
+    return mean, var
 
 
 def predict_additive_logit(log: ObservationLog, t: int, task_ids: list[str], env: np.ndarray, x_struct: sp.spmatrix | None,

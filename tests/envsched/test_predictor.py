@@ -221,3 +221,16 @@ def test_config_fields_are_validated():
                      ("predictor_min_tasks", 1), ("predictor_quadrature_nodes", 0), ("predictor_score", "ranks")):
         with pytest.raises(ConfigError, match=f"'{key}'"):
             EnvSchedConfig.from_dict({key: bad})
+
+
+def test_the_quadrature_in_blocks_equals_one_block(monkeypatch):
+    """A million tasks are integrated QUADRATURE_ROWS at a time (bounded temporaries): the blocks change nothing."""
+    from envsched import predictor
+
+    rng = np.random.default_rng(3)
+    z, var = rng.normal(0, 2, 1000), rng.uniform(0, 3, 1000)
+    whole = expected_bernoulli_variance(z, var)
+    monkeypatch.setattr(predictor, "QUADRATURE_ROWS", 64)
+    blocks = expected_bernoulli_variance(z, var)
+    np.testing.assert_allclose(blocks[0], whole[0], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(blocks[1], whole[1], rtol=0, atol=1e-15)
