@@ -21,8 +21,8 @@ cycle exists (``tests/test_dependency_direction.py``). Lowest first:
    and CSR matrices on disk), ``synthetic`` (simulated pools and learners) — import no other envsched module;
 2. ``estimate`` (the estimation equations over arrays, Eq. 2-4 and 6-13), ``operations`` (App. E operation
    descriptions and their extractors);
-3. ``relations`` (Eq. 3' weights measured on the estimates' predictions), ``filters`` (App. C eligibility
-   filters), ``graph`` (the static dual-relation graph, Eq. 1);
+3. ``relations`` (Eq. 3' weights measured on the estimates' predictions), ``predictor`` (the learned predictor,
+   beyond the paper), ``filters`` (App. C eligibility filters), ``graph`` (the static dual-relation graph, Eq. 1);
 4. ``graph_cache`` (the graph on disk), ``neighbors`` (the observed-neighbour sets), ``select`` (batch
    construction, Eq. 5) — over the graph;
 5. ``scheduler`` — rollout -> update -> propagation -> selection, driving all of the above;

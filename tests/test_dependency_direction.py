@@ -34,7 +34,7 @@ a module. Lowest first:
 
 1. ``config``, ``pool``, ``tfidf``, ``synthetic`` — import no other envsched module;
 2. ``estimate`` (the equations over arrays), ``operations`` (App. E descriptions and their extractors);
-3. ``relations`` (Eq. 3' weights measured on the estimates' predictions), ``filters``, ``graph`` (Eq. 1);
+3. ``relations`` (Eq. 3' weights measured on the estimates' predictions), ``predictor``, ``filters``, ``graph`` (Eq. 1);
 4. ``graph_cache``, ``neighbors``, ``select`` — over the graph;
 5. ``scheduler`` — the loop that drives them;
 6. ``envsched`` (the package root) — the public API it re-exports.
@@ -101,7 +101,7 @@ LAYERS: list[tuple[str, ...]] = [
 ENVSCHED_LAYERS: list[tuple[str, ...]] = [
     ("envsched.config", "envsched.pool", "envsched.tfidf", "envsched.synthetic"),
     ("envsched.estimate", "envsched.operations"),
-    ("envsched.relations", "envsched.filters", "envsched.graph"),
+    ("envsched.relations", "envsched.predictor", "envsched.filters", "envsched.graph"),
     ("envsched.graph_cache", "envsched.neighbors", "envsched.select"),
     ("envsched.scheduler",),
     ("envsched",),
