@@ -32,8 +32,9 @@ task itself and over the whole pool, each divided by its largest current total (
 (a policy learns where its groups had spread: GRPO learns nothing from a group without it; ``predictor_drift_sd``
 = 0 leaves them out).  For the prediction at t the features are the current totals, so c says how far the
 logits moved with the training so far.  Given tau^2, the generalised-least-squares fit of the fixed part, one row per
-observed group, is a ridge regression (``sklearn.linear_model.Ridge``, alpha = 1 on the scaled features, sample
-weights 1 / (tau^2 + n_o); the groups of one task are treated as independent there).  Per task the residuals
+observed group, is a ridge regression (:func:`weighted_ridge`, scikit-learn's ``Ridge`` by its normal equations;
+alpha = 1 on the scaled features, sample weights 1 / (tau^2 + n_o); the groups of one task are treated as
+independent there).  Per task the residuals
 r_o = y_o - f_o pool to a precision P_i = sum_o 1 / n_o and a mean r-bar_i = sum_o r_o / n_o / P_i; tau^2 is
 estimated by moments, tau^2 = mean_i(r-bar_i^2 - 1 / P_i), floored at ``predictor_task_sd_floor``^2
 (``predictor_task_sd`` until ``predictor_min_tasks`` tasks are observed), and the fit is redone with it once.  Each
@@ -68,7 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 from numpy.polynomial.hermite_e import hermegauss
-from sklearn.linear_model import Ridge
+from scipy.sparse.linalg import spsolve
 
 from .config import EnvSchedConfig
 from .estimate import ObservationLog, Prediction, percentile_rank
@@ -109,6 +110,37 @@ def design_matrix(env: np.ndarray, x_struct: sp.spmatrix | None, n_envs: int, cf
     if x_struct.shape[0] != n:
         raise ValueError(f"predictor: the structure view has {x_struct.shape[0]} rows for {n} tasks")
     return sp.hstack([onehot, sp.csr_matrix(x_struct, dtype=np.float64) * cfg.predictor_structure_sd], format="csr")
+
+
+def weighted_ridge(X: sp.spmatrix, node: np.ndarray, F: np.ndarray | None, y: np.ndarray, sample_weight: np.ndarray,
+                   alpha: float = 1.0) -> tuple[np.ndarray, float]:
+    """(coef, intercept) minimising sum_o w_o (y_o - a_o coef - intercept)^2 + alpha |coef|^2 over the rows
+    a_o = [X[node_o] | F_o] (a task's design row, then the observation's own features; F None: none): scikit-learn's
+    ``Ridge(alpha, fit_intercept=True).fit(A, y, sample_weight=w)`` on the stacked rows (the test compares them).
+
+    Solved by its normal equations with the intercept as an unpenalised column, A_1^T W A_1 + diag(alpha, ..., 0),
+    sparse (``scipy.sparse.linalg.spsolve``: the environments' one-hot block is diagonal, so the system stays sparse
+    at thousands of environments).  The X block of the Gram sums the weights per task first, X_u^T diag(W_u) X_u
+    over the observed tasks u, so it costs one pass over their rows however many groups each has had; Ridge's
+    iterative sparse solvers pass over every observed group many times (and its direct solver refuses a sparse A
+    with an intercept), a cost that grew with the run."""
+    w = np.asarray(sample_weight, dtype=np.float64)
+    tasks, row = np.unique(np.asarray(node, dtype=np.int64), return_inverse=True)
+    Xu = sp.csr_matrix(X[tasks], dtype=np.float64)
+    ones = np.ones((len(w), 1))
+    Fa = ones if F is None else np.hstack([np.asarray(F, dtype=np.float64).reshape(len(w), -1), ones])
+    per_task = lambda v: np.bincount(row, weights=v, minlength=len(tasks))
+    W_u = per_task(w)
+    WF_u = np.column_stack([per_task(w * col) for col in Fa.T])
+    xf = Xu.T @ WF_u
+    gram = sp.bmat([[Xu.T @ Xu.multiply(W_u[:, None]), sp.csr_matrix(xf)],
+                    [sp.csr_matrix(xf.T), sp.csr_matrix(Fa.T @ (w[:, None] * Fa))]], format="csc")
+    penalty = np.full(gram.shape[0], float(alpha))
+    penalty[-1] = 0.0
+    wy = w * np.asarray(y, dtype=np.float64)
+    rhs = np.concatenate([Xu.T @ per_task(wy), Fa.T @ wy])
+    sol = np.atleast_1d(spsolve(gram + sp.diags(penalty, format="csc"), rhs))
+    return sol[:-1], float(sol[-1])
 
 
 def exposure_before(group: np.ndarray, step: np.ndarray, signal: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
@@ -160,7 +192,7 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
     X = design_matrix(env, x_struct, n_envs, cfg) if design is None else design
     if X.shape[0] != n:
         raise ValueError(f"predictor: the design matrix has {X.shape[0]} rows for {n} tasks")
-    X_o, F_now = X[node_o], None
+    F_o = F_now = None
     if cfg.predictor_drift_sd > 0:
         spread = np.sqrt(np.maximum(v_o, 0.0))
         before, now = [], []
@@ -172,22 +204,21 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
         scale = [max(float(c.max()), 1e-12) for c in now]
         F_o = np.column_stack([b / sc for b, sc in zip(before, scale)]) * cfg.predictor_drift_sd
         F_now = np.column_stack([c / sc for c, sc in zip(now_rows, scale)]) * cfg.predictor_drift_sd
-        X_o = sp.hstack([X_o, sp.csr_matrix(F_o)], format="csr")
     prec_o = 1.0 / noise_o
     P = np.bincount(node_o, weights=prec_o, minlength=n)
     obs = np.flatnonzero(P > 0)
     floor2 = cfg.predictor_task_sd_floor ** 2
-    model = Ridge(alpha=1.0, fit_intercept=True, solver="sparse_cg", tol=1e-8, max_iter=2000)
     for rnd in range(2):
-        model.fit(X_o, y, sample_weight=1.0 / (tau2 + noise_o))
-        resid = y - model.predict(X_o)
+        coef, intercept = weighted_ridge(X, node_o, F_o, y, 1.0 / (tau2 + noise_o))
+        resid = y - (X @ coef[: X.shape[1]])[node_o] - intercept
+        if F_o is not None:
+            resid -= F_o @ coef[X.shape[1]:]
         rbar = np.bincount(node_o, weights=prec_o * resid, minlength=n)[obs] / P[obs]
         if rnd or len(obs) < cfg.predictor_min_tasks:
             break
         tau2 = max(float(np.mean(rbar ** 2 - 1.0 / P[obs])), floor2)
-    # the fixed part of every task at t: model.predict of [X | F_now] without stacking the pool's rows
-    coef = np.asarray(model.coef_, dtype=np.float64)
-    prior = X @ coef[: X.shape[1]] + model.intercept_
+    # the fixed part of every task at t: the fitted [X | F_now] coef + intercept without stacking the pool's rows
+    prior = X @ coef[: X.shape[1]] + intercept
     if F_now is not None:
         prior += F_now @ coef[X.shape[1]:]
     gain = np.zeros(n)
@@ -197,7 +228,7 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
     env_prec = np.bincount(env[obs], weights=1.0 / (tau2 + 1.0 / P[obs]), minlength=n_envs)
     u_env = 1.0 / (1.0 / cfg.predictor_env_sd ** 2 + env_prec) if cfg.predictor_env_sd > 0 else np.zeros(n_envs)
     z_var = (1.0 - gain) * tau2 + u_env[env]
-    return LogitFit(z, z_var, prior, P, tau2, float(model.intercept_), dispersion)
+    return LogitFit(z, z_var, prior, P, tau2, intercept, dispersion)
 
 
 def expected_bernoulli_variance(z: np.ndarray, z_var: np.ndarray, nodes: int = 16) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ from envsched.predictor import (
     exposure_before,
     fit_additive_logit,
     predict_additive_logit,
+    weighted_ridge,
 )
 from envsched.synthetic import synthetic_records
 
@@ -112,6 +113,25 @@ def test_fit_matches_a_numpy_ridge_and_hand_blup():
     np.testing.assert_allclose(fit.z_var, z_var, rtol=0, atol=1e-9)
     # the unobserved environment gets the global level and its prior uncertainty
     assert abs(fit.prior[5] - fit.intercept) < 1e-9 and fit.z_var[5] == pytest.approx(0.8 ** 2 + 1.3 ** 2)
+
+
+@pytest.mark.parametrize("with_f", [False, True])
+def test_weighted_ridge_is_sklearns_ridge_on_the_stacked_rows(with_f):
+    """The per-task normal equations give scikit-learn's weighted Ridge (intercept unpenalised) on the rows
+    [X[node_o] | F_o], with tasks observed several times, tasks never observed and an all-zero column."""
+    from sklearn.linear_model import Ridge
+
+    rng = np.random.default_rng(3)
+    X = sp.random(40, 12, density=0.3, format="csr", random_state=4) * 2.0
+    X = sp.hstack([X, sp.csr_matrix((40, 1))], format="csr")  # a column no row uses: its coefficient is 0
+    node = rng.integers(0, 25, size=120)  # tasks 25..39 never observed; most of the rest several times
+    F = rng.normal(size=(120, 3)) if with_f else None
+    y, w = rng.normal(size=120), rng.uniform(0.1, 3.0, size=120)
+    coef, intercept = weighted_ridge(X, node, F, y, w, alpha=0.7)
+    A = X[node].toarray() if F is None else np.hstack([X[node].toarray(), F])
+    ref = Ridge(alpha=0.7, fit_intercept=True, solver="cholesky").fit(A, y, sample_weight=w)
+    np.testing.assert_allclose(coef, ref.coef_, rtol=0, atol=1e-10)
+    assert intercept == pytest.approx(ref.intercept_, abs=1e-10) and coef[12] == 0.0
 
 
 def test_prediction_is_the_expected_variance_of_the_fit():
