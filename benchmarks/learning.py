@@ -18,7 +18,8 @@ grpo_real           GRPO against the real environment: ECHO's settings with the 
                     (``observation_source=real``, ``act_layout=trajectory``: one row per rollout,
                     ``algorithm.adv_estimator=grpo``: verl's GRPO, ``envace.loss.observation_nll_coef=0``)
 echo                ECHO (arXiv 2605.24517; ``configs/experiment/echo_cpu.yaml``): ``grpo_real`` plus the real
-                    observation tokens' negative log-likelihood, ``envace.loss.observation_nll_coef=0.1``
+                    observation tokens' negative log-likelihood, ``envace.loss.observation_nll_coef`` as the recipe
+                    sets it (0.01: chosen on seed 0 over 0.1, 0.05, 0.01; docs/results/learning.md)
                     (``envace/verl/observation_loss.py``), so ``grpo_real`` − ``echo`` is that loss alone
 no_rehearse_loss    EnvACE, but the rehearse role's outputs carry no loss (``envace.advantage.trained_roles=[act]``)
 control             no update: every step generates and scores, none trains (``trainer.critic_warmup`` = steps + 1:
@@ -139,11 +140,21 @@ REPO = Path(__file__).resolve().parents[1]
 _REAL_TRAJECTORY_GRPO = ["envace.agent.observation_source=real", "envace.agent.act_layout=trajectory",
                          "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false"]
 
+
+
+def recipe_observation_coef() -> float:
+    """ECHO's λ as its recipe sets it (``configs/experiment/echo_cpu.yaml``): the ``echo`` arm trains with it, so the
+    benchmark and the recipe users run cannot drift apart."""
+    from omegaconf import OmegaConf
+
+    return float(OmegaConf.load(REPO / "configs" / "experiment" / "echo_cpu.yaml").envace.loss.observation_nll_coef)
+
+
 #: each arm's Hydra overrides on the CPU default (the module docstring's table says what each changes)
 ARMS: dict[str, list[str]] = {
     "envace": [],
     "grpo_real": [*_REAL_TRAJECTORY_GRPO, "envace.loss.observation_nll_coef=0"],
-    "echo": [*_REAL_TRAJECTORY_GRPO, "envace.loss.observation_nll_coef=0.1"],
+    "echo": [*_REAL_TRAJECTORY_GRPO, f"envace.loss.observation_nll_coef={recipe_observation_coef():g}"],
     "no_rehearse_loss": ["envace.advantage.trained_roles=[act]"],
     "control": [],  # trainer.critic_warmup is set past the run's last step by run_arm
     "grpo_real_message": ["envace.agent.observation_source=real"],

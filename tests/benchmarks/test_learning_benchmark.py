@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 ECHO = ["envace.agent.observation_source=real", "envace.agent.act_layout=trajectory", "algorithm.adv_estimator=grpo",
-        "algorithm.norm_adv_by_std_in_grpo=false", "envace.loss.observation_nll_coef=0.1"]
+        "algorithm.norm_adv_by_std_in_grpo=false", "envace.loss.observation_nll_coef=0.01"]
 
 
 def _result(arm: str, seed: int, first: float, last: float, tasks: dict[str, float] | None = None) -> dict:
@@ -35,6 +35,7 @@ def test_the_arms_are_the_issues_five_and_grpo_is_echo_without_the_observation_l
     assert set(lb.DEFAULT_ARMS) < set(lb.ARMS)
     assert lb.ARMS["envace"] == [] and lb.ARMS["control"] == []  # control: critic_warmup added per run
     assert lb.ARMS["echo"] == ECHO  # experiment=echo_cpu's overrides
+    assert lb.recipe_observation_coef() == 0.01  # the echo arm's λ is read from the recipe
     assert lb.ARMS["grpo_real"] == [*ECHO[:-1], "envace.loss.observation_nll_coef=0"]
     assert lb.ARMS["no_rehearse_loss"] == ["envace.advantage.trained_roles=[act]"]
     assert lb.ARMS["grpo_real_message"] == ["envace.agent.observation_source=real"]
@@ -53,7 +54,7 @@ def test_each_arm_composes_to_its_method():
 
     assert what("envace") == ("rehearse", "message", "grpo_rolewise", 0, [])
     assert what("grpo_real") == ("real", "trajectory", "grpo", 0, [])
-    assert what("echo") == ("real", "trajectory", "grpo", 0.1, [])
+    assert what("echo") == ("real", "trajectory", "grpo", 0.01, [])
     assert what("no_rehearse_loss") == ("rehearse", "message", "grpo_rolewise", 0, ["act"])
     assert what("grpo_real_message") == ("real", "message", "grpo_rolewise", 0, [])
 

@@ -31,7 +31,7 @@ from envace.verl.config import compose
 from envace.verl.observation_loss import NLL_METRIC, TOKENS_METRIC, ObservationLossMixin, install
 
 TASK = "multi_turn_base_0"
-COEF = 0.1
+COEF = 0.01
 
 
 class ScriptedServer:
