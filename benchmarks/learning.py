@@ -232,6 +232,33 @@ def source_commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def read_record(done: Path, args: Sequence[str]) -> tuple[dict, str | None]:
+    """A finished run's record and, in one line, why it cannot stand for the run of ``args`` (None: it can)."""
+    try:
+        result = json.loads(done.read_text())
+    except (OSError, ValueError) as exc:
+        return {}, f"{done}: not a readable record ({exc}); delete it to train the run again"
+    if not isinstance(result, dict) or result.get("overrides") != list(args):
+        got = result.get("overrides") if isinstance(result, dict) else None
+        return {}, f"{done}: recorded for other overrides ({shlex.join(got or [])}); use another --out or delete it"
+    return result, None
+
+
+def output_problem(out: Path, records: Path | None, runs: Sequence[tuple[Path, Sequence[str]]]) -> str | None:
+    """Pre-flight of where the results go, before any training: ``out`` and ``records`` must be folders this process
+    can create or write into (checked without writing), and every record already there for one of ``runs`` ((record
+    path, its overrides)) must be one the benchmark may reuse. The problem in one line, or None."""
+    for folder in (out, records):
+        if folder is None:
+            continue
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir():
+            return f"{folder}: {existing} is not a folder"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return f"{folder}: {existing} is not writable"
+    return next((problem for done, args in runs if done.exists() and (problem := read_record(done, args)[1])), None)
+
+
 def run_arm(arm: str, seed: int, out: Path, overrides: Sequence[str], steps: int, records: Path | None = None) -> dict:
     from envace.metrics import load_metrics
 
@@ -239,10 +266,9 @@ def run_arm(arm: str, seed: int, out: Path, overrides: Sequence[str], steps: int
     args = train_args(arm, seed, overrides, steps)
     done = record_path(out, records, arm, seed)
     if done.exists():
-        result = json.loads(done.read_text())
-        if result.get("overrides") != args:
-            raise SystemExit(f"{done}: recorded for other overrides ({shlex.join(result.get('overrides') or [])}); "
-                             "use another --out or delete it")
+        result, problem = read_record(done, args)
+        if problem:
+            raise SystemExit(problem)
         return result
     commit = source_commit()
     cmd = [str(REPO / "scripts" / "train.sh"), *args, f"trainer.default_local_dir={run_dir}"]
@@ -558,6 +584,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "(envace.agent.pool_kwargs.synthetic.shapes)")
     for arm in arms:  # a wrong override stops here, not hours later
         preflight(train_args(arm, seeds[0], overrides, configs[arm].steps), out / arm / f"seed{seeds[0]}")
+    runs = [(record_path(out, args.records, arm, seed), train_args(arm, seed, overrides, configs[arm].steps))
+            for seed in seeds for arm in arms]
+    if problem := output_problem(out, args.records, runs):  # an unwritable folder or a stale record: before training
+        print(f"benchmarks/learning.py: {problem}", file=sys.stderr)
+        return 2
     # seed by seed, every arm at each: an interrupted benchmark leaves its arms at the same seeds, paired
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
     for seed in seeds:

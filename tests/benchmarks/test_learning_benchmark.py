@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import statistics
 from pathlib import Path
@@ -324,3 +325,30 @@ def test_shapes_set_the_categories_of_every_arm_and_an_unknown_one_is_refused(tm
     with pytest.raises(SystemExit):
         lb.main(["--arms", "envace,ppo", "--out", str(tmp_path)])
     assert "--arms: unknown arm(s) ppo" in capsys.readouterr().err
+
+
+def test_an_unwritable_destination_or_a_stale_record_is_refused_before_any_training(tmp_path, monkeypatch, capsys):
+    """Where the results go is checked with the pre-flight: a --records or --out that cannot be written, or a record
+    of a later seed made for other overrides, exits 2 in one line before the first run (not after hours of it)."""
+    _stub_launch(monkeypatch)
+    cmds = _fake_train(monkeypatch)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert lb.main(["--smoke", "--out", str(tmp_path / "out"), "--records", str(blocker / "records")]) == 2
+    assert capsys.readouterr().err.strip() == f"benchmarks/learning.py: {blocker / 'records'}: {blocker} is not a folder"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root may write anywhere: the mode check is then not observable
+        assert lb.main(["--smoke", "--out", str(tmp_path / "out"), "--records", str(locked / "r")]) == 2
+        assert capsys.readouterr().err.strip().endswith(f"{locked} is not writable")
+    records = tmp_path / "records"
+    stale = records / "control" / "seed1.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({**_result("control", 1, 0.2, 0.2), "overrides": ["data.seed=1"]}))
+    assert lb.main(["--smoke", "--out", str(tmp_path / "out"), "--records", str(records)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"benchmarks/learning.py: {stale}: recorded for other overrides (data.seed=1)") and "\n" not in err
+    stale.write_text("{not json")
+    assert lb.main(["--smoke", "--out", str(tmp_path / "out"), "--records", str(records)]) == 2
+    assert f"{stale}: not a readable record" in capsys.readouterr().err
+    assert cmds == [] and not (tmp_path / "out").exists()  # nothing trained, nothing written
