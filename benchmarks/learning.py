@@ -141,7 +141,6 @@ _REAL_TRAJECTORY_GRPO = ["envace.agent.observation_source=real", "envace.agent.a
                          "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false"]
 
 
-
 def recipe_observation_coef() -> float:
     """ECHO's λ as its recipe sets it (``configs/experiment/echo_cpu.yaml``): the ``echo`` arm trains with it, so the
     benchmark and the recipe users run cannot drift apart."""

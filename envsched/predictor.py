@@ -192,7 +192,7 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
     X = design_matrix(env, x_struct, n_envs, cfg) if design is None else design
     if X.shape[0] != n:
         raise ValueError(f"predictor: the design matrix has {X.shape[0]} rows for {n} tasks")
-    F_o = F_now = None
+    X_o, F_o, F_now = X[node_o], None, None
     if cfg.predictor_drift_sd > 0:
         spread = np.sqrt(np.maximum(v_o, 0.0))
         before, now = [], []
@@ -210,7 +210,7 @@ def fit_additive_logit(node: np.ndarray, step: np.ndarray, m: np.ndarray, v: np.
     floor2 = cfg.predictor_task_sd_floor ** 2
     for rnd in range(2):
         coef, intercept = weighted_ridge(X, node_o, F_o, y, 1.0 / (tau2 + noise_o))
-        resid = y - (X @ coef[: X.shape[1]])[node_o] - intercept
+        resid = y - X_o @ coef[: X.shape[1]] - intercept
         if F_o is not None:
             resid -= F_o @ coef[X.shape[1]:]
         rbar = np.bincount(node_o, weights=prec_o * resid, minlength=n)[obs] / P[obs]
