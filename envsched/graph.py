@@ -52,6 +52,7 @@ from .tfidf import (
     chunk_map,
     count_chunk,
     counter_kwargs,
+    row_chunks,
     tfidf_from_counts,
     usable_cpus,
 )
@@ -138,12 +139,8 @@ def _tfidf_row_chunks(texts: Sequence[str], cfg: EnvSchedConfig, chunk_rows: int
     view without any term (also a view of empty texts) is one zero column."""
     args = _tfidf_kwargs(cfg, **kw)
     ckw = counter_kwargs(args)
-    counts = chunk_map(lambda a, b: count_chunk(texts[a:b], ckw), _row_chunks(len(texts), chunk_rows), workers)
+    counts = chunk_map(lambda a, b: count_chunk(texts[a:b], ckw), row_chunks(len(texts), chunk_rows), workers)
     return _tfidf_counted(counts, len(texts), cfg, chunk_rows, **kw)
-
-
-def _row_chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
-    return [(a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows)]
 
 
 def _tfidf_counted(counts: Iterator[ChunkCounts], n: int, cfg: EnvSchedConfig, chunk_rows: int, **kw: Any) -> list[sp.csr_matrix] | Any:
@@ -602,7 +599,7 @@ def build_static_graph(
         # while this process merges and transforms a view (tfidf_from_counts reads exactly its view's chunks)
         texts = {v: ViewTexts(VIEW_NAMES[v], pool.tasks, ops_texts if VIEW_NAMES[v] == "operations" else ()) for v in order}
         kwargs = {v: counter_kwargs(_tfidf_kwargs(cfg, **_VIEW_KWARGS[VIEW_NAMES[v]])) for v in order}
-        bounds = _row_chunks(n, chunk_rows)
+        bounds = row_chunks(n, chunk_rows)
         stream = _no_value_errors(chunk_map(lambda v, a, b: count_chunk(texts[v][a:b], kwargs[v]), [(v, a, b) for v in order for a, b in bounds], workers))
         for v in order:
             name, weight = VIEW_NAMES[v], cfg.view_weights[v]

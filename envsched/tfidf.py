@@ -48,6 +48,11 @@ CHUNK_ROWS = 50_000
 T = TypeVar("T")
 
 
+def row_chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """The (start, stop) rows of ``n`` rows in chunks of ``chunk_rows``, in order (the last may be shorter)."""
+    return [(a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows)]
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask where the platform has one)."""
     try:
@@ -133,8 +138,7 @@ def tfidf_chunks(texts: Sequence[str], *, chunk_rows: int = CHUNK_ROWS, scratch:
     """
     n_doc = len(texts)
     kwargs = counter_kwargs(vectorizer_kwargs)
-    bounds = list(itertools.pairwise(list(range(0, n_doc, chunk_rows)) + [n_doc]))
-    counts = chunk_map(lambda a, b: count_chunk(texts[a:b], kwargs), bounds, workers)
+    counts = chunk_map(lambda a, b: count_chunk(texts[a:b], kwargs), row_chunks(n_doc, chunk_rows), workers)
     yield from tfidf_from_counts(counts, n_doc, scratch=scratch, **vectorizer_kwargs)
 
 
