@@ -22,7 +22,7 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
   forked worker shares the parent's pages until it writes to them, so its own resident set would count the pool
   twice);
 * ``--predictor paper`` scores the tasks with the paper's Eq. 3-13 instead of the default learned predictor
-  (``envsched/predictor.py``), whose ridge fit covers every group observed so far, so its step grows with the steps;
+  (``envsched/predictor.py``), whose fit is refitted at every step from all the groups observed so far;
 * with ``relation_weights: measured`` (the paper predictor's default; ``--relation-weights paper`` for the paper's fixed weights),
   the relations' weights after the last step: while a relation is faded, the tasks without an own history share
   one prediction, and Eq. 5 must compare the similarity penalties of all the tied candidates it may pick.

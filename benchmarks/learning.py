@@ -19,7 +19,7 @@ grpo_real           GRPO against the real environment: ECHO's settings with the 
                     ``algorithm.adv_estimator=grpo``: verl's GRPO, ``envace.loss.observation_nll_coef=0``)
 echo                ECHO (arXiv 2605.24517; ``configs/experiment/echo_cpu.yaml``): ``grpo_real`` plus the real
                     observation tokens' negative log-likelihood, ``envace.loss.observation_nll_coef`` as the recipe
-                    sets it (0.01: chosen on seed 0 over 0.1, 0.05, 0.01; docs/results/learning.md)
+                    sets it (:func:`recipe_observation_coef`; chosen on seed 0, docs/results/learning.md)
                     (``envace/verl/observation_loss.py``), so ``grpo_real`` − ``echo`` is that loss alone
 no_rehearse_loss    EnvACE, but the rehearse role's outputs carry no loss (``envace.advantage.trained_roles=[act]``)
 control             no update: every step generates and scores, none trains (``trainer.critic_warmup`` = steps + 1:
@@ -581,13 +581,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shapes and (bad := [s for s in shapes if s not in kept]):
         parser.error(f"--shapes: {', '.join(bad)} not among the pool's shapes {kept} "
                      "(envace.agent.pool_kwargs.synthetic.shapes)")
-    for arm in arms:  # a wrong override stops here, not hours later
-        preflight(train_args(arm, seeds[0], overrides, configs[arm].steps), out / arm / f"seed{seeds[0]}")
     runs = [(record_path(out, args.records, arm, seed), train_args(arm, seed, overrides, configs[arm].steps))
             for seed in seeds for arm in arms]
     if problem := output_problem(out, args.records, runs):  # an unwritable folder or a stale record: before training
         print(f"benchmarks/learning.py: {problem}", file=sys.stderr)
         return 2
+    for arm in arms:  # a wrong override stops here, not hours later
+        preflight(train_args(arm, seeds[0], overrides, configs[arm].steps), out / arm / f"seed{seeds[0]}")
     # seed by seed, every arm at each: an interrupted benchmark leaves its arms at the same seeds, paired
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
     for seed in seeds:

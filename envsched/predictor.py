@@ -240,9 +240,9 @@ def expected_bernoulli_variance(z: np.ndarray, z_var: np.ndarray, nodes: int = 1
     sd = np.sqrt(np.maximum(np.asarray(z_var, dtype=np.float64), 0.0))
     mean, var = np.empty(len(z)), np.empty(len(z))
     for a in range(0, len(z), QUADRATURE_ROWS):  # rows x nodes temporaries, bounded at a million tasks
-        zz = z[a:a + QUADRATURE_ROWS, None] + sd[a:a + QUADRATURE_ROWS, None] * x[None, :]
-        p = 0.5 * (1.0 + np.tanh(0.5 * zz))  # sigma(z), overflow-free
-        mean[a:a + QUADRATURE_ROWS], var[a:a + QUADRATURE_ROWS] = p @ wq, (p * (1.0 - p)) @ wq
+        rows = slice(a, a + QUADRATURE_ROWS)
+        p = 0.5 * (1.0 + np.tanh(0.5 * (z[rows, None] + sd[rows, None] * x[None, :])))  # sigma(z), overflow-free
+        mean[rows], var[rows] = p @ wq, (p * (1.0 - p)) @ wq
     return mean, var
 
 
