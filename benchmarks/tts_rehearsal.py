@@ -15,9 +15,11 @@ run of the evaluation CLI users run, ``python -m envace.eval synthetic``, on the
 default recipe (``experiment=cpu_default``) builds them: its pool arguments, its loop limits, its acting tokens and
 temperature, rehearsals at its rehearsal temperature, the chat template without thinking, seed 0. Cells: N = 0 (no
 rehearsal: ``--temperature`` = the acting temperature, so N = 0 and N >= 1 act alike) and, for N >= 1, every
-``--tts MODE`` x ``--tts-memory MEMORY``. ``--checkpoint`` is served per run (``--server``; a finished run needs none;
-``transformers serve`` in fp32 unless ``--server-arg=--dtype=...`` says otherwise: the export is bf16, the warm start
-fp32, and both were trained in fp32).
+``--tts MODE`` x ``--tts-memory MEMORY`` (sequential N = 1 is parallel N = 1: :func:`cells`). Each checkpoint is
+served once for all of its runs (``--server``: ``transformers serve``, or vLLM's CPU build with ``--server vllm``, whose
+continuous batching serves ``--concurrency`` tasks at once), in fp32 unless ``--server-arg=--dtype=...`` says otherwise
+(both were trained in fp32, and vLLM serves an fp32 checkpoint in half precision unless told); the commands recorded
+are each cell's stand-alone form, ``--checkpoint`` with the same server and arguments.
 
 Runs resume: each cell's directory (``OUT/<policy>/<cell>``) is the CLI's own ``--out``, so rerunning this command runs
 only what is missing. The table reads what the CLI wrote: ``summary.json`` (per shape: finished and passed tasks, the
@@ -31,11 +33,13 @@ policy's ``python -m envace.eval tts-table``). Exit: 0, or the first failing run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,8 +77,13 @@ class Cell:
 
 
 def cells(modes: list[str], budgets: list[int], memories: list[str]) -> list[Cell]:
+    """The runs of one policy: N = 0 first, then every N >= 1 x mode x memory, except sequential N = 1 where parallel
+    N = 1 is planned too: one attempt sees no earlier one, so the two runs play the same requests with the same seeds
+    (measured identical task for task, docs/results/tts_rehearsal.md) and the table's parallel N = 1 row stands for
+    both."""
     out = [Cell("none", 0, "")] if 0 in budgets else []
-    return out + [Cell(m, n, mem) for n in sorted(set(budgets) - {0}) for m in modes for mem in memories]
+    return out + [Cell(m, n, mem) for n in sorted(set(budgets) - {0}) for m in modes for mem in memories
+                  if not (n == 1 and m == "sequential" and "parallel" in modes)]
 
 
 def recipe_flags(overrides: list[str]) -> tuple[list[str], float, float]:
@@ -116,17 +125,49 @@ def model_dir(path: str, out: Path, name: str) -> str:
     return str(target)
 
 
-def policies(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Policy name → the endpoint flags of its runs."""
+@dataclass(frozen=True)
+class Policy:
+    """One acting-and-rehearsing policy: a running endpoint, or a checkpoint the benchmark serves once for all of its
+    runs (a server start per run would cost a minute or more each on CPU, and every run would load the same
+    weights)."""
+
+    name: str
+    base_url: str | None = None  # a running endpoint (--base-url) ...
+    model: str | None = None  # ... and its model name
+    checkpoint: str | None = None  # or a Hugging Face directory to serve
+    server: str = "transformers"  # envace.eval.server's kind for the checkpoint
+    server_args: tuple[str, ...] = ()  # passed on to that server
+
+    def flags(self) -> list[str]:
+        """The evaluation CLI's flags for this policy as a user runs one cell alone (``--checkpoint`` serves it for
+        that run, the same server with the same arguments)."""
+        if self.checkpoint is None:
+            return ["--base-url", str(self.base_url), "--model", str(self.model)]
+        return ["--checkpoint", self.checkpoint, "--server", self.server, *(f"--server-arg={a}" for a in self.server_args)]
+
+    @contextlib.contextmanager
+    def endpoint(self, log: Path) -> Iterator[list[str]]:
+        """The evaluation CLI's endpoint flags while the policy is served (its server's output goes to ``log``)."""
+        if self.checkpoint is None:
+            yield ["--base-url", str(self.base_url), "--model", str(self.model)]
+            return
+        from envace.eval.server import launch_server
+
+        with launch_server(self.checkpoint, self.server, extra_args=self.server_args, log_path=log) as srv:
+            yield ["--base-url", srv.base_url, "--model", srv.model]
+
+
+def policies(args: argparse.Namespace) -> list[Policy]:
+    """The policies to measure: the endpoint given, or the trained policy and its warm start, each computing in fp32 as
+    it was trained unless a ``--server-arg`` names a dtype."""
     if args.base_url:
-        return {args.label: ["--base-url", args.base_url, "--model", args.model]}
+        return [Policy(args.label, base_url=args.base_url, model=args.model)]
     server_args = list(args.server_arg)
-    if args.server == "transformers" and not any(a.startswith("--dtype") for a in server_args):
-        server_args.insert(0, "--dtype=float32")  # both policies compute in fp32, as training did (an export is bf16)
-    serve = ["--server", args.server, *(f"--server-arg={a}" for a in server_args)]
+    if not any(a.startswith("--dtype") for a in server_args):
+        server_args.insert(0, "--dtype=float32")
     warm = args.warm or _run([sys.executable, "-m", "envace.models", "build", "--warm-start"], "the warm start")
-    return {"trained": ["--checkpoint", model_dir(args.trained, args.out, "trained"), *serve],
-            "warm": ["--checkpoint", model_dir(warm, args.out, "warm"), *serve]}
+    return [Policy(name, checkpoint=model_dir(path, args.out, name), server=args.server, server_args=tuple(server_args))
+            for name, path in (("trained", args.trained), ("warm", warm))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,25 +272,30 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     tts_tables: dict[str, str] = {}
     status = 0
-    for policy, endpoint in policies(args).items():
-        for cell in plan:
-            run_dir = args.out / policy / cell.name
-            cmd = [sys.executable, "-m", "envace.eval", "synthetic", *endpoint, *flags, "--categories", *args.shapes,
-                   "--limit", str(args.limit), "--concurrency", str(args.concurrency), "--no-progress",
-                   "--label", f"{policy} {cell.label}", "--out", str(run_dir), *cell.flags(act_t, rehearse_t), *extra]
-            commands.append(shlex.join(cmd))
-            print(f"[tts_rehearsal] {policy} {cell.label}: {shlex.join(cmd)}", flush=True)
-            code = subprocess.run(cmd, cwd=REPO, check=False).returncode
-            if code in (2, 3):  # the command itself is wrong, or an endpoint is down: later runs would fail alike
-                print(f"[tts_rehearsal] stopped: exit {code} (rerun to resume)", file=sys.stderr)
-                return code
-            status = status or code
-            if (run_dir / "summary.json").exists():
-                rows += [{"policy": policy, "cell": cell.label, **r} for r in cell_rows(run_dir)]
-        dirs = [str(args.out / policy / c.name) for c in plan if (args.out / policy / c.name / "summary.json").exists()]
+    for policy in policies(args):
+        # every run of the policy against one server; the CLI itself skips what a run directory already holds
+        with policy.endpoint(args.out / policy.name / "server.log") as endpoint:
+            for cell in plan:
+                run_dir = args.out / policy.name / cell.name
+                rest = [*flags, "--categories", *args.shapes, "--limit", str(args.limit), "--concurrency",
+                        str(args.concurrency), "--no-progress", "--label", f"{policy.name} {cell.label}", "--out",
+                        str(run_dir), *cell.flags(act_t, rehearse_t), *extra]
+                head = [sys.executable, "-m", "envace.eval", "synthetic"]
+                commands.append(shlex.join([*head, *policy.flags(), *rest]))  # as a user reruns the cell alone
+                print(f"[tts_rehearsal] {policy.name} {cell.label}: {commands[-1]}", flush=True)
+                code = subprocess.run([*head, *endpoint, *rest], cwd=REPO, check=False).returncode
+                if code in (2, 3):  # the command itself is wrong, or an endpoint is down: later runs would fail alike
+                    print(f"[tts_rehearsal] stopped: exit {code} (rerun to resume)", file=sys.stderr)
+                    return code
+                status = status or code
+                if (run_dir / "summary.json").exists():
+                    rows += [{"policy": policy.name, "cell": cell.label, **r} for r in cell_rows(run_dir)]
+        dirs = [str(args.out / policy.name / c.name) for c in plan
+                if (args.out / policy.name / c.name / "summary.json").exists()]
         if dirs:  # the CLI's own Table-3 layout of this policy's runs
-            tts_tables[policy] = subprocess.run([sys.executable, "-m", "envace.eval", "tts-table", "--markdown", *dirs],
-                                                cwd=REPO, capture_output=True, text=True, check=False).stdout
+            tts_tables[policy.name] = subprocess.run(
+                [sys.executable, "-m", "envace.eval", "tts-table", "--markdown", *dirs],
+                cwd=REPO, capture_output=True, text=True, check=False).stdout
     print(format_rows(rows, markdown=False))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tts_rehearsal.json").write_text(json.dumps(

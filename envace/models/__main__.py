@@ -1,6 +1,6 @@
 """``python -m envace.models build [--out DIR] [--force] [--verify] [--warm-start]``: build the tiny Qwen3 (or its
-SFT warm start) once; print its path. ``python -m envace.models export CHECKPOINT_DIR OUT``: a Hugging Face checkpoint
-from verl's FSDP checkpoint (:mod:`envace.models.export`). A usage mistake (an ``--out`` that is a file or cannot be
+SFT warm start) once; print its path. ``python -m envace.models export CHECKPOINT_DIR OUT [--dtype auto]``: a Hugging
+Face checkpoint from verl's FSDP checkpoint, in the dtype the run's model had (:mod:`envace.models.export`). A usage mistake (an ``--out`` that is a file or cannot be
 written, a checkpoint or OUT that cannot be exported, an export this host lacks the memory for) exits 2 with one line
 (:mod:`trace2env.cliargs`); a damaged checkpoint shard exits 3 with one line naming it (damaged stored data,
 docs/cli.md). A warm start whose copy drill did not reach its target is installed, and the build exits 1 with the
@@ -36,12 +36,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
                        "(envace.models.export)")
     e.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a run directory, a global_step_N or its actor/")
     e.add_argument("out_dir", metavar="OUT", help="the new Hugging Face checkpoint directory")
+    e.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="the weights' dtype (auto: the dtype of the model the run started from, its "
+                   "huggingface/config.json's; bfloat16 is verl's own merge)")
     args = parser.parse_args(argv)
     if getattr(args, "out", None) and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: a file, expected a directory")
 
     if args.cmd == "export":
-        print(export(args.checkpoint, args.out_dir))
+        print(export(args.checkpoint, args.out_dir, args.dtype))
         return 0
 
     from envace.models import tiny

@@ -10,10 +10,16 @@ reads every rank's shard file ``model_world_size_W_rank_R.pt`` into memory at on
 0's shard twice: 46 GiB for an 8B model saved by two ranks) before it joins the DTensor shards by their placements
 in bf16; :func:`_mapped_merger_class` memory-maps the shard files instead (``torch.load(mmap=True)``: file pages the
 kernel reads on demand and may drop again, no process memory) and merges one parameter at a time with verl's own
-placement merge, so the process holds the merged bf16 weights plus one parameter's bf16 pieces: the export needs
+placement merge, so the process holds the merged weights plus one parameter's pieces: the export needs
 :class:`MemoryNeed` (17 GiB for Qwen3-8B: 15.3 GiB of weights, 1.2 GiB for its embedding's pieces, 0.5 GiB for the
 tokenizer), and the files verl then saves (the weights, and the config and tokenizer it saved beside the shards in
 ``actor/huggingface``) are the same bytes as its own merge writes.
+
+The weights are written in the dtype of the model the run started from (``--dtype auto``: the ``dtype`` of
+``actor/huggingface/config.json``, bf16 for Qwen3), or in the one ``--dtype`` names. verl's merger writes bf16 whatever
+the model was trained in: a policy trained in fp32 (the CPU recipes) lost that precision in its export, rounding errors
+of about a tenth of the default run's change to the weights (docs/results/tts_rehearsal.md). ``--dtype bfloat16`` is
+verl's merge byte for byte; another dtype differs from it only in the tensors' dtype and the config's ``dtype``.
 
 Everything is checked before any weight is read, cheapest first, so that a mistake on an 8B checkpoint costs
 seconds, not the minutes of a merge: the shards are all there, ``huggingface/config.json`` is a model config
@@ -45,6 +51,8 @@ __all__ = ["DamagedCheckpointError", "ExportError", "MemoryNeed", "available_mem
 #: What the export allocates besides the weights once the shards are open: the tokenizer and processor verl loads
 #: to save them beside the weights (about 350 MiB for Qwen3's 151,669-token vocabulary), and the allocator's slack
 OVERHEAD_BYTES = 512 << 20
+#: the dtypes an export may write (``--dtype``); ``auto``: the run's model config's, bf16 where it names none of these
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 class ExportError(ValueError):
@@ -143,8 +151,8 @@ def _check_shard(path: Path) -> None:
 @dataclass(frozen=True)
 class MemoryNeed:
     """The memory an export allocates, counted from the shards' tensor shapes before any weight is read: the merged
-    bf16 state dict verl saves, one parameter's bf16 pieces besides it while that parameter is merged (the largest
-    one's at the peak), and :data:`OVERHEAD_BYTES`."""
+    state dict in the export's dtype, one parameter's pieces in that dtype besides it while that parameter is merged
+    (the largest one's at the peak), and :data:`OVERHEAD_BYTES`."""
 
     weights: int
     largest: int
@@ -155,10 +163,10 @@ class MemoryNeed:
         return self.weights + self.largest + self.overhead
 
     @classmethod
-    def of(cls, state_dict: dict[str, Any]) -> MemoryNeed:
+    def of(cls, state_dict: dict[str, Any], itemsize: int = 2) -> MemoryNeed:
         """The need of merging the checkpoint whose rank-0 shard is ``state_dict``: every entry (a DTensor's global
-        shape, a plain tensor as it is) becomes one bf16 tensor, as verl's merge writes them."""
-        sizes = [2 * value.numel() for value in state_dict.values()]
+        shape, a plain tensor as it is) becomes one tensor of ``itemsize``-byte elements (2: bf16, verl's merge)."""
+        sizes = [itemsize * value.numel() for value in state_dict.values()]
         return cls(weights=sum(sizes), largest=max(sizes, default=0))
 
 
@@ -236,7 +244,7 @@ def _check_memory(actor: Path, need: MemoryNeed) -> None:
     have, where = available_memory()
     if need.total > have:
         raise ExportError(
-            f"exporting {actor} needs about {_size(need.total)} of memory ({_size(need.weights)} of bf16 weights, "
+            f"exporting {actor} needs about {_size(need.total)} of memory ({_size(need.weights)} of weights, "
             f"{_size(need.largest)} for the largest parameter's pieces while it is merged, {_size(need.overhead)} for "
             f"the tokenizer verl saves) and {_size(have)} is available {where}: free memory, or export on a larger host")
 
@@ -246,7 +254,8 @@ def _mapped_merger_class() -> type:
     """verl's ``FSDPModelMerger`` with its two loading steps replaced (verl 0.9.1's ``merge_and_save`` calls both;
     tests/envace/models/test_export.py pins the lines): the shards come memory-mapped from ``open_shards``, and the
     merge pops one parameter's pieces from every rank, converts and joins them as verl's
-    ``_load_and_merge_state_dicts`` does (``.bfloat16()`` per piece, ``_merge_by_placement`` for a DTensor,
+    ``_load_and_merge_state_dicts`` does (``.bfloat16()`` per piece, here ``.to(self.dtype)``, bf16 unless the
+    export sets another; ``_merge_by_placement`` for a DTensor,
     ``merge_non_dtensor_shards`` for a plain tensor), and drops them before the next. The merged dict follows the
     checkpoint's key order (verl's follows a set's); the safetensors files sort their tensors either way. Built on
     first use: importing torch and verl takes seconds that ``python -m envace.models --help`` should not."""
@@ -256,6 +265,7 @@ def _mapped_merger_class() -> type:
 
     class MappedFSDPMerger(FSDPModelMerger):
         state_dicts: list[dict[str, Any]]
+        dtype: torch.dtype = torch.bfloat16  # the merged weights' (verl's merge: bf16)
 
         def open_shards(self, shards: list[Path]) -> None:
             """Every rank's shard, memory-mapped: ``torch.load`` reads only each file's pickle (names, shapes,
@@ -277,7 +287,7 @@ def _mapped_merger_class() -> type:
 
         def _load_and_merge_state_dicts(self, world_size: int, total_shards: int, mesh_shape: tuple[int, ...],
                                         mesh_dim_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-            """The merged bf16 state dict, one parameter at a time (see :func:`_mapped_merger_class`); the pieces of
+            """The merged state dict in ``self.dtype``, one parameter at a time (see :func:`_mapped_merger_class`); the pieces of
             a parameter are released when the next one's list replaces them."""
             ranks = self.state_dicts[:total_shards]
             merged: dict[str, torch.Tensor] = {}
@@ -287,7 +297,7 @@ def _mapped_merger_class() -> type:
                 for state_dict in ranks:
                     tensor = state_dict.pop(key)
                     if isinstance(tensor, DTensor):
-                        pieces.append(tensor._local_tensor.bfloat16())
+                        pieces.append(tensor._local_tensor.to(self.dtype))
                         placed = tuple(tensor.placements)
                         if mesh_dim_names[0] in ("dp", "ddp"):  # replicated over the data-parallel dimension
                             placed = placed[1:]
@@ -295,7 +305,7 @@ def _mapped_merger_class() -> type:
                             raise ValueError(f"{key}: rank placements differ ({placements} and {placed})")
                         placements = placed
                     else:
-                        pieces.append(tensor.bfloat16())
+                        pieces.append(tensor.to(self.dtype))
                 if placements is None:
                     merged[key] = merge_non_dtensor_shards(key, pieces)
                 elif len(mesh_shape) == 1 and len(placements) == 1:
@@ -325,24 +335,49 @@ def _merger(actor: Path, target_dir: Path) -> Any:
                           f"{one_line(exc)}") from None
 
 
-def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Write the Hugging Face checkpoint of ``checkpoint`` to ``out`` (see the module docstring); returns ``out``."""
+def run_dtype(actor: Path) -> str:
+    """The dtype of the model the run started from: its config's ``dtype`` (``torch_dtype`` before transformers 5),
+    bf16 (verl's) where it names none of :data:`DTYPES`."""
+    config = json.loads(read_text(actor / "huggingface" / "config.json", ExportError))
+    name = str(config.get("dtype") or config.get("torch_dtype") or "")
+    return name if name in DTYPES else "bfloat16"
+
+
+def _set_config_dtype(target: Path, dtype: str) -> None:
+    """Name ``dtype`` in the written config (verl builds the model it saves in bf16, so its config says bf16)."""
+    path = target / "config.json"
+    config = json.loads(path.read_text())
+    config["dtype"] = dtype
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "auto") -> Path:
+    """Write the Hugging Face checkpoint of ``checkpoint`` to ``out`` in ``dtype`` (``auto``: :func:`run_dtype`; see
+    the module docstring); returns ``out``."""
+    import torch
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ExportError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
     actor = find_actor_dir(checkpoint)
     shards = _shard_paths(actor)
     _check_hf_config(actor)
+    dtype = run_dtype(actor) if dtype == "auto" else dtype
     target = Path(out)
     _check_out(target)
     tmp = target.parent / f".{target.name}.export-{os.getpid()}"
     merger = _merger(actor, tmp)
+    merger.dtype = getattr(torch, dtype)
     for shard in shards:
         _check_shard(shard)
     merger.open_shards(shards)
-    _check_memory(actor, MemoryNeed.of(merger.state_dicts[0]))
+    _check_memory(actor, MemoryNeed.of(merger.state_dicts[0], merger.dtype.itemsize))
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         merger.merge_and_save()
         merger.cleanup()
+        if dtype != "bfloat16":
+            _set_config_dtype(tmp, dtype)
         if target.exists():
             target.rmdir()  # empty (checked above)
         tmp.rename(target)

@@ -19,26 +19,31 @@ from envace.toolcall import render_tool_call
 def test_cells_put_the_no_rehearsal_run_first_and_name_each_setting():
     plan = bench.cells(["parallel", "sequential"], [0, 1, 2, 4], ["summary", "verbatim"])
     assert [c.name for c in plan[:3]] == ["n0", "parallel-n1-summary", "parallel-n1-verbatim"]
-    assert len(plan) == 1 + 3 * 2 * 2 and plan[-1].name == "sequential-n4-verbatim"
+    # sequential N = 1 plays what parallel N = 1 plays (one attempt sees no earlier one): planned only without it
+    assert len(plan) == 1 + 2 + 2 * 2 * 2 and plan[-1].name == "sequential-n4-verbatim"
+    assert not any(c.n == 1 and c.mode == "sequential" for c in plan)
+    assert [c.name for c in bench.cells(["sequential"], [1], ["verbatim"])] == ["sequential-n1-verbatim"]
     assert plan[0].flags(1.0, 0.6) == ["--temperature", "1.0", "--top-p", "1.0"]
     flags = plan[-1].flags(1.0, 0.6)
     assert flags[:6] == ["--tts", "sequential", "--rehearsals", "4", "--tts-memory", "verbatim"]
     assert flags[flags.index("--rehearse-temperature") + 1] == "0.6"
 
 
-def test_checkpoints_are_served_by_the_cli_in_fp32_unless_told_otherwise(tmp_path: Path):
-    """A Hugging Face directory is used as it is (a verl run would be exported first); ``transformers serve`` gets
-    ``--dtype=float32`` for both policies unless a ``--server-arg`` names a dtype."""
+def test_checkpoints_are_served_once_per_policy_in_fp32_unless_told_otherwise(tmp_path: Path):
+    """A Hugging Face directory is used as it is (a verl run would be exported first); its server gets
+    ``--dtype=float32`` for both policies unless a ``--server-arg`` names a dtype; the recorded command of a cell is
+    its stand-alone form (``--checkpoint`` with the same server and arguments)."""
     trained, warm = tmp_path / "trained", tmp_path / "warm"
     for d in (trained, warm):
         d.mkdir()
         (d / "config.json").write_text("{}")
-    args, _ = bench.parse_args(["--trained", str(trained), "--warm", str(warm), "--out", str(tmp_path / "o")])
-    assert bench.policies(args) == {
-        name: ["--checkpoint", str(d), "--server", "transformers", "--server-arg=--dtype=float32"]
-        for name, d in (("trained", trained), ("warm", warm))}
+    args, _ = bench.parse_args(["--trained", str(trained), "--warm", str(warm), "--out", str(tmp_path / "o"),
+                                "--server", "vllm"])
+    assert [(p.name, p.flags()) for p in bench.policies(args)] == [
+        (name, ["--checkpoint", str(d), "--server", "vllm", "--server-arg=--dtype=float32"])
+        for name, d in (("trained", trained), ("warm", warm))]
     args, _ = bench.parse_args(["--trained", str(trained), "--warm", str(warm), "--server-arg=--dtype=bfloat16"])
-    assert bench.policies(args)["warm"][-1] == "--server-arg=--dtype=bfloat16"
+    assert bench.policies(args)[1].server_args == ("--dtype=bfloat16",)
     assert not (tmp_path / "o").exists()
 
 
@@ -99,3 +104,42 @@ def test_smoke_runs_one_cell_through_the_cli_tabulates_its_records_and_resumes(f
 
     n = fake.n_requests
     assert bench.main(argv) == 0 and fake.n_requests == n  # resumed: the CLI reran nothing
+
+
+def test_each_checkpoint_is_served_once_for_all_of_its_runs(fake_openai, replies, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """Both policies' runs go to the server the benchmark started for that policy (here the scripted endpoint stands
+    in for ``launch_server``'s), one start per policy however many cells it has, and each recorded command is the
+    cell's stand-alone ``--checkpoint`` form."""
+    import contextlib
+
+    from envace.eval import server
+
+    flags, _, _ = bench.recipe_flags([])
+    pool = get_pool("synthetic", **json.loads(flags[flags.index("--pool-kwargs") + 1]))
+    fake = fake_openai(scripted(pool, replies))
+    started: list[tuple[str, str, tuple[str, ...]]] = []
+
+    @contextlib.contextmanager
+    def launch(checkpoint, kind="vllm", *, extra_args=(), log_path=None, **_):
+        started.append((Path(checkpoint).name, kind, tuple(extra_args)))
+        yield server.LaunchedServer(base_url=fake.base_url, model=checkpoint, pid=0, log_path=Path(log_path))
+
+    monkeypatch.setattr(server, "launch_server", launch)
+    ckpts = {}
+    for name in ("trained", "warm"):
+        ckpts[name] = tmp_path / name
+        ckpts[name].mkdir()
+        (ckpts[name] / "config.json").write_text("{}")
+    out = tmp_path / "tts"
+    argv = ["--trained", str(ckpts["trained"]), "--warm", str(ckpts["warm"]), "--out", str(out), "--server", "vllm",
+            "--modes", "parallel", "sequential", "--budgets", "1", "2", "--memories", "verbatim", "--shapes", "query",
+            "--limit", "1"]
+    assert bench.main(argv) == 0
+    assert started == [("trained", "vllm", ("--dtype=float32",)), ("warm", "vllm", ("--dtype=float32",))]
+    data = json.loads((out / "tts_rehearsal.json").read_text())
+    assert [(r["policy"], r["cell"]) for r in data["rows"]] == [
+        (p, c) for p in ("trained", "warm") for c in ("Par. N=1 verbatim", "Par. N=2 verbatim", "Seq. N=2 verbatim")]
+    assert all(r["success"] == 1.0 for r in data["rows"])
+    assert len(data["commands"]) == 6 and fake.base_url not in "".join(data["commands"])
+    assert f"--checkpoint {ckpts['warm']} --server vllm --server-arg=--dtype=float32" in data["commands"][-1]

@@ -88,12 +88,15 @@ def test_export_writes_the_trained_weights_as_a_hugging_face_checkpoint(fsdp_run
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(out)
+    # the tiny model is fp32 (its config says so): the export keeps the trained weights exactly (verl's merge would
+    # round them to bf16, --dtype bfloat16 below)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     reference = torch.load(fsdp_run / "reference.pt")
     exported = model.state_dict()
     assert set(exported) == set(reference)
-    for name, want in reference.items():  # verl's merger writes bf16
-        assert torch.equal(exported[name].float(), want.bfloat16().float()), name
+    for name, want in reference.items():
+        assert exported[name].dtype == torch.float32 and torch.equal(exported[name], want), name
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and "<tool_call>" in tok.chat_template  # a served model can be called with tools
     ids = tok("hello", return_tensors="pt").input_ids
@@ -139,7 +142,7 @@ def _measure_merge(mode: str, actor: str, out: str) -> None:
         fsdp.FSDPModelMerger(ModelMergerConfig(operation="merge", backend="fsdp", local_dir=actor, target_dir=out,
                                                hf_model_config_path=str(Path(actor) / "huggingface"))).merge_and_save()
     else:
-        export(actor, out)
+        export(actor, out, "bfloat16")  # verl's merge's dtype, whatever the model's
     print(json.dumps({"growth": [s - base for s in samples]}))
 
 
@@ -156,8 +159,9 @@ def _merge_in_child(mode: str, actor: Path, out: Path) -> list[int]:
 
 
 def test_the_export_holds_the_bf16_weights_and_one_parameter_and_writes_verls_bytes(fsdp_run, tmp_path):
-    """The need counted from the shards is the bf16 size of every entry and of the largest; the export's memory
-    stays within it (verl's own merger's does not); its files are verl's own merge's, byte for byte."""
+    """With ``--dtype bfloat16``: the need counted from the shards is the bf16 size of every entry and of the largest;
+    the export's memory stays within it (verl's own merger's does not); its files are verl's own merge's, byte for
+    byte."""
     from envace.models.export import MemoryNeed
 
     actor = fsdp_run / "global_step_3" / "actor"
@@ -188,7 +192,8 @@ def test_an_export_the_host_cannot_hold_is_refused_before_it_starts(fsdp_run, tm
     from envace.models import export as ex
 
     actor = fsdp_run / "global_step_3" / "actor"
-    need = ex.MemoryNeed.of(torch.load(actor / "model_world_size_2_rank_0.pt", mmap=True, weights_only=False))
+    # the export's dtype is the tiny model's, fp32: 4 bytes an element
+    need = ex.MemoryNeed.of(torch.load(actor / "model_world_size_2_rank_0.pt", mmap=True, weights_only=False), 4)
     code = ("import sys; from envace.models import export as ex; from envace.models.__main__ import main; "
             f"ex.available_memory = lambda: ({need.total - 1}, 'on this host'); sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "hf"
@@ -198,7 +203,7 @@ def test_an_export_the_host_cannot_hold_is_refused_before_it_starts(fsdp_run, tm
     assert proc.returncode == 2, proc.stderr
     mib = [f"{n / 2**20:.1f} MiB" for n in (need.total, need.weights, need.total - 1)]
     assert proc.stderr.startswith(f"python -m envace.models: error: exporting {actor} needs about {mib[0]} of "
-                                  f"memory ({mib[1]} of bf16 weights, "), proc.stderr
+                                  f"memory ({mib[1]} of weights, "), proc.stderr
     assert proc.stderr.endswith(f"and {mib[2]} is available on this host: free memory, or export on a larger host\n")
     assert len(proc.stderr.splitlines()) == 1 and proc.stdout == ""
     assert os.listdir(tmp_path) == []  # neither OUT nor its temporary sibling
