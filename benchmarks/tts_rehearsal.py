@@ -151,9 +151,17 @@ class Policy:
         if self.checkpoint is None:
             yield ["--base-url", str(self.base_url), "--model", str(self.model)]
             return
-        from envace.eval.server import launch_server
+        from envace.eval.server import ServerLaunchError, launch_server
+        from trace2env.cliargs import one_line
 
-        with launch_server(self.checkpoint, self.server, extra_args=self.server_args, log_path=log) as srv:
+        with contextlib.ExitStack() as stack:
+            try:
+                srv = stack.enter_context(launch_server(self.checkpoint, self.server, extra_args=self.server_args,
+                                                        log_path=log))
+            except ServerLaunchError as exc:  # as the CLI reports it for --checkpoint: one line, exit 2
+                print(f"[tts_rehearsal] serving {self.name} ({self.checkpoint}) failed: {one_line(exc)} (its log: "
+                      f"{log})", file=sys.stderr)
+                raise SystemExit(2) from None
             yield ["--base-url", srv.base_url, "--model", srv.model]
 
 

@@ -143,3 +143,28 @@ def test_each_checkpoint_is_served_once_for_all_of_its_runs(fake_openai, replies
     assert all(r["success"] == 1.0 for r in data["rows"])
     assert len(data["commands"]) == 6 and fake.base_url not in "".join(data["commands"])
     assert f"--checkpoint {ckpts['warm']} --server vllm --server-arg=--dtype=float32" in data["commands"][-1]
+
+
+def test_a_server_that_does_not_start_stops_the_benchmark_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """As the CLI reports it for ``--checkpoint``: exit 2, one line naming the policy and the server's log; no run."""
+    import contextlib
+
+    from envace.eval import server
+
+    @contextlib.contextmanager
+    def launch(checkpoint, kind="vllm", **_):
+        raise server.ServerLaunchError("server exited with code 1 before serving http://x/v1/models\nlog tail:\n...")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(server, "launch_server", launch)
+    for name in ("trained", "warm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    out = tmp_path / "tts"
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--trained", str(tmp_path / "trained"), "--warm", str(tmp_path / "warm"), "--out", str(out)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[tts_rehearsal] serving trained (") and "server.log" in err[0]
+    assert not list(out.glob("*/n0"))
