@@ -1,10 +1,10 @@
 """``python -m envace.models build [--out DIR] [--force] [--verify] [--warm-start]``: build the tiny Qwen3 (or its
 SFT warm start) once; print its path. ``python -m envace.models export CHECKPOINT_DIR OUT [--dtype auto]``: a Hugging
-Face checkpoint from verl's FSDP checkpoint, in the dtype the run's model had (:mod:`envace.models.export`). A usage mistake (an ``--out`` that is a file or cannot be
-written, a checkpoint or OUT that cannot be exported, an export this host lacks the memory for) exits 2 with one line
-(:mod:`trace2env.cliargs`); a damaged checkpoint shard exits 3 with one line naming it (damaged stored data,
-docs/cli.md). A warm start whose copy drill did not reach its target is installed, and the build exits 1 with the
-warning as its last line."""
+Face checkpoint from verl's FSDP checkpoint, in the dtype the run's model had (:mod:`envace.models.export`). A usage
+mistake (an ``--out`` that is a file or cannot be written, a checkpoint or OUT that cannot be exported, an export
+this host lacks the memory for) exits 2 with one line (:mod:`trace2env.cliargs`); a damaged checkpoint shard exits 3
+with one line naming it (damaged stored data, docs/cli.md). A warm start whose copy drill did not reach its target is
+installed, and the build exits 1 with the warning as its last line."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ tokenizer), and the files verl then saves (the weights, and the config and token
 The weights are written in the dtype of the model the run started from (``--dtype auto``: the ``dtype`` of
 ``actor/huggingface/config.json``, bf16 for Qwen3), or in the one ``--dtype`` names. verl's merger writes bf16 whatever
 the model was trained in: a policy trained in fp32 (the CPU recipes) lost that precision in its export, rounding errors
-of about a tenth of the default run's change to the weights (docs/results/tts_rehearsal.md). ``--dtype bfloat16`` is
+of about a tenth of the default run's change to each weight matrix, up to a third of it for the norms' weights
+(docs/results/tts_rehearsal.md). ``--dtype bfloat16`` is
 verl's merge byte for byte; another dtype differs from it only in the tensors' dtype and the config's ``dtype``.
 
 Everything is checked before any weight is read, cheapest first, so that a mistake on an 8B checkpoint costs
@@ -287,8 +288,8 @@ def _mapped_merger_class() -> type:
 
         def _load_and_merge_state_dicts(self, world_size: int, total_shards: int, mesh_shape: tuple[int, ...],
                                         mesh_dim_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-            """The merged state dict in ``self.dtype``, one parameter at a time (see :func:`_mapped_merger_class`); the pieces of
-            a parameter are released when the next one's list replaces them."""
+            """The merged state dict in ``self.dtype``, one parameter at a time (see :func:`_mapped_merger_class`);
+            the pieces of a parameter are released when the next one's list replaces them."""
             ranks = self.state_dicts[:total_shards]
             merged: dict[str, torch.Tensor] = {}
             for key in list(ranks[0]):
