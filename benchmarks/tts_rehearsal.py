@@ -149,7 +149,7 @@ class Policy:
     def endpoint(self, log: Path) -> Iterator[list[str]]:
         """The evaluation CLI's endpoint flags while the policy is served (its server's output goes to ``log``)."""
         if self.checkpoint is None:
-            yield ["--base-url", str(self.base_url), "--model", str(self.model)]
+            yield self.flags()
             return
         from envace.eval.server import ServerLaunchError, launch_server
         from trace2env.cliargs import one_line
@@ -285,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         with policy.endpoint(args.out / policy.name / "server.log") as endpoint:
             for cell in plan:
                 run_dir = args.out / policy.name / cell.name
+                head = [sys.executable, "-m", "envace.eval", "synthetic"]
                 rest = [*flags, "--categories", *args.shapes, "--limit", str(args.limit), "--concurrency",
                         str(args.concurrency), "--no-progress", "--label", f"{policy.name} {cell.label}", "--out",
                         str(run_dir), *cell.flags(act_t, rehearse_t), *extra]
-                head = [sys.executable, "-m", "envace.eval", "synthetic"]
                 commands.append(shlex.join([*head, *policy.flags(), *rest]))  # as a user reruns the cell alone
                 print(f"[tts_rehearsal] {policy.name} {cell.label}: {commands[-1]}", flush=True)
                 code = subprocess.run([*head, *endpoint, *rest], cwd=REPO, check=False).returncode

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from envace.models.export import ExportError, export
+from envace.models.export import DTYPES, ExportError, export
 from trace2env.cliargs import ArgumentParser, UsageError, run_cli
 
 PROG = "python -m envace.models"
@@ -36,7 +36,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
                        "(envace.models.export)")
     e.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a run directory, a global_step_N or its actor/")
     e.add_argument("out_dir", metavar="OUT", help="the new Hugging Face checkpoint directory")
-    e.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+    e.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="the weights' dtype (auto: the dtype of the model the run started from, its "
                    "huggingface/config.json's; bfloat16 is verl's own merge)")
     args = parser.parse_args(argv)

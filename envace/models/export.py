@@ -100,8 +100,8 @@ def _shard_paths(actor: Path) -> list[Path]:
     return shards
 
 
-def _check_hf_config(actor: Path) -> None:
-    """``actor/huggingface/config.json`` is a JSON object (the merger's transformers config reads it)."""
+def _check_hf_config(actor: Path) -> dict[str, Any]:
+    """``actor/huggingface/config.json`` is a JSON object (the merger's transformers config reads it); returns it."""
     path = actor / "huggingface" / "config.json"
     if not path.is_file():
         raise ExportError(f"{actor}: no huggingface/config.json (verl saves the model config and tokenizer there)")
@@ -111,6 +111,7 @@ def _check_hf_config(actor: Path) -> None:
         raise ExportError(f"{path}: line {exc.lineno} column {exc.colno}: not JSON ({exc.msg})") from None
     if not isinstance(config, dict):
         raise ExportError(f"{path}: expected a JSON object (a model config), got {type(config).__name__}")
+    return config
 
 
 def _check_out(target: Path) -> None:
@@ -336,10 +337,9 @@ def _merger(actor: Path, target_dir: Path) -> Any:
                           f"{one_line(exc)}") from None
 
 
-def run_dtype(actor: Path) -> str:
-    """The dtype of the model the run started from: its config's ``dtype`` (``torch_dtype`` before transformers 5),
-    bf16 (verl's) where it names none of :data:`DTYPES`."""
-    config = json.loads(read_text(actor / "huggingface" / "config.json", ExportError))
+def run_dtype(config: dict[str, Any]) -> str:
+    """The dtype of the model the run started from, from its ``huggingface/config.json`` (``config``): ``dtype``
+    (``torch_dtype`` before transformers 5), bf16 (verl's) where it names none of :data:`DTYPES`."""
     name = str(config.get("dtype") or config.get("torch_dtype") or "")
     return name if name in DTYPES else "bfloat16"
 
@@ -361,8 +361,8 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
         raise ExportError(f"dtype {dtype!r}: choose auto or one of {', '.join(DTYPES)}")
     actor = find_actor_dir(checkpoint)
     shards = _shard_paths(actor)
-    _check_hf_config(actor)
-    dtype = run_dtype(actor) if dtype == "auto" else dtype
+    config = _check_hf_config(actor)
+    dtype = run_dtype(config) if dtype == "auto" else dtype
     target = Path(out)
     _check_out(target)
     tmp = target.parent / f".{target.name}.export-{os.getpid()}"
