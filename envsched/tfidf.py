@@ -222,13 +222,41 @@ class ChunkCounts:
 
 
 def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> ChunkCounts:
-    """Count one chunk with scikit-learn's ``CountVectorizer(**counter_kwargs)`` (its own analyzer), columns renumbered
-    in order of first appearance (the order ``CountVectorizer`` numbers terms in before it sorts them)."""
-    cv = CountVectorizer(**counter_kwargs, dtype=np.int64)
+    """Count one chunk as scikit-learn's ``CountVectorizer(**counter_kwargs)`` counts it (its own analyzer), columns
+    renumbered in order of first appearance (the order ``CountVectorizer`` numbers terms in before it sorts them).
+
+    Two exact shortcuts keep the per-token Python of the analyzers off repeated text:
+
+    * each distinct text is analysed once and its row repeated (a task pool repeats texts: at 20,000 synthetic
+      tasks the operations view has 1.6 % distinct texts, the abstract view 0.06 %);
+    * a ``char_wb`` analyzer only makes n-grams inside each whitespace-separated word (``_char_wb_ngrams`` loops
+      over ``text.split()``), so a text's counts are the sum of its words' counts: the distinct words are analysed
+      once each, by the same analyzer, and the text x word counts are multiplied by the word x n-gram counts
+      (``_count_by_words``).
+    """
+    first: dict[str, int] = {}
+    rows = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
+    distinct = list(first)
+    del first
     try:
-        x = cv.fit_transform(texts).tocsr()
+        terms, x = _count_by_words(distinct, counter_kwargs) if _by_words(counter_kwargs) else _count(distinct, counter_kwargs)
     except ValueError:  # a chunk without any term
         return ChunkCounts([], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(len(texts) + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    if len(distinct) < len(texts):
+        x = x[rows]
+    n_terms = len(terms)
+    return ChunkCounts(
+        terms=terms, data=x.data.astype(np.int32), indices=x.indices.astype(np.int32), indptr=x.indptr.astype(np.int64),
+        tf=np.bincount(x.indices, weights=x.data, minlength=n_terms).astype(np.int64),  # exact below 2**53
+        df=np.bincount(x.indices, minlength=n_terms).astype(np.int64),
+    )
+
+
+def _count(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[str], sp.csr_matrix]:
+    """``CountVectorizer(**counter_kwargs).fit_transform(texts)`` with its columns renumbered in order of first
+    appearance: (the terms in that order, the int64 count matrix over them, rows sorted by column)."""
+    cv = CountVectorizer(**counter_kwargs, dtype=np.int64)
+    x = cv.fit_transform(texts).tocsr()
     by_col = [""] * len(cv.vocabulary_)
     for t, j in cv.vocabulary_.items():
         by_col[j] = t
@@ -238,13 +266,41 @@ def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> ChunkCo
     by_first = cols[np.argsort(first, kind="stable")]
     rank = np.empty(x.shape[1], dtype=np.int32)
     rank[by_first] = np.arange(len(by_first), dtype=np.int32)
-    indices = rank[x.indices]
-    n_terms = len(by_first)
-    return ChunkCounts(
-        terms=[by_col[j] for j in by_first], data=x.data.astype(np.int32), indices=indices, indptr=x.indptr.astype(np.int64),
-        tf=np.bincount(indices, weights=x.data, minlength=n_terms).astype(np.int64),  # exact below 2**53
-        df=np.bincount(indices, minlength=n_terms).astype(np.int64),
-    )
+    x.indices = rank[x.indices]
+    return [by_col[j] for j in by_first], x
+
+
+def _by_words(counter_kwargs: dict[str, Any]) -> bool:
+    """Whether ``_count_by_words`` counts as ``CountVectorizer(**counter_kwargs)`` does: the ``char_wb`` analyzer
+    on texts given as strings, with scikit-learn's own preprocessing (a custom preprocessor is applied once, to the
+    text, and not again to its words) and counts kept (not binary)."""
+    kw = CountVectorizer(**counter_kwargs).get_params()
+    return kw["analyzer"] == "char_wb" and kw["input"] == "content" and kw["preprocessor"] is None and not kw["binary"]
+
+
+def _count_by_words(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[str], sp.csr_matrix]:
+    """``_count`` for a ``char_wb`` analyzer, through the texts' distinct words (``_by_words`` says when).
+
+    ``_char_wb_ngrams`` makes the n-grams of ``" " + w + " "`` for each word ``w`` of ``preprocess(text).split()``
+    (its whitespace collapsing does not change what ``split()`` returns), so the words are split here with the
+    vectorizer's own preprocessor, and the distinct words, in order of first appearance, are counted by the same
+    analyzer with preprocessing off (it was applied to the whole text).  An n-gram first appears in the first word
+    that has it, so the n-grams' first-appearance order over the distinct words is theirs over the texts.
+    """
+    cv = CountVectorizer(**counter_kwargs)
+    preprocess = cv.build_preprocessor()
+    word_id: dict[str, int] = {}
+    indices: list[int] = []
+    indptr = np.zeros(len(texts) + 1, dtype=np.int64)
+    for r, text in enumerate(texts):
+        indices.extend([word_id.setdefault(w, len(word_id)) for w in preprocess(cv.decode(text)).split()])
+        indptr[r + 1] = len(indices)
+    words = sp.csr_matrix((np.ones(len(indices), dtype=np.int64), np.asarray(indices, dtype=np.int64), indptr), shape=(len(texts), len(word_id)))
+    words.sum_duplicates()
+    terms, grams = _count(list(word_id), {**counter_kwargs, "lowercase": False, "strip_accents": None})
+    x = sp.csr_matrix(words @ grams)
+    x.sort_indices()
+    return terms, x
 
 
 def _kept_columns(vocab: dict[str, int], tf: np.ndarray, df: np.ndarray, n_doc: int, vec: TfidfVectorizer) -> np.ndarray:

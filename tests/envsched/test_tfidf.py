@@ -1,7 +1,8 @@
 """Row-chunked TF-IDF (``envsched/tfidf.py``): ``tfidf_chunks`` gives exactly ``TfidfVectorizer.fit_transform``
 (values, column indices, in-row order) with and without a binding ``max_features``, for every view's analyzer, in
 this process or counted by worker processes; ``chunk_map`` keeps the order and raises a worker's failure; the
-on-disk CSR round-trips and refuses a short write."""
+on-disk CSR round-trips and refuses a short write.  ``count_chunk`` (pass 1, with its shortcuts for repeated texts and
+``char_wb`` words) counts as ``CountVectorizer`` does, on any text."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import os
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from sklearn.feature_extraction.text import TfidfVectorizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
 
 from envsched import TaskPool
 from envsched.graph import code_structure
 from envsched.synthetic import synthetic_records
-from envsched.tfidf import DiskCSR, DiskCSRWriter, chunk_map, tfidf_chunks
+from envsched.tfidf import DiskCSR, DiskCSRWriter, _by_words, chunk_map, count_chunk, tfidf_chunks
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +38,59 @@ def test_chunked_tfidf_equals_sklearn(pool, view, max_features):
           "code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)}}[view]
     texts = [code_structure(t.verifier_code) for t in pool.tasks] if view == "code" else [t.instruction for t in pool.tasks]
     texts[3] = ""  # an empty document stays an empty row
+    texts[9] = texts[40] = texts[2]  # repeated texts are counted once and their rows repeated
     args = {"min_df": 1, "max_features": max_features, "sublinear_tf": True, "dtype": np.float32, **kw}
     want = TfidfVectorizer(**args).fit_transform(texts)
     for chunk_rows, workers in ((len(texts), 1), (37, 1), (4, 1), (37, 2)):
         got = sp.vstack(list(tfidf_chunks(texts, chunk_rows=chunk_rows, workers=workers, **args)), format="csr")
         assert _same(got, want), (view, max_features, chunk_rows, workers)
+
+
+def _counted_as_sklearn(texts: list[str], kwargs: dict) -> None:
+    """``count_chunk`` against ``CountVectorizer`` itself: the terms in order of first appearance in the analyzer's
+    stream, each row's counts, rows sorted by that order, and the term and document frequencies."""
+    got = count_chunk(texts, kwargs)
+    analyze = CountVectorizer(**kwargs).build_analyzer()
+    streams = [analyze(t) for t in texts]
+    order = list(dict.fromkeys(g for s in streams for g in s))
+    assert got.terms == order
+    x = sp.csr_matrix((got.data, got.indices, got.indptr), shape=(len(texts), len(order)))
+    for r, s in enumerate(streams):
+        row = x.indices[x.indptr[r] : x.indptr[r + 1]]
+        assert np.all(np.diff(row) > 0)
+        assert {order[j]: int(c) for j, c in zip(row, x.data[x.indptr[r] : x.indptr[r + 1]])} == {g: s.count(g) for g in s}
+    assert got.tf.tolist() == [sum(s.count(g) for s in streams) for g in order]
+    assert got.df.tolist() == [sum(g in s for s in streams) for g in order]
+
+
+_WORDS = st.text(alphabet=st.sampled_from(list("abAB_é1 \t\n\u3000\u2028\x1c\x85")), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_WORDS, min_size=1, max_size=8).flatmap(lambda distinct: st.lists(st.sampled_from(distinct), min_size=1, max_size=12)),
+       st.sampled_from([{"analyzer": "char_wb", "ngram_range": (3, 5)}, {"analyzer": "char_wb", "ngram_range": (1, 2), "lowercase": False},
+                        {"analyzer": "char_wb", "ngram_range": (2, 4), "strip_accents": "unicode"},
+                        {"ngram_range": (1, 2)}, {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)}]))
+def test_count_chunk_counts_as_count_vectorizer(texts, kwargs):
+    """Repeated texts, unicode whitespace (ideographic space, line separator, the C0 / C1 separators ``split()``
+    takes), case, accents and words shorter than the n-grams: the shortcuts give sklearn's counts and order."""
+    assert _by_words(kwargs) == (kwargs.get("analyzer") == "char_wb")
+    if not any(CountVectorizer(**kwargs).build_analyzer()(t) for t in texts):
+        assert count_chunk(texts, kwargs).terms == []  # a chunk without any term
+        return
+    _counted_as_sklearn(texts, kwargs)
+
+
+def test_count_chunk_takes_the_general_path_for_what_words_cannot_count():
+    """A custom preprocessor or binary counts are counted by sklearn's analyzer over the whole text."""
+    texts = ["Ab  ab ab", "ab ab", "Ab  ab ab"]
+    for kwargs in ({"analyzer": "char_wb", "ngram_range": (2, 3), "preprocessor": lambda t: t.replace("b", "b c")},
+                   {"analyzer": "char_wb", "ngram_range": (2, 3), "binary": True}):
+        assert not _by_words(kwargs)
+        got = count_chunk(texts, kwargs)
+        want = CountVectorizer(**kwargs).fit(texts)
+        assert sorted(got.terms) == sorted(want.vocabulary_)
+        assert got.tf.sum() == want.transform(texts).sum()
 
 
 def _square_or_fail(a: int, b: int) -> list[int]:
