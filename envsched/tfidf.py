@@ -225,21 +225,26 @@ def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> ChunkCo
     """Count one chunk as scikit-learn's ``CountVectorizer(**counter_kwargs)`` counts it (its own analyzer), columns
     renumbered in order of first appearance (the order ``CountVectorizer`` numbers terms in before it sorts them).
 
-    Two exact shortcuts keep the per-token Python of the analyzers off repeated text:
+    Three exact shortcuts keep the per-token Python of the analyzers off repeated text:
 
     * each distinct text is analysed once and its row repeated (a task pool repeats texts: at 20,000 synthetic
       tasks the operations view has 1.6 % distinct texts, the abstract view 0.06 %);
     * a ``char_wb`` analyzer only makes n-grams inside each whitespace-separated word (``_char_wb_ngrams`` loops
       over ``text.split()``), so a text's counts are the sum of its words' counts: the distinct words are analysed
       once each, by the same analyzer, and the text x word counts are multiplied by the word x n-gram counts
-      (``_count_by_words``).
+      (``_count_by_words``);
+    * a word analyzer's unigrams and bigrams are counted as integer pairs of token ids (``_count_by_tokens``): the
+      texts are tokenized by the vectorizer's own preprocessor and tokenizer, and only the distinct terms become
+      strings.
     """
     first: dict[str, int] = {}
     rows = np.fromiter((first.setdefault(t, len(first)) for t in texts), dtype=np.int64, count=len(texts))
     distinct = list(first)
     del first
     try:
-        terms, x = _count_by_words(distinct, counter_kwargs) if _by_words(counter_kwargs) else _count(distinct, counter_kwargs)
+        counted = _count_by_words(distinct, counter_kwargs) if _by_words(counter_kwargs) else None
+        counted = _count_by_tokens(distinct, counter_kwargs) if counted is None and _by_tokens(counter_kwargs) else counted
+        terms, x = counted if counted is not None else _count(distinct, counter_kwargs)
     except ValueError:  # a chunk without any term
         return ChunkCounts([], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(len(texts) + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
     if len(distinct) < len(texts):
@@ -300,6 +305,77 @@ def _count_by_words(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tup
     terms, grams = _count(list(word_id), {**counter_kwargs, "lowercase": False, "strip_accents": None})
     x = sp.csr_matrix(words @ grams)
     x.sort_indices()
+    return terms, x
+
+
+def _by_tokens(counter_kwargs: dict[str, Any]) -> bool:
+    """Whether ``_count_by_tokens`` applies: the word analyzer with n-grams of at most two tokens and no stop words,
+    on texts given as strings, counts kept (not binary)."""
+    cv = CountVectorizer(**counter_kwargs)
+    kw = cv.get_params()
+    return (kw["analyzer"] == "word" and kw["input"] == "content" and kw["ngram_range"][1] <= 2 and not kw["binary"]
+            and cv.get_stop_words() is None)
+
+
+def _count_by_tokens(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[str], sp.csr_matrix] | None:
+    """``_count`` for a word analyzer of unigrams and / or bigrams (``_by_tokens`` says when); None where a token
+    has a space in it (a bigram's string could then be another term's), which ``_count`` counts instead.
+
+    ``_word_ngrams`` gives each text's terms as its tokens, then the space-joined pairs of neighbouring tokens
+    (those of the n-gram range).  Here each token is an integer id (in order of first appearance), a pair is the
+    integer ``V + a * V + b``, and each term occurrence gets its position in the analyzer's stream of terms: the
+    terms are numbered by their first position, as ``_count`` numbers them.
+    """
+    cv = CountVectorizer(**counter_kwargs)
+    preprocess, tokenize = cv.build_preprocessor(), cv.build_tokenizer()
+    lo, hi = cv.ngram_range
+    token_id: dict[str, int] = {}
+    flat: list[int] = []
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for r, text in enumerate(texts):
+        tokens = tokenize(preprocess(cv.decode(text)))
+        flat.extend([token_id.setdefault(w, len(token_id)) for w in tokens])
+        lengths[r] = len(tokens)
+    words = list(token_id)
+    if any(" " in w for w in words):
+        return None
+    ids = np.asarray(flat, dtype=np.int64)
+    v = len(words)
+    row = np.repeat(np.arange(len(texts), dtype=np.int64), lengths)
+    start = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=start[1:])
+    local = np.arange(len(ids), dtype=np.int64) - start[row]  # a token's position in its text
+    n_uni = lengths if lo == 1 else np.zeros_like(lengths)
+    n_bi = np.maximum(lengths - 1, 0) if hi == 2 else np.zeros_like(lengths)
+    stream = np.zeros(len(texts), dtype=np.int64)  # where each text's terms begin in the analyzer's stream
+    np.cumsum((n_uni + n_bi)[:-1], out=stream[1:])
+    keys, rows, positions = [], [], []
+    if lo == 1:
+        keys.append(ids)
+        rows.append(row)
+        positions.append(stream[row] + local)
+    if hi == 2:
+        pair = local < lengths[row] - 1  # a token followed by another of its text
+        first = np.flatnonzero(pair)
+        keys.append(v + ids[first] * v + ids[first + 1])
+        rows.append(row[first])
+        positions.append(stream[row[first]] + n_uni[row[first]] + local[first])
+    key, rows_, pos = np.concatenate(keys), np.concatenate(rows), np.concatenate(positions)
+    if not len(key):
+        raise ValueError("empty vocabulary; perhaps the documents only contain stop words")
+    distinct, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
+    by_first = np.argsort(pos[first_at], kind="stable")
+    rank = np.empty(len(distinct), dtype=np.int64)
+    rank[by_first] = np.arange(len(distinct), dtype=np.int64)
+    x = sp.csr_matrix((np.ones(len(key), dtype=np.int64), (rows_, rank[inverse])), shape=(len(texts), len(distinct)))
+    x.sum_duplicates()
+    terms = []
+    for k in distinct[by_first].tolist():
+        if k < v:
+            terms.append(words[k])
+        else:
+            a, b = divmod(k - v, v)
+            terms.append(words[a] + " " + words[b])
     return terms, x
 
 

@@ -18,7 +18,16 @@ from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
 from envsched import TaskPool
 from envsched.graph import code_structure
 from envsched.synthetic import synthetic_records
-from envsched.tfidf import DiskCSR, DiskCSRWriter, _by_words, chunk_map, count_chunk, tfidf_chunks
+from envsched.tfidf import (
+    DiskCSR,
+    DiskCSRWriter,
+    _by_tokens,
+    _by_words,
+    _count_by_tokens,
+    chunk_map,
+    count_chunk,
+    tfidf_chunks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,27 +79,41 @@ _WORDS = st.text(alphabet=st.sampled_from(list("abAB_é1 \t\n\u3000\u2028\x1c\x8
 @given(st.lists(_WORDS, min_size=1, max_size=8).flatmap(lambda distinct: st.lists(st.sampled_from(distinct), min_size=1, max_size=12)),
        st.sampled_from([{"analyzer": "char_wb", "ngram_range": (3, 5)}, {"analyzer": "char_wb", "ngram_range": (1, 2), "lowercase": False},
                         {"analyzer": "char_wb", "ngram_range": (2, 4), "strip_accents": "unicode"},
-                        {"ngram_range": (1, 2)}, {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)}]))
+                        {"ngram_range": (1, 2)}, {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)},
+                        {"ngram_range": (2, 2)}, {"ngram_range": (1, 1), "strip_accents": "ascii"}]))
 def test_count_chunk_counts_as_count_vectorizer(texts, kwargs):
     """Repeated texts, unicode whitespace (ideographic space, line separator, the C0 / C1 separators ``split()``
-    takes), case, accents and words shorter than the n-grams: the shortcuts give sklearn's counts and order."""
+    takes), case, accents, one-token texts and words shorter than the n-grams: the shortcuts give sklearn's counts
+    and order."""
     assert _by_words(kwargs) == (kwargs.get("analyzer") == "char_wb")
+    assert _by_tokens(kwargs) == (kwargs.get("analyzer") is None)
     if not any(CountVectorizer(**kwargs).build_analyzer()(t) for t in texts):
         assert count_chunk(texts, kwargs).terms == []  # a chunk without any term
         return
     _counted_as_sklearn(texts, kwargs)
 
 
-def test_count_chunk_takes_the_general_path_for_what_words_cannot_count():
-    """A custom preprocessor or binary counts are counted by sklearn's analyzer over the whole text."""
-    texts = ["Ab  ab ab", "ab ab", "Ab  ab ab"]
+def test_count_chunk_takes_the_general_path_for_what_the_shortcuts_cannot_count():
+    """A char_wb analyzer with a custom preprocessor, binary counts, stop words, trigrams: counted by sklearn's
+    analyzer over the whole text."""
+    texts = ["Ab  ab ab the", "ab ab", "Ab  ab ab the"]
     for kwargs in ({"analyzer": "char_wb", "ngram_range": (2, 3), "preprocessor": lambda t: t.replace("b", "b c")},
-                   {"analyzer": "char_wb", "ngram_range": (2, 3), "binary": True}):
-        assert not _by_words(kwargs)
+                   {"analyzer": "char_wb", "ngram_range": (2, 3), "binary": True}, {"stop_words": "english"},
+                   {"ngram_range": (1, 3)}, {"binary": True}):
+        assert not _by_words(kwargs) and not _by_tokens(kwargs)
         got = count_chunk(texts, kwargs)
         want = CountVectorizer(**kwargs).fit(texts)
         assert sorted(got.terms) == sorted(want.vocabulary_)
         assert got.tf.sum() == want.transform(texts).sum()
+
+
+def test_tokens_with_spaces_are_counted_by_the_analyzer():
+    """A tokenizer whose tokens have spaces: the bigram "ab ab" of tokens ("ab", "ab") and the token "ab ab" are one
+    term for sklearn, so the token-pair shortcut declines and the analyzer counts."""
+    texts = ["ab ab", "ab ab ab", "x ab ab"]
+    kwargs = {"token_pattern": r"ab ab|\w+", "ngram_range": (1, 2)}
+    assert _by_tokens(kwargs) and _count_by_tokens(texts, kwargs) is None
+    _counted_as_sklearn(texts, kwargs)
 
 
 def _square_or_fail(a: int, b: int) -> list[int]:
