@@ -600,7 +600,9 @@ def build_static_graph(
         texts = {v: ViewTexts(VIEW_NAMES[v], pool.tasks, ops_texts if VIEW_NAMES[v] == "operations" else ()) for v in order}
         kwargs = {v: counter_kwargs(_tfidf_kwargs(cfg, **_VIEW_KWARGS[VIEW_NAMES[v]])) for v in order}
         bounds = row_chunks(n, chunk_rows)
-        stream = _no_value_errors(chunk_map(lambda v, a, b: count_chunk(texts[v][a:b], kwargs[v]), [(v, a, b) for v in order for a, b in bounds], workers))
+        # a worker writes its chunk's count matrix to the store folder itself (only the terms come back pickled)
+        spill = (lambda v, a: folder / f"counts{v}_{a}") if workers > 1 else (lambda v, a: None)
+        stream = _no_value_errors(chunk_map(lambda v, a, b: count_chunk(texts[v][a:b], kwargs[v], spill(v, a)), [(v, a, b) for v in order for a, b in bounds], workers))
         for v in order:
             name, weight = VIEW_NAMES[v], cfg.view_weights[v]
             width = 0

@@ -5,9 +5,10 @@ At a million tasks one ``TfidfVectorizer.fit_transform`` of the character 3-5-gr
 matrix of Eq. 1 is several GiB (docs/results/envsched_scale.md).  ``tfidf_chunks`` gives the same matrix, chunk of
 rows by chunk of rows, holding one chunk at a time:
 
-1. pass 1 counts each chunk with scikit-learn's ``CountVectorizer`` (the vectorizer's own analyzer), merges the
-   vocabularies in first-appearance order, and adds up term counts and document frequencies; the chunk count
-   matrices go to a scratch folder;
+1. pass 1 counts each chunk as scikit-learn's ``CountVectorizer`` counts it (``count_chunk``: the vectorizer's own
+   analyzer, or its exact shortcuts for repeated texts, ``char_wb`` words and word unigrams / bigrams); the chunk
+   count matrices go to a scratch folder with the chunk's own term numbers, the terms of all chunks are numbered
+   once in order of first appearance (``pandas.factorize``), and term counts and document frequencies added up;
 2. the vocabulary is cut as ``TfidfVectorizer`` cuts it (``_sort_features`` then ``_limit_features``:
    document-frequency bounds, then the ``max_features`` most frequent terms chosen by the same
    ``(-tf).argsort()`` over the alphabetically sorted terms) and the idf is computed as ``TfidfTransformer.fit``
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pandas as pd
 import scipy.sparse as sp
 from sklearn.feature_extraction.text import CountVectorizer, TfidfTransformer, TfidfVectorizer
 
@@ -151,67 +153,78 @@ def counter_kwargs(vectorizer_kwargs: dict[str, Any]) -> dict[str, Any]:
 def tfidf_from_counts(counts: Iterator[ChunkCounts], n_doc: int, *, scratch: Path | None = None, **vectorizer_kwargs: Any) -> Iterator[sp.csr_matrix]:
     """``tfidf_chunks`` from its pass 1 counts: ``count_chunk`` of each row chunk of the ``n_doc`` texts with
     ``counter_kwargs(vectorizer_kwargs)``, in order; ``counts`` is read to its end before the first chunk is yielded
-    (a caller may count several views' chunks in one ``chunk_map`` and hand each view its slice)."""
+    (a caller may count several views' chunks in one ``chunk_map`` and hand each view its slice).
+
+    The chunks' terms are numbered once, by ``pandas.factorize`` over all of them in chunk order (codes in order of
+    first appearance: the ids ``CountVectorizer`` numbers terms by before it sorts them); each chunk's counts wait on
+    disk with its own term numbers until pass 2 maps them to the kept columns.
+    """
     vec = TfidfVectorizer(**vectorizer_kwargs)
     dtype = vec.dtype
     own = scratch is None
     folder = Path(tempfile.mkdtemp(prefix="envsched-tfidf-")) if own else Path(scratch)
     folder.mkdir(parents=True, exist_ok=True)
+    stored: list[str] = []  # each chunk's count matrix on disk: <prefix>_{data,indices,indptr}.npy
     try:
-        vocab: dict[str, int] = {}  # term -> global first-appearance id
-        tf = np.zeros(0, dtype=np.int64)
-        df = np.zeros(0, dtype=np.int64)
-        n_chunks = 0
+        terms: list[list[str]] = []
+        tf: list[np.ndarray] = []
+        df: list[np.ndarray] = []
         for c, part in enumerate(counts):
-            n_chunks += 1
-            # new terms get global ids in order of first appearance (the chunk's terms come in that order, once each)
-            vocab.update(zip([t for t in part.terms if t not in vocab], itertools.count(len(vocab))))
-            gid = np.fromiter(map(vocab.__getitem__, part.terms), dtype=np.int64, count=len(part.terms))
-            if len(vocab) > len(tf):
-                tf = np.concatenate([tf, np.zeros(len(vocab) - len(tf), dtype=np.int64)])
-                df = np.concatenate([df, np.zeros(len(vocab) - len(df), dtype=np.int64)])
-            tf[gid] += part.tf  # gid is one-to-one within a chunk
-            df[gid] += part.df
-            # rows in sklearn's in-row order: by first appearance of the term in the whole corpus
-            g = sp.csr_matrix((part.data, gid[part.indices], part.indptr), shape=(len(part.indptr) - 1, max(len(vocab), 1)))
-            if len(gid) and not np.all(gid[1:] > gid[:-1]):  # first-appearance ids increasing: rows already sorted
-                g.has_sorted_indices = False
-                g.sort_indices()
-            np.save(folder / f"c{c}_data.npy", g.data)
-            np.save(folder / f"c{c}_indices.npy", g.indices.astype(np.int64))
-            np.save(folder / f"c{c}_indptr.npy", g.indptr.astype(np.int64))
-            del part, g
-        if not vocab:
+            terms.append(part.terms)
+            tf.append(part.tf)
+            df.append(part.df)
+            stored.append(part.spilled or part.spill(folder / f"c{c}").spilled)  # type: ignore[arg-type]
+            del part
+        offsets = np.zeros(len(terms) + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in terms], out=offsets[1:])
+        if not offsets[-1]:
             raise ValueError("empty vocabulary; perhaps the documents only contain stop words")
-        col = _kept_columns(vocab, tf, df, n_doc, vec)
+        every = np.empty(offsets[-1], dtype=object)
+        for c, t in enumerate(terms):
+            every[offsets[c] : offsets[c + 1]] = t
+        del terms
+        gid, vocab = pd.factorize(every)  # every chunk's terms, in order: codes by first appearance in the corpus
+        del every
+        tf_all = np.bincount(gid, weights=np.concatenate(tf), minlength=len(vocab)).astype(np.int64)  # exact below 2**53
+        df_all = np.bincount(gid, weights=np.concatenate(df), minlength=len(vocab)).astype(np.int64)
+        del tf, df
+        col = _kept_columns(vocab.tolist(), tf_all, df_all, n_doc, vec)
         del vocab
         n_features = int(col.max()) + 1
         kept_df = np.zeros(n_features, dtype=np.int64)
-        kept_df[col[col >= 0]] = df[col >= 0]
+        kept_df[col[col >= 0]] = df_all[col >= 0]
         transformer = _transformer(vec, kept_df, n_doc, dtype)
-        for c in range(n_chunks):
-            data = np.load(folder / f"c{c}_data.npy")
-            idx = col[np.load(folder / f"c{c}_indices.npy")]
-            indptr = np.load(folder / f"c{c}_indptr.npy")
-            keep = idx >= 0
+        for c, prefix in enumerate(stored):
+            data = np.load(f"{prefix}_data.npy")
+            g = gid[offsets[c] + np.load(f"{prefix}_indices.npy")]  # each entry's term, numbered corpus-wide
+            indptr = np.load(f"{prefix}_indptr.npy")
+            for name in _PARTS:
+                Path(f"{prefix}_{name}.npy").unlink()
+            keep = col[g] >= 0
             rows = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
-            new_indptr = np.zeros_like(indptr)
+            new_indptr = np.zeros(len(indptr), dtype=np.int32)
             np.cumsum(np.bincount(rows[keep], minlength=len(indptr) - 1), out=new_indptr[1:])
-            counts = sp.csr_matrix((data[keep].astype(dtype), idx[keep].astype(np.int32), new_indptr.astype(np.int32)), shape=(len(indptr) - 1, n_features))
-            yield sp.csr_matrix(transformer.transform(counts, copy=False))
+            x = sp.csr_matrix((data[keep].astype(dtype), g[keep], new_indptr), shape=(len(indptr) - 1, len(col)))
+            # rows in sklearn's in-row order: by first appearance of the term in the whole corpus
+            x.has_sorted_indices = False
+            x.sort_indices()
+            counts_c = sp.csr_matrix((x.data, col[x.indices].astype(np.int32), new_indptr), shape=(len(indptr) - 1, n_features))
+            yield sp.csr_matrix(transformer.transform(counts_c, copy=False))
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
-        else:
-            for f in folder.glob("c*_*.npy"):
-                f.unlink()
+        for prefix in stored:  # after an error, or a caller that stopped early
+            for name in _PARTS:
+                Path(f"{prefix}_{name}.npy").unlink(missing_ok=True)
 
 
 @dataclass
 class ChunkCounts:
     """Pass 1 of ``tfidf_chunks`` for one chunk of documents: ``terms`` in order of first appearance in the chunk,
     the chunk's count matrix over them (CSR parts, term k = column k, rows sorted by column), and each term's
-    total count ``tf`` and document frequency ``df`` in the chunk."""
+    total count ``tf`` and document frequency ``df`` in the chunk.  ``spilled``: the path prefix the count matrix was
+    written to (``<spilled>_{data,indices,indptr}.npy``) by the process that counted it, which then sends the
+    arrays empty: a build worker writes its chunk to disk instead of pickling it to the parent."""
 
     terms: list[str]
     data: np.ndarray
@@ -219,11 +232,23 @@ class ChunkCounts:
     indptr: np.ndarray
     tf: np.ndarray
     df: np.ndarray
+    spilled: str | None = None
+
+    def spill(self, prefix: Path | str) -> ChunkCounts:
+        """This chunk with its count matrix written to ``<prefix>_{data,indices,indptr}.npy`` and left out."""
+        for name in _PARTS:
+            np.save(f"{prefix}_{name}.npy", getattr(self, name))
+        empty = np.zeros(0, dtype=np.int32)
+        return ChunkCounts(self.terms, empty, empty, empty, self.tf, self.df, spilled=str(prefix))
 
 
-def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> ChunkCounts:
+_PARTS = ("data", "indices", "indptr")
+
+
+def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any], spill: Path | str | None = None) -> ChunkCounts:
     """Count one chunk as scikit-learn's ``CountVectorizer(**counter_kwargs)`` counts it (its own analyzer), columns
-    renumbered in order of first appearance (the order ``CountVectorizer`` numbers terms in before it sorts them).
+    renumbered in order of first appearance (the order ``CountVectorizer`` numbers terms in before it sorts them);
+    with ``spill``, the count matrix is written there (``ChunkCounts.spill``).
 
     Three exact shortcuts keep the per-token Python of the analyzers off repeated text:
 
@@ -250,11 +275,12 @@ def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> ChunkCo
     if len(distinct) < len(texts):
         x = x[rows]
     n_terms = len(terms)
-    return ChunkCounts(
+    out = ChunkCounts(
         terms=terms, data=x.data.astype(np.int32), indices=x.indices.astype(np.int32), indptr=x.indptr.astype(np.int64),
         tf=np.bincount(x.indices, weights=x.data, minlength=n_terms).astype(np.int64),  # exact below 2**53
         df=np.bincount(x.indices, minlength=n_terms).astype(np.int64),
     )
+    return out if spill is None else out.spill(spill)
 
 
 def _count(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[str], sp.csr_matrix]:
@@ -379,15 +405,14 @@ def _count_by_tokens(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tu
     return terms, x
 
 
-def _kept_columns(vocab: dict[str, int], tf: np.ndarray, df: np.ndarray, n_doc: int, vec: TfidfVectorizer) -> np.ndarray:
-    """Final column of each global term id (-1: pruned), as ``CountVectorizer.fit_transform`` decides it."""
+def _kept_columns(vocab: list[str], tf: np.ndarray, df: np.ndarray, n_doc: int, vec: TfidfVectorizer) -> np.ndarray:
+    """Final column of each global term id (``vocab``: the terms by id; -1: pruned), as
+    ``CountVectorizer.fit_transform`` decides it."""
     max_df, min_df, limit = vec.max_df, vec.min_df, vec.max_features
     high = max_df if isinstance(max_df, Integral) else max_df * n_doc
     low = min_df if isinstance(min_df, Integral) else min_df * n_doc
-    if limit is not None:  # _sort_features: alphabetical order (vocab's insertion order is the id order)
-        terms = list(vocab)
-        order = np.fromiter(sorted(range(len(terms)), key=terms.__getitem__), dtype=np.int64, count=len(terms))
-        del terms
+    if limit is not None:  # _sort_features: alphabetical order
+        order = np.fromiter(sorted(range(len(vocab)), key=vocab.__getitem__), dtype=np.int64, count=len(vocab))
     else:
         order = np.arange(len(vocab))
     dfs = df[order]

@@ -163,6 +163,12 @@ def test_graph_built_by_worker_processes_equals_the_in_process_build(pool):
     assert set(two.build_breakdown) >= {"operations", "abstract_view", "view:instruction_chars", "x_full", "representatives"}
 
 
+def test_worker_count_files_are_gone_after_the_build(pool, tmp_path):
+    """The build workers write each chunk's counts into the store folder; pass 2 removes them, leaving x_full."""
+    build_static_graph(pool, EnvSchedConfig(), chunk_rows=50, workers=2, store=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_full_data.npy", "x_full_indices.npy", "x_full_indptr.npy", "x_full_shape.npy"]
+
+
 def test_build_workers_must_be_positive(pool):
     with pytest.raises(ValueError, match="build_workers"):
         EnvSchedConfig(build_workers=0)
@@ -178,10 +184,10 @@ def test_a_failure_while_counting_a_view_is_raised_not_read_as_an_empty_view(poo
 
     real = graph_mod.count_chunk
 
-    def failing(texts, kwargs):
+    def failing(texts, kwargs, spill=None):
         if kwargs.get("analyzer") == "char_wb":
             raise ValueError("broken analyzer")
-        return real(texts, kwargs)
+        return real(texts, kwargs, spill)
 
     monkeypatch.setattr(graph_mod, "count_chunk", failing)
     with pytest.raises(RuntimeError, match="broken analyzer"):
