@@ -495,9 +495,12 @@ def make_extractor(cfg: EnvSchedConfig, client: Any = None) -> Any:
 
 
 def _description_texts(tasks: Sequence[Task], extractor: DeterministicExtractor) -> tuple[list[str], list[str]]:
-    """(concrete_text, abstract_text) of each task's deterministic description (what the build keeps of it)."""
+    """(concrete_text, abstract_text) of each task's deterministic description (what the build keeps of it).  Equal
+    texts are one string object, so a build worker pickles each distinct text once and the parent keeps one copy
+    (at 20,000 synthetic tasks 1.6 % of the concrete texts and 0.06 % of the abstract ones are distinct)."""
     texts = [extractor.texts(t) for t in tasks]
-    return [c for c, _ in texts], [a for _, a in texts]
+    one: dict[str, str] = {}
+    return [one.setdefault(c, c) for c, _ in texts], [one.setdefault(a, a) for _, a in texts]
 
 
 class _PhaseClock:

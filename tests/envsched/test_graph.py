@@ -15,7 +15,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.metrics.pairwise import cosine_similarity
 
 from envsched import EnvSchedConfig, TaskPool, build_static_graph
-from envsched.graph import _fallback_code_tokens, code_structure, sparse_row_block_dot
+from envsched.graph import _description_texts, _fallback_code_tokens, code_structure, sparse_row_block_dot
 from envsched.synthetic import synthetic_records
 
 
@@ -167,6 +167,16 @@ def test_worker_count_files_are_gone_after_the_build(pool, tmp_path):
     """The build workers write each chunk's counts into the store folder; pass 2 removes them, leaving x_full."""
     build_static_graph(pool, EnvSchedConfig(), chunk_rows=50, workers=2, store=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x_full_data.npy", "x_full_indices.npy", "x_full_indptr.npy", "x_full_shape.npy"]
+
+
+def test_equal_description_texts_are_one_object(pool):
+    """A build worker sends each distinct operation text once (pickle's memo), and the parent keeps one copy."""
+    from envsched.operations import DeterministicExtractor
+
+    concrete, abstract = _description_texts(pool.tasks, DeterministicExtractor())
+    assert [DeterministicExtractor().texts(t) for t in pool.tasks] == list(zip(concrete, abstract))
+    for texts in (concrete, abstract):
+        assert len({id(t) for t in texts}) == len(set(texts)) < len(texts)
 
 
 def test_build_workers_must_be_positive(pool):
