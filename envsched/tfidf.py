@@ -10,14 +10,15 @@ rows by chunk of rows, holding one chunk at a time:
    count matrices go to a scratch folder with the chunk's own term numbers, the terms of all chunks are numbered
    once in order of first appearance (``pandas.factorize``), and term counts and document frequencies added up;
 2. the vocabulary is cut as ``TfidfVectorizer`` cuts it (``_sort_features`` then ``_limit_features``:
-   document-frequency bounds, then the ``max_features`` most frequent terms chosen by the same
-   ``(-tf).argsort()`` over the alphabetically sorted terms) and the idf is computed as ``TfidfTransformer.fit``
-   computes it, in the same dtype;
+   document-frequency bounds, then the ``max_features`` most frequent terms, alphabetical among those tied at the
+   cut, where scikit-learn's choice depends on the CPU: ``_kept_columns``) and the idf is computed as
+   ``TfidfTransformer.fit`` computes it, in the same dtype;
 3. pass 2 maps each stored chunk to the kept columns (entries keep sklearn's in-row order: first appearance in
    the corpus) and applies ``TfidfTransformer.transform`` (sublinear tf, idf, L2 rows: all row-local).
 
-Every stored value, column index and in-row order equals ``TfidfVectorizer(...).fit_transform(texts)``
-(tests/envsched/test_tfidf.py checks ``array_equal`` on data, indices and indptr).
+Every stored value, column index and in-row order equals ``TfidfVectorizer(...).fit_transform(texts)`` where no
+tie straddles the ``max_features`` cut (tests/envsched/test_tfidf.py checks ``array_equal`` on data, indices and
+indptr), and ``TfidfVectorizer(vocabulary=<the kept terms>)`` where one does.
 
 ``DiskCSR`` writes a CSR matrix chunk by chunk to ``.npy`` files and opens it memory-mapped, read-only: a
 step reads only the rows it needs, and ``release()`` drops the pages a step touched from the resident set
@@ -27,6 +28,7 @@ step reads only the rows it needs, and ``release()`` drops the pages a step touc
 from __future__ import annotations
 
 import gc
+import heapq
 import itertools
 import mmap
 import multiprocessing
@@ -406,28 +408,30 @@ def _count_by_tokens(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tu
 
 
 def _kept_columns(vocab: list[str], tf: np.ndarray, df: np.ndarray, n_doc: int, vec: TfidfVectorizer) -> np.ndarray:
-    """Final column of each global term id (``vocab``: the terms by id; -1: pruned), as
-    ``CountVectorizer.fit_transform`` decides it."""
+    """Final column of each term id (``vocab``: the terms by id; -1: pruned), as ``CountVectorizer.fit_transform``
+    decides it: the document-frequency bounds, then the ``max_features`` terms of highest total count, in alphabetical
+    order.
+
+    One departure, at a tie: ``_limit_features`` keeps ``(-tf).argsort()[:max_features]`` over the alphabetically
+    sorted terms, and numpy's default sort is not stable, so which of the terms tied at the cut it keeps depends on
+    the sort kernel numpy picks for the CPU (AVX-512, AVX2 and none keep three different sets; at 51 x 400 synthetic
+    tasks five of the six views cut through a tie).  Here the tie goes to the alphabetically first terms, what a
+    stable sort keeps, on every machine.  Only the tied terms and the kept ones are sorted, not the vocabulary.
+    """
     max_df, min_df, limit = vec.max_df, vec.min_df, vec.max_features
     high = max_df if isinstance(max_df, Integral) else max_df * n_doc
     low = min_df if isinstance(min_df, Integral) else min_df * n_doc
-    if limit is not None:  # _sort_features: alphabetical order
-        order = np.fromiter(sorted(range(len(vocab)), key=vocab.__getitem__), dtype=np.int64, count=len(vocab))
-    else:
-        order = np.arange(len(vocab))
-    dfs = df[order]
-    mask = (dfs <= high) & (dfs >= low)
-    if limit is not None and mask.sum() > limit:  # _limit_features: tf summed in the vectorizer's dtype
-        tfs = tf[order].astype(vec.dtype)
-        mask_inds = (-tfs[mask]).argsort()[:limit]
-        new_mask = np.zeros(len(dfs), dtype=bool)
-        new_mask[np.where(mask)[0][mask_inds]] = True
-        mask = new_mask
-    if not mask.any():
+    kept = np.flatnonzero((df <= high) & (df >= low))
+    if limit is not None and len(kept) > limit:
+        tfs = tf[kept].astype(vec.dtype)  # compared in the vectorizer's dtype, as _limit_features compares them
+        cut = np.partition(tfs, len(tfs) - limit)[len(tfs) - limit]  # the limit-th highest count
+        above, tied = kept[tfs > cut], kept[tfs == cut]
+        first = heapq.nsmallest(limit - len(above), tied.tolist(), key=vocab.__getitem__)
+        kept = np.concatenate([above, np.asarray(first, dtype=np.int64)])
+    if not len(kept):
         raise ValueError("After pruning, no terms remain. Try a lower min_df or a higher max_df.")
-    new_index = np.cumsum(mask) - 1
     col = np.full(len(vocab), -1, dtype=np.int64)
-    col[order[mask]] = new_index[mask]
+    col[np.asarray(sorted(kept.tolist(), key=vocab.__getitem__), dtype=np.int64)] = np.arange(len(kept))
     return col
 
 

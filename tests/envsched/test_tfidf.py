@@ -6,7 +6,10 @@ on-disk CSR round-trips and refuses a short write.  ``count_chunk`` (pass 1, wit
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -40,19 +43,79 @@ def _same(a: sp.csr_matrix, b: sp.csr_matrix) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("indptr", "indices", "data"))
 
 
-@pytest.mark.parametrize("view", ["words", "chars", "code"])
-@pytest.mark.parametrize("max_features", [35_000, 150, 5])
-def test_chunked_tfidf_equals_sklearn(pool, view, max_features):
-    kw = {"words": {"ngram_range": (1, 2)}, "chars": {"analyzer": "char_wb", "ngram_range": (3, 5)},
-          "code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)}}[view]
+_VIEWS = {"words": {"ngram_range": (1, 2)}, "chars": {"analyzer": "char_wb", "ngram_range": (3, 5)},
+          "code": {"token_pattern": r"\S+", "lowercase": False, "ngram_range": (1, 2)}}
+
+
+def _view_texts(pool, view: str) -> list[str]:
     texts = [code_structure(t.verifier_code) for t in pool.tasks] if view == "code" else [t.instruction for t in pool.tasks]
     texts[3] = ""  # an empty document stays an empty row
     texts[9] = texts[40] = texts[2]  # repeated texts are counted once and their rows repeated
-    args = {"min_df": 1, "max_features": max_features, "sublinear_tf": True, "dtype": np.float32, **kw}
+    return texts
+
+
+def _stable_vocabulary(texts: list[str], args: dict) -> dict[str, int]:
+    """The ``max_features`` terms of highest total count, the alphabetically first among those tied at the cut,
+    numbered alphabetically: from ``CountVectorizer``'s uncut counts."""
+    cv = CountVectorizer(**{k: v for k, v in args.items() if k in ("analyzer", "ngram_range", "token_pattern", "lowercase")})
+    tf = np.asarray(cv.fit_transform(texts).sum(axis=0)).ravel()
+    terms = sorted(cv.vocabulary_, key=lambda t: (-tf[cv.vocabulary_[t]], t))[: args["max_features"]]
+    return {t: j for j, t in enumerate(sorted(terms))}
+
+
+@pytest.mark.parametrize("view", list(_VIEWS))
+@pytest.mark.parametrize("max_features", [35_000, 150, 5])
+def test_chunked_tfidf_equals_sklearn(pool, view, max_features):
+    """No cut (35,000): ``TfidfVectorizer.fit_transform`` byte for byte, in-row order included.  A cut through a tie
+    (150, 5): the alphabetically first of the tied terms (scikit-learn's choice there depends on numpy's sort kernel),
+    values as ``TfidfVectorizer`` gives them over that vocabulary, rows in first-appearance order."""
+    texts = _view_texts(pool, view)
+    args = {"min_df": 1, "max_features": max_features, "sublinear_tf": True, "dtype": np.float32, **_VIEWS[view]}
     want = TfidfVectorizer(**args).fit_transform(texts)
+    kept = _stable_vocabulary(texts, args)
+    cut = len(kept) < len(TfidfVectorizer(**{**args, "max_features": None}).fit(texts).vocabulary_)
+    fixed = TfidfVectorizer(**{**args, "vocabulary": kept}).fit_transform(texts)
+    analyze = CountVectorizer(**{k: v for k, v in args.items() if k in _VIEWS[view] or k == "lowercase"}).build_analyzer()
+    first = {}
+    for t in texts:
+        for g in analyze(t):
+            first.setdefault(g, len(first))
+    by_col = sorted(kept)
     for chunk_rows, workers in ((len(texts), 1), (37, 1), (4, 1), (37, 2)):
         got = sp.vstack(list(tfidf_chunks(texts, chunk_rows=chunk_rows, workers=workers, **args)), format="csr")
-        assert _same(got, want), (view, max_features, chunk_rows, workers)
+        if not cut:
+            assert _same(got, want), (view, max_features, chunk_rows, workers)
+            continue
+        for r in range(got.shape[0]):  # in-row order: first appearance in the corpus
+            ranks = [first[by_col[j]] for j in got.indices[got.indptr[r] : got.indptr[r + 1]]]
+            assert ranks == sorted(ranks)
+        canon = got.copy()
+        canon.sort_indices()
+        assert np.array_equal(canon.indptr, fixed.indptr) and np.array_equal(canon.indices, fixed.indices)
+        np.testing.assert_allclose(canon.data, fixed.data, rtol=1e-6)  # a row's norm may sum in another order
+
+
+_ISA = {"avx2": "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR",
+        "baseline": "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR AVX2 FMA3"}
+
+
+def test_the_cut_through_a_tie_is_the_same_on_every_cpu(pool, tmp_path):
+    """numpy picks its sort kernel by the CPU (``NPY_DISABLE_CPU_FEATURES`` turns AVX-512 and AVX2 off, as a CPU
+    without them has them off): the kept vocabulary and every value come out the same under each, where
+    ``TfidfVectorizer`` keeps other terms at the tie on this machine."""
+    texts = _view_texts(pool, "words")
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    script = (
+        "import json, sys, numpy as np, scipy.sparse as sp\n"
+        "from envsched.tfidf import tfidf_chunks\n"
+        f"texts = json.loads(open({str(tmp_path / 'texts.json')!r}).read())\n"
+        "x = sp.vstack(list(tfidf_chunks(texts, chunk_rows=37, min_df=1, max_features=150, ngram_range=(1, 2))), format='csr')\n"
+        "sys.stdout.write(json.dumps([x.indptr.tolist(), x.indices.tolist(), x.data.tolist()]))\n"
+    )
+    runs = {isa: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                env={**os.environ, "NPY_DISABLE_CPU_FEATURES": off}).stdout for isa, off in _ISA.items()}
+    here = sp.vstack(list(tfidf_chunks(texts, chunk_rows=37, min_df=1, max_features=150, ngram_range=(1, 2))), format="csr")
+    assert {json.dumps([here.indptr.tolist(), here.indices.tolist(), here.data.tolist()])} == set(runs.values())
 
 
 def _counted_as_sklearn(texts: list[str], kwargs: dict) -> None:
