@@ -100,7 +100,7 @@ class EnvSchedConfig(BaseModel):
     view_weights: tuple[float, float, float, float, float, float] = (0.28, 0.08, 0.16, 0.12, 0.16, 0.20)
     # Minimum document frequency of every TF-IDF encoder.
     tfidf_min_df: int = Field(1, ge=1)
-    # Feature cap of every TF-IDF encoder.
+    # Feature cap of every TF-IDF encoder: the most frequent terms, the alphabetically first among those tied at the cap.
     tfidf_max_features: int = Field(35_000, ge=1)
     # Sublinear term frequency (1 + log tf) in every TF-IDF encoder.
     tfidf_sublinear_tf: bool = True
