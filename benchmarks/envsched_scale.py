@@ -20,7 +20,10 @@ and code), streamed into ``TaskPool.from_records`` (no list of a million dicts).
 * peak RSS of the process (``ru_maxrss``), and the peak of the whole build's memory: the process's resident set
   plus its worker processes' private pages (the resident set sampled every 0.2 s, the workers' pages every 2 s; a
   forked worker shares the parent's pages until it writes to them, so its own resident set would count the pool
-  twice);
+  twice); and the peak of the anonymous part (the resident set less its file-backed and shared pages, plus the
+  workers'): the step reads S_full's rows from the memory-mapped files, and a kernel that keeps the page cache in
+  large folios maps a whole folio per fault, so those clean file pages (dropped every few thousand rows, and
+  reclaimable) can add gigabytes to the resident set between two drops;
 * ``--predictor paper`` scores the tasks with the paper's Eq. 3-13 instead of the default learned predictor
   (``envsched/predictor.py``), whose fit is refitted at every step from all the groups observed so far;
 * with ``relation_weights: measured`` (the paper predictor's default; ``--relation-weights paper`` for the paper's fixed weights),
@@ -62,6 +65,13 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def anon_bytes() -> int:
+    """Resident bytes that are not file-backed or shared (statm: resident - shared)."""
+    with open("/proc/self/statm") as fh:
+        fields = fh.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+
+
 def children_cpu() -> float:
     """CPU seconds of this process's children that have exited (the build's forked workers)."""
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -90,6 +100,7 @@ def children_private_bytes() -> int:
 
 
 PEAK_TOTAL = [0]  # peak of rss_bytes() + children_private_bytes(), sampled by the watchdog
+PEAK_ANON = [0]  # peak of anon_bytes() + children_private_bytes()
 
 
 def watchdog(limit_gib: float) -> None:
@@ -101,6 +112,7 @@ def watchdog(limit_gib: float) -> None:
             tick += 1
             total = rss_bytes() + children
             PEAK_TOTAL[0] = max(PEAK_TOTAL[0], total)
+            PEAK_ANON[0] = max(PEAK_ANON[0], anon_bytes() + children)
             if total > limit_gib * GIB:
                 print(f"ABORT: resident set with the build workers' private pages {total / GIB:.2f} GiB above --max-rss-gib "
                       f"{limit_gib}; where it was:", flush=True)
@@ -151,7 +163,7 @@ def main() -> None:
     load_after = Path("/proc/loadavg").read_text().split()[0]
     print(f"build  {build_wall:7.1f} s wall / {build_cpu:7.1f} s CPU + {workers_cpu:.1f} s CPU in workers ({rep['build_workers']} "
           f"build workers)   cache={rep['cache']}   RSS {rss_bytes() / GIB:.2f} GiB (peak so far {peak_rss_gib():.2f}, with the "
-          f"workers' private pages {PEAK_TOTAL[0] / GIB:.2f})   nnz_full {rep['nnz_full']:,}   load average after {load_after}", flush=True)
+          f"workers' private pages {PEAK_TOTAL[0] / GIB:.2f}, anonymous {PEAK_ANON[0] / GIB:.2f})   nnz_full {rep['nnz_full']:,}   load average after {load_after}", flush=True)
     if rep["build_breakdown"]:
         print("build phases (s wall / CPU here + CPU in workers): "
               + ", ".join(f"{k} {v['wall']:.1f} / {v['cpu']:.1f} + {v['workers_cpu']:.1f}" for k, v in rep["build_breakdown"].items()), flush=True)
@@ -187,7 +199,7 @@ def main() -> None:
     print(f"step   median {np.median(walls):.3f} s wall / {np.median(cpus):.3f} s CPU, max {max(walls):.3f} s wall "
           f"over steps 1..{args.steps}, last {walls[-1]:.3f} s wall   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
     print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} build_workers={rep['build_workers']} cache={rep['cache']} "
-          f"peak_rss_gib={peak_rss_gib():.2f} peak_total_gib={PEAK_TOTAL[0] / GIB:.2f} "
+          f"peak_rss_gib={peak_rss_gib():.2f} peak_total_gib={PEAK_TOTAL[0] / GIB:.2f} peak_anon_gib={PEAK_ANON[0] / GIB:.2f} "
           f"step_median_s={np.median(walls):.3f} step_cpu_median_s={np.median(cpus):.3f} step_last_s={walls[-1]:.3f} "
           f"predictor={args.predictor} load={load}", flush=True)
 
