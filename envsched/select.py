@@ -16,6 +16,7 @@ since the exact arg-max over a tie needs every tied node's penalty and a tie can
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,9 +89,18 @@ class ScanOrder:
     max_tied: int | None = None
 
 
+@functools.lru_cache(maxsize=4)
+def _spread_permutation(n: int) -> np.ndarray:
+    """All of ``range(n)`` in :func:`spread_key` order (computed once per pool size; read-only)."""
+    perm = np.argsort(spread_key(np.arange(n)))
+    perm.flags.writeable = False
+    return perm
+
+
 def scan_order(x: np.ndarray, max_tied: int | None) -> ScanOrder:
     """:func:`descending_order` of ``x``, each run of more than ``max_tied`` equal values (None: none is) put in
-    :func:`spread_key` order (one O(N log N) sort per batch; the picks scan its head)."""
+    :func:`spread_key` order (one O(N log N) sort per batch; the picks scan its head).  A long run is ordered by
+    filtering the pool's spread order to its nodes (O(N), no sort: at a million tasks a run is most of the pool)."""
     x = np.asarray(x, dtype=np.float64)
     nodes = descending_order(x)
     if max_tied is None or len(nodes) <= max_tied:
@@ -99,8 +109,13 @@ def scan_order(x: np.ndarray, max_tied: int | None) -> ScanOrder:
     starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
     ends = np.r_[starts[1:], len(nodes)]
     long_ = ends - starts > max_tied
-    for a, b in zip(starts[long_], ends[long_], strict=True):
-        nodes[a:b] = nodes[a:b][np.argsort(spread_key(nodes[a:b]))]
+    if long_.any():
+        perm = _spread_permutation(len(nodes))
+        member = np.zeros(len(nodes), dtype=bool)
+        for a, b in zip(starts[long_], ends[long_], strict=True):
+            member[nodes[a:b]] = True
+            nodes[a:b] = perm[member[perm]]
+            member[nodes[a:b]] = False
     return ScanOrder(nodes, tuple(zip(starts[long_].tolist(), ends[long_].tolist(), strict=True)), max_tied)
 
 

@@ -670,6 +670,22 @@ def test_long_ties_compare_their_first_max_tied_candidates(pool, seed, max_tied)
     assert got == want
 
 
+def test_scan_order_equals_sorting_each_long_tie_by_spread_key():
+    """The O(N) filter of the pool's spread order gives each long run the order a sort by spread_key gives it."""
+    from envsched.select import descending_order, scan_order, spread_key
+
+    rng = np.random.default_rng(5)
+    for n, levels, max_tied in ((2_000, 3, 50), (5_000, 40, 100), (777, 1, 10), (300, 300, 2)):
+        x = rng.integers(0, levels, n) / 7.0
+        want = descending_order(x)
+        xs = x[want]
+        starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
+        for a, b in zip(starts, np.r_[starts[1:], n]):
+            if b - a > max_tied:
+                want[a:b] = want[a:b][np.argsort(spread_key(want[a:b]))]
+        assert np.array_equal(scan_order(x, max_tied).nodes, want), (n, levels, max_tied)
+
+
 def test_scan_order_spreads_only_the_long_ties():
     from envsched.select import descending_order, scan_order, spread_key
 
