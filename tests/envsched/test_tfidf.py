@@ -1,8 +1,9 @@
 """Row-chunked TF-IDF (``envsched/tfidf.py``): ``tfidf_chunks`` gives exactly ``TfidfVectorizer.fit_transform``
-(values, column indices, in-row order) with and without a binding ``max_features``, for every view's analyzer, in
-this process or counted by worker processes; ``chunk_map`` keeps the order and raises a worker's failure; the
-on-disk CSR round-trips and refuses a short write.  ``count_chunk`` (pass 1, with its shortcuts for repeated texts and
-``char_wb`` words) counts as ``CountVectorizer`` does, on any text."""
+(values, column indices, in-row order) without a binding ``max_features``, and through a tie at the cut the
+alphabetically first terms, the same on every CPU; for every view's analyzer, in this process or counted by worker
+processes.  ``count_chunk`` (pass 1, with its shortcuts for repeated texts, ``char_wb`` words and token pairs)
+counts as ``CountVectorizer`` does, on any text.  ``chunk_map`` keeps the order and raises a worker's failure; the
+on-disk CSR round-trips and refuses a short write."""
 
 from __future__ import annotations
 
