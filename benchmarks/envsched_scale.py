@@ -60,16 +60,16 @@ from envsched.synthetic import SimulatedLearner, iter_synthetic_records
 GIB = 2**30
 
 
+def _statm_bytes() -> tuple[int, int]:
+    """(resident, resident less its file-backed and shared pages) of this process, in bytes (/proc/self/statm)."""
+    with open("/proc/self/statm") as fh:
+        resident, shared = (int(f) for f in fh.read().split()[1:3])
+    page = os.sysconf("SC_PAGE_SIZE")
+    return resident * page, (resident - shared) * page
+
+
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def anon_bytes() -> int:
-    """Resident bytes that are not file-backed or shared (statm: resident - shared)."""
-    with open("/proc/self/statm") as fh:
-        fields = fh.read().split()
-    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+    return _statm_bytes()[0]
 
 
 def children_cpu() -> float:
@@ -100,7 +100,7 @@ def children_private_bytes() -> int:
 
 
 PEAK_TOTAL = [0]  # peak of rss_bytes() + children_private_bytes(), sampled by the watchdog
-PEAK_ANON = [0]  # peak of anon_bytes() + children_private_bytes()
+PEAK_ANON = [0]  # peak of the anonymous resident set (_statm_bytes()[1]) + children_private_bytes()
 
 
 def watchdog(limit_gib: float) -> None:
@@ -110,9 +110,10 @@ def watchdog(limit_gib: float) -> None:
             if tick % 10 == 0:  # every 2 s: reading a worker's smaps_rollup walks its page tables (CPU charged here)
                 children = children_private_bytes()
             tick += 1
-            total = rss_bytes() + children
+            resident, anon = _statm_bytes()
+            total = resident + children
             PEAK_TOTAL[0] = max(PEAK_TOTAL[0], total)
-            PEAK_ANON[0] = max(PEAK_ANON[0], anon_bytes() + children)
+            PEAK_ANON[0] = max(PEAK_ANON[0], anon + children)
             if total > limit_gib * GIB:
                 print(f"ABORT: resident set with the build workers' private pages {total / GIB:.2f} GiB above --max-rss-gib "
                       f"{limit_gib}; where it was:", flush=True)

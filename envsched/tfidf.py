@@ -269,8 +269,8 @@ def count_chunk(texts: Sequence[str], counter_kwargs: dict[str, Any], spill: Pat
     distinct = list(first)
     del first
     try:
-        counted = _count_by_words(distinct, counter_kwargs) if _by_words(counter_kwargs) else None
-        counted = _count_by_tokens(distinct, counter_kwargs) if counted is None and _by_tokens(counter_kwargs) else counted
+        shortcut = _shortcut(counter_kwargs)
+        counted = shortcut(distinct, counter_kwargs) if shortcut is not None else None
         terms, x = counted if counted is not None else _count(distinct, counter_kwargs)
     except ValueError:  # a chunk without any term
         return ChunkCounts([], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(len(texts) + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -303,16 +303,24 @@ def _count(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[s
     return [by_col[j] for j in by_first], x
 
 
-def _by_words(counter_kwargs: dict[str, Any]) -> bool:
-    """Whether ``_count_by_words`` counts as ``CountVectorizer(**counter_kwargs)`` does: the ``char_wb`` analyzer
-    on texts given as strings, with scikit-learn's own preprocessing (a custom preprocessor is applied once, to the
-    text, and not again to its words) and counts kept (not binary)."""
-    kw = CountVectorizer(**counter_kwargs).get_params()
-    return kw["analyzer"] == "char_wb" and kw["input"] == "content" and kw["preprocessor"] is None and not kw["binary"]
+def _shortcut(counter_kwargs: dict[str, Any]) -> Callable[..., tuple[list[str], sp.csr_matrix] | None] | None:
+    """The exact shortcut that counts as ``CountVectorizer(**counter_kwargs)`` does, or None (texts given as strings
+    and counts kept, not binary, for either): ``_count_by_words`` for the ``char_wb`` analyzer with scikit-learn's own
+    preprocessing (a custom preprocessor is applied once, to the text, and not again to its words);
+    ``_count_by_tokens`` for the word analyzer with n-grams of at most two tokens and no stop words."""
+    cv = CountVectorizer(**counter_kwargs)
+    kw = cv.get_params()
+    if kw["input"] != "content" or kw["binary"]:
+        return None
+    if kw["analyzer"] == "char_wb" and kw["preprocessor"] is None:
+        return _count_by_words
+    if kw["analyzer"] == "word" and kw["ngram_range"][1] <= 2 and cv.get_stop_words() is None:
+        return _count_by_tokens
+    return None
 
 
 def _count_by_words(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[str], sp.csr_matrix]:
-    """``_count`` for a ``char_wb`` analyzer, through the texts' distinct words (``_by_words`` says when).
+    """``_count`` for a ``char_wb`` analyzer, through the texts' distinct words (``_shortcut`` says when).
 
     ``_char_wb_ngrams`` makes the n-grams of ``" " + w + " "`` for each word ``w`` of ``preprocess(text).split()``
     (its whitespace collapsing does not change what ``split()`` returns), so the words are split here with the
@@ -336,17 +344,8 @@ def _count_by_words(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tup
     return terms, x
 
 
-def _by_tokens(counter_kwargs: dict[str, Any]) -> bool:
-    """Whether ``_count_by_tokens`` applies: the word analyzer with n-grams of at most two tokens and no stop words,
-    on texts given as strings, counts kept (not binary)."""
-    cv = CountVectorizer(**counter_kwargs)
-    kw = cv.get_params()
-    return (kw["analyzer"] == "word" and kw["input"] == "content" and kw["ngram_range"][1] <= 2 and not kw["binary"]
-            and cv.get_stop_words() is None)
-
-
 def _count_by_tokens(texts: Sequence[str], counter_kwargs: dict[str, Any]) -> tuple[list[str], sp.csr_matrix] | None:
-    """``_count`` for a word analyzer of unigrams and / or bigrams (``_by_tokens`` says when); None where a token
+    """``_count`` for a word analyzer of unigrams and / or bigrams (``_shortcut`` says when); None where a token
     has a space in it (a bigram's string could then be another term's), which ``_count`` counts instead.
 
     ``_word_ngrams`` gives each text's terms as its tokens, then the space-joined pairs of neighbouring tokens

@@ -25,9 +25,9 @@ from envsched.synthetic import synthetic_records
 from envsched.tfidf import (
     DiskCSR,
     DiskCSRWriter,
-    _by_tokens,
-    _by_words,
     _count_by_tokens,
+    _count_by_words,
+    _shortcut,
     chunk_map,
     count_chunk,
     tfidf_chunks,
@@ -149,8 +149,7 @@ def test_count_chunk_counts_as_count_vectorizer(texts, kwargs):
     """Repeated texts, unicode whitespace (ideographic space, line separator, the C0 / C1 separators ``split()``
     takes), case, accents, one-token texts and words shorter than the n-grams: the shortcuts give sklearn's counts
     and order."""
-    assert _by_words(kwargs) == (kwargs.get("analyzer") == "char_wb")
-    assert _by_tokens(kwargs) == (kwargs.get("analyzer") is None)
+    assert _shortcut(kwargs) is (_count_by_words if kwargs.get("analyzer") == "char_wb" else _count_by_tokens)
     if not any(CountVectorizer(**kwargs).build_analyzer()(t) for t in texts):
         assert count_chunk(texts, kwargs).terms == []  # a chunk without any term
         return
@@ -164,7 +163,7 @@ def test_count_chunk_takes_the_general_path_for_what_the_shortcuts_cannot_count(
     for kwargs in ({"analyzer": "char_wb", "ngram_range": (2, 3), "preprocessor": lambda t: t.replace("b", "b c")},
                    {"analyzer": "char_wb", "ngram_range": (2, 3), "binary": True}, {"stop_words": "english"},
                    {"ngram_range": (1, 3)}, {"binary": True}):
-        assert not _by_words(kwargs) and not _by_tokens(kwargs)
+        assert _shortcut(kwargs) is None
         got = count_chunk(texts, kwargs)
         want = CountVectorizer(**kwargs).fit(texts)
         assert sorted(got.terms) == sorted(want.vocabulary_)
@@ -176,7 +175,7 @@ def test_tokens_with_spaces_are_counted_by_the_analyzer():
     term for sklearn, so the token-pair shortcut declines and the analyzer counts."""
     texts = ["ab ab", "ab ab ab", "x ab ab"]
     kwargs = {"token_pattern": r"ab ab|\w+", "ngram_range": (1, 2)}
-    assert _by_tokens(kwargs) and _count_by_tokens(texts, kwargs) is None
+    assert _shortcut(kwargs) is _count_by_tokens and _count_by_tokens(texts, kwargs) is None
     _counted_as_sklearn(texts, kwargs)
 
 
