@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import scipy.sparse as sp
 
 from .config import EnvSchedConfig
@@ -47,17 +48,33 @@ _FEW_MEMBERS = 4  # nodes missing at most this many members are refreshed member
 # are about one abstract row's tasks: docs/results/envsched_scale.md)
 _ROW_CACHE_BYTES = 512 * 2**20
 _ROW_CACHE_SHARE = 8
+# descending_order: arrays from this length whose sample of _RANK_SAMPLE values is at least half repeats are
+# sorted by rank (a hash and a radix sort); below it numpy's sort is as fast
+_RANK_SORT_MIN = 1024
+_RANK_SAMPLE = 4096
 
 
 def descending_order(x: np.ndarray) -> np.ndarray:
     """``np.argsort(-x, kind="stable")`` for a 1-D array: the nodes by descending value, ties by ascending index
-    (the order the Eq. 5 picks scan).  One unstable sort, then each run of equal values ordered by index with one
-    sort of integer keys (run << bits | index): the same permutation, faster than numpy's stable float sort on a
-    large pool (docs/results/envsched_scale.md).  NaN input goes to numpy."""
+    (the order the Eq. 5 picks scan), the same permutation by the faster of two routes.
+
+    A pool's scores take few distinct values (a million tasks' scores: 48-1,300 at the start of training, one run
+    of a million under ``predictor: paper``; docs/results/envsched_scale.md), and numpy's unstable float sort is
+    at its slowest on such runs.  Where a sample says the values repeat, each value is numbered by its descending
+    rank (``pandas.factorize``, a hash: O(N)) and the nodes are put in rank order by a stable sort of 16-bit ranks
+    (numpy's radix sort: O(N)).  Otherwise, or with more than 65,536 distinct values: one unstable sort, then each
+    run of equal values ordered by index with one sort of integer keys (run << bits | index).  NaN goes to numpy."""
     x = np.asarray(x, dtype=np.float64)
     n = len(x)
     if x.ndim != 1 or n < 2 or np.isnan(x).any():
         return np.argsort(-x, kind="stable")
+    sample = x[:: max(1, n // _RANK_SAMPLE)]
+    if n >= _RANK_SORT_MIN and len(np.unique(sample)) * 2 <= len(sample):
+        codes, values = pd.factorize(x + 0.0)  # + 0.0: -0.0 becomes 0.0, equal as in the float sort
+        if len(values) <= 1 << 16:
+            rank = np.empty(len(values), dtype=np.uint16)
+            rank[np.argsort(-values, kind="stable")] = np.arange(len(values), dtype=np.uint16)
+            return np.argsort(rank[codes], kind="stable")
     s = np.argsort(-x)
     xs = x[s]
     new_run = xs[1:] != xs[:-1]
@@ -99,8 +116,8 @@ def _spread_permutation(n: int) -> np.ndarray:
 
 def scan_order(x: np.ndarray, max_tied: int | None) -> ScanOrder:
     """:func:`descending_order` of ``x``, each run of more than ``max_tied`` equal values (None: none is) put in
-    :func:`spread_key` order (one O(N log N) sort per batch; the picks scan its head).  A long run is ordered by
-    filtering the pool's spread order to its nodes (O(N), no sort: at a million tasks a run is most of the pool)."""
+    :func:`spread_key` order (one sort per batch; the picks scan its head).  The long runs are ordered by filtering
+    the pool's spread order to their nodes, all runs in one pass (O(N): at a million tasks a run is most of the pool)."""
     x = np.asarray(x, dtype=np.float64)
     nodes = descending_order(x)
     if max_tied is None or len(nodes) <= max_tied:
@@ -110,12 +127,17 @@ def scan_order(x: np.ndarray, max_tied: int | None) -> ScanOrder:
     ends = np.r_[starts[1:], len(nodes)]
     long_ = ends - starts > max_tied
     if long_.any():
+        # every long run in one pass: the pool's spread order filtered to their nodes, then grouped by run (a stable
+        # sort keeps the spread order within each run); the runs lie in position order, so the groups fill them in turn
+        n_long = int(long_.sum())
+        run_of = np.zeros(len(nodes), dtype=np.uint16 if n_long < 1 << 16 else np.int64)  # 0: in no long run
+        in_long = np.zeros(len(nodes), dtype=bool)
+        for r, (a, b) in enumerate(zip(starts[long_], ends[long_], strict=True), 1):
+            run_of[nodes[a:b]] = r
+            in_long[a:b] = True
         perm = _spread_permutation(len(nodes))
-        member = np.zeros(len(nodes), dtype=bool)
-        for a, b in zip(starts[long_], ends[long_], strict=True):
-            member[nodes[a:b]] = True
-            nodes[a:b] = perm[member[perm]]
-            member[nodes[a:b]] = False
+        spread = perm[run_of[perm] > 0]
+        nodes[in_long] = spread[np.argsort(run_of[spread], kind="stable")]
     return ScanOrder(nodes, tuple(zip(starts[long_].tolist(), ends[long_].tolist(), strict=True)), max_tied)
 
 

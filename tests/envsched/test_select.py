@@ -543,12 +543,31 @@ def test_descending_order_equals_stable_argsort(seed):
     from envsched.select import descending_order
 
     rng = np.random.default_rng(seed)
-    for n in (0, 1, 2, 5, 1000):
+    for n in (0, 1, 2, 5, 1000, 1024, 5000, 70_000):  # from 1,024 nodes: the rank route where values repeat
         for x in (rng.random(n), np.round(rng.random(n), 1 + seed % 2), np.where(rng.random(n) < 0.5, 0.0, -0.0),
-                  np.where(rng.random(n) < 0.3, np.inf, np.round(rng.random(n), 1)), np.full(n, 0.25)):
+                  np.where(rng.random(n) < 0.3, np.inf, np.round(rng.random(n), 1)), np.full(n, 0.25),
+                  np.where(rng.random(n) < 0.6, -np.inf, rng.random(n)), np.round(rng.normal(size=n), 3)):
             assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
     x = np.array([0.3, np.nan, 0.3, 0.1])
     assert np.array_equal(descending_order(x), np.argsort(-x, kind="stable"))
+
+
+def test_descending_order_ranks_repeated_values_and_falls_back_past_16_bits(monkeypatch):
+    """The rank route is taken where a sample repeats (a pool's scores) and handed back to the float sort when the
+    whole array has more distinct values than 16-bit ranks hold; both give the stable argsort's permutation."""
+    from envsched import select
+
+    calls = []
+    factorize = select.pd.factorize
+    monkeypatch.setattr(select.pd, "factorize", lambda v: calls.append(len(v)) or factorize(v))
+    rng = np.random.default_rng(7)
+    tied = np.round(rng.random(200_000), 2)
+    assert np.array_equal(select.descending_order(tied), np.argsort(-tied, kind="stable")) and calls == [200_000]
+    # 70 % one value (the sample repeats), the rest ~90,000 distinct values: over 16-bit ranks, the float sort
+    wide = np.where(rng.random(300_000) < 0.7, 0.5, rng.random(300_000))
+    assert np.array_equal(select.descending_order(wide), np.argsort(-wide, kind="stable")) and len(calls) == 2
+    distinct = rng.random(200_000)  # the sample does not repeat: no hashing
+    assert np.array_equal(select.descending_order(distinct), np.argsort(-distinct, kind="stable")) and len(calls) == 2
 
 
 def test_row_cache_size():
