@@ -175,25 +175,31 @@ class RowCache:
         _csr_row_index(len(cid), cid.astype(a["ptr"].dtype), a["ptr"], a["cols"], a["vals"], rc, rv)
         return rc, rv
 
-    def keep(self, rows: np.ndarray, indptr: np.ndarray, rc: np.ndarray, rv: np.ndarray) -> None:
-        """Append rows just read from x (``indptr``: their CSR offsets into ``rc`` / ``rv``)."""
-        total = int(indptr[-1])
+    def read(self, rows: np.ndarray, indptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, values) of x[rows] in row order (``indptr``: their CSR offsets), read from x straight into the
+        cache's buffers and kept there (emptying the cache first when they do not fit): no second copy.  Too many
+        entries for the whole cache: read into new arrays, not kept.  The returned arrays may be views of the
+        cache: valid until the next ``read``."""
+        x, total = self.x, int(indptr[-1])
         if total > self.capacity:
-            return
+            rc, rv = np.empty(total, dtype=x.indices.dtype), np.empty(total, dtype=x.data.dtype)
+            _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
+            return rc, rv
         if self._a is None:
-            n = self.x.shape[0]
+            n = x.shape[0]
             self._a = {"id": np.full(n, -1, dtype=np.int32 if n < 2**31 else np.int64), "row": np.zeros(n, dtype=np.int64),
-                       "ptr": np.zeros(n + 1, dtype=rc.dtype), "cols": np.empty(self.capacity, dtype=rc.dtype),
-                       "vals": np.empty(self.capacity, dtype=rv.dtype)}
+                       "ptr": np.zeros(n + 1, dtype=x.indptr.dtype), "cols": np.empty(self.capacity, dtype=x.indices.dtype),
+                       "vals": np.empty(self.capacity, dtype=x.data.dtype)}
         if self.used + total > self.capacity:
             self.clear()
         a, k, used = self._a, self.rows, self.used
-        a["cols"][used : used + total] = rc
-        a["vals"][used : used + total] = rv
+        rc, rv = a["cols"][used : used + total], a["vals"][used : used + total]
+        _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
         a["ptr"][k + 1 : k + 1 + len(rows)] = used + indptr[1:]
         a["id"][rows] = np.arange(k, k + len(rows))
         a["row"][k : k + len(rows)] = rows
         self.rows, self.used = k + len(rows), used + total
+        return rc, rv
 
     def clear(self) -> None:
         if self._a is not None:
@@ -277,11 +283,9 @@ class PenaltyBlock:
         if cid is not None:
             rc, rv = self.row_cache.gather(cid, total)
         elif _csr_row_index is not None and x.indptr.dtype == x.indices.dtype:
-            # the entries of x[rows] in row order, as scipy's x[rows] copies them (no position arrays)
-            rc = np.empty(total, dtype=x.indices.dtype)
-            rv = np.empty(total, dtype=x.data.dtype)
-            _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
-            self.row_cache.keep(rows, indptr, rc, rv)
+            # the entries of x[rows] in row order, as scipy's x[rows] copies them (no position arrays), read into
+            # the row cache
+            rc, rv = self.row_cache.read(rows, indptr)
         else:
             rc, rv, _ = _gather_rows(x, rows)
         return indptr, self.slot_of[rc].astype(indptr.dtype, copy=False), np.asarray(rv, dtype=np.float64)
