@@ -679,12 +679,18 @@ def test_pruned_picks_equal_the_full_scan(pool, seed, row_block, monkeypatch):
     assert got == want
 
 
+@pytest.mark.parametrize("chunk", [None, 1])
 @pytest.mark.parametrize("max_tied", [1, 4, 9])
 @pytest.mark.parametrize("seed", range(6))
-def test_long_ties_compare_their_first_max_tied_candidates(pool, seed, max_tied):
+def test_long_ties_compare_their_first_max_tied_candidates(pool, seed, max_tied, chunk, monkeypatch):
     """With ties longer than eq5_max_tied (240 nodes, predictions rounded to one decimal: ~24 a value), each pick
     is the Eq. 5 arg-max over the candidates with every long tie cut to its max_tied first in spread_key order,
-    whatever the caps, masks and phase; the shorter ties stay whole."""
+    whatever the caps, masks and phase; the shorter ties stay whole.  ``chunk`` 1: a tie's sample is read in
+    blocks of at least 16 nodes instead of 256, so it takes several blocks where the caps exclude many."""
+    from envsched import select
+
+    if chunk is not None:
+        monkeypatch.setattr(select, "_CHUNK", chunk)
     got, want = _pruned_and_reference(pool, seed, max_tied, 1)
     assert got == want
 
