@@ -25,7 +25,7 @@ import tempfile
 import time
 import tokenize
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,9 @@ VIEW_NAMES = ("instruction_words", "instruction_chars", "verifier_checks", "veri
 
 MAX_AUTO_WORKERS = 4  # build_workers: null uses the CPUs this process may use, at most this many (memory: one chunk each)
 MIN_WORKER_ROWS = 5_000  # a pool is split between workers in chunks of at least this many tasks (a fork costs ~10 ms)
+# StaticGraph.row_reader: x_full's files of at least this many bytes (data + indices) are read a row at a time by
+# pread instead of through the mapping (at 12 bytes an entry and ~360 entries a task: from about 250,000 tasks)
+PREAD_MIN_BYTES = 1 << 30
 
 
 def build_workers(cfg: EnvSchedConfig) -> int:
@@ -251,6 +254,14 @@ class StaticGraph:
             reps[group[::-1]] = np.arange(self.n)[::-1]  # the lowest node of each group
             self._abs_groups = (reps, group)
         return self._abs_groups
+
+    def row_reader(self) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+        """``reader(rows, cols, vals)`` reading x_full's rows from its files by ``pread`` (``DiskCSR.read_rows``)
+        where x_full is on disk and at least ``PREAD_MIN_BYTES``; None: gather them from x_full itself.  Below that
+        size the whole mapping stays cheap to keep resident and a gather from it is faster than a read a row."""
+        if self.disk is not None and self.disk.can_pread and self.disk.nbytes >= PREAD_MIN_BYTES:
+            return self.disk.read_rows
+        return None
 
     def release_pages(self) -> None:
         """Drop the pages of the memory-mapped x_full read so far from the resident set (a no-op in memory)."""

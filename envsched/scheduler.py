@@ -325,7 +325,7 @@ class EnvScheduler:
         cfg = self.cfg
         pred = self.predict(step)
         if self._row_cache is None:
-            self._row_cache = RowCache(self.graph.x_full)
+            self._row_cache = RowCache(self.graph.x_full, reader=self.graph.row_reader())
         caps = self._cap_state(step)
         builder = BatchBuilder(self.graph, cfg, caps, free.copy(), row_cache=self._row_cache, block=self._block)
         self._block = builder.block  # the first builder makes it; closed, the next batch's builders reuse it

@@ -152,8 +152,11 @@ class RowCache:
     ``EnvScheduler`` keeps one across batches.
     """
 
-    def __init__(self, x: sp.csr_matrix, max_bytes: int | None = None):
+    def __init__(self, x: sp.csr_matrix, max_bytes: int | None = None, reader: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None):
         self.x = x
+        # reader(rows, cols, vals): fills the rows' entries in place of a gather from x (StaticGraph.row_reader:
+        # pread from x_full's files at a million tasks); None: csr_row_index from x
+        self.reader = reader
         entry = x.indices.itemsize + x.data.itemsize
         if max_bytes is None:
             max_bytes = min(_ROW_CACHE_BYTES, entry * x.nnz // _ROW_CACHE_SHARE)
@@ -183,7 +186,7 @@ class RowCache:
         x, total = self.x, int(indptr[-1])
         if total > self.capacity:
             rc, rv = np.empty(total, dtype=x.indices.dtype), np.empty(total, dtype=x.data.dtype)
-            _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
+            self._fill(rows, rc, rv)
             return rc, rv
         if self._a is None:
             n = x.shape[0]
@@ -194,12 +197,19 @@ class RowCache:
             self.clear()
         a, k, used = self._a, self.rows, self.used
         rc, rv = a["cols"][used : used + total], a["vals"][used : used + total]
-        _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
+        self._fill(rows, rc, rv)
         a["ptr"][k + 1 : k + 1 + len(rows)] = used + indptr[1:]
         a["id"][rows] = np.arange(k, k + len(rows))
         a["row"][k : k + len(rows)] = rows
         self.rows, self.used = k + len(rows), used + total
         return rc, rv
+
+    def _fill(self, rows: np.ndarray, rc: np.ndarray, rv: np.ndarray) -> None:
+        x = self.x
+        if self.reader is not None:
+            self.reader(rows, rc, rv)
+        else:
+            _csr_row_index(len(rows), rows.astype(x.indptr.dtype), x.indptr, x.indices, x.data, rc, rv)
 
     def clear(self) -> None:
         if self._a is not None:
@@ -282,7 +292,7 @@ class PenaltyBlock:
         np.cumsum(lens, out=indptr[1:])
         if cid is not None:
             rc, rv = self.row_cache.gather(cid, total)
-        elif _csr_row_index is not None and x.indptr.dtype == x.indices.dtype:
+        elif self.row_cache.reader is not None or (_csr_row_index is not None and x.indptr.dtype == x.indices.dtype):
             # the entries of x[rows] in row order, as scipy's x[rows] copies them (no position arrays), read into
             # the row cache
             rc, rv = self.row_cache.read(rows, indptr)
@@ -304,7 +314,8 @@ class PenaltyBlock:
             return out
         cid = self.cached(rows) if _csr_row_index is not None else np.full(n_rows, -1)
         hit = cid >= 0
-        self.rows_read += n_rows - int(hit.sum())
+        if self.row_cache.reader is None:  # rows read through x's mapping (a reader maps nothing)
+            self.rows_read += n_rows - int(hit.sum())
         if self.release is not None and self.rows_read >= _RELEASE_ROWS:
             self.release()
             self.rows_read = 0

@@ -53,6 +53,20 @@ def test_selections_at_paper_size_are_pinned():
     np.testing.assert_allclose(got["q_every_50th"], want["q_every_50th"], rtol=0, atol=1e-9)
 
 
+def test_selections_are_the_same_with_rows_read_by_pread(monkeypatch):
+    """x_full's rows read from its files by pread (the reader a million-task pool uses) give the pinned batches."""
+    from envsched import graph, tfidf
+
+    calls = []
+    read_rows = tfidf.DiskCSR.read_rows
+    monkeypatch.setattr(graph, "PREAD_MIN_BYTES", 0)
+    monkeypatch.setattr(tfidf.DiskCSR, "read_rows", lambda self, rows, c, v: calls.append(len(rows)) or read_rows(self, rows, c, v))
+    want = json.loads(FIXTURE.read_text())
+    got = run()
+    assert calls and got["batches"] == want["batches"]
+    np.testing.assert_allclose(got["q_every_50th"], want["q_every_50th"], rtol=0, atol=1e-9)
+
+
 if __name__ == "__main__" and "--write" in sys.argv:
     FIXTURE.write_text(json.dumps(run(), indent=0) + "\n")
     print(f"wrote {FIXTURE}")

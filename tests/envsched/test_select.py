@@ -462,23 +462,31 @@ def _penalty_graph(seed, n=300, f=80):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
+def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch, tmp_path):
     """Eq. 5 penalties of rows re-read from the row cache (one per block, one shared by consecutive blocks, one
     too small that empties itself), read by csr_row_index or by the numpy gather: the same floats as a block
-    without cache; only rows read from x count towards the page release."""
+    without cache, and rows read from x_full's files by pread; only rows read from x count towards the page release."""
     from envsched import select
     from envsched.select import PenaltyBlock, RowCache
+    from envsched.tfidf import DiskCSR, DiskCSRWriter
 
     g, rng = _penalty_graph(seed)
     n = g.n
     entry = g.x_full.indices.itemsize + g.x_full.data.itemsize
     shared, small = RowCache(g.x_full, entry * g.x_full.nnz), RowCache(g.x_full, entry * g.x_full.nnz // 3)
     kept = PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=shared)  # closed after a batch and used again
+    w = DiskCSRWriter(tmp_path, "x_full", *g.x_full.shape, g.x_full.nnz, g.x_full.dtype)  # x_full's files, as cached
+    w.append(g.x_full)
+    w.finish()
+    disk = DiskCSR(tmp_path, "x_full")
+    by_pread = RowCache(g.x_full, entry * g.x_full.nnz // 3, reader=disk.read_rows)  # small: it empties itself
     for batch in range(2):  # the shared caches carry rows from one batch's block to the next
         blocks = {"none": PenaltyBlock(g.x_full, np.full(80, -1), 4, cache_bytes=0),
                   "own": PenaltyBlock(g.x_full, np.full(80, -1), 4),
                   "shared": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=shared),
-                  "small": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=small), "kept": kept}
+                  "small": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=small), "kept": kept,
+                  "pread": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=by_pread),
+                  "pread_uncached": PenaltyBlock(g.x_full, np.full(80, -1), 4, row_cache=RowCache(g.x_full, 0, reader=disk.read_rows))}
         members = []
         for _ in range(6):  # members arrive between refreshes, rows are read again
             j = int(rng.integers(n))
@@ -488,11 +496,12 @@ def test_penalty_rows_from_the_row_cache_equal_rows_from_x(seed, monkeypatch):
             rows = rng.choice(n, 90, replace=False)
             start = rng.integers(0, blocks["none"].m + 1, size=90)
             want = blocks["none"].max_sim(rows, start)
-            for name in ("own", "shared", "small", "kept"):
+            for name in ("own", "shared", "small", "kept", "pread", "pread_uncached"):
                 before = blocks[name].rows_read
                 cached = (blocks[name].cached(rows) >= 0).sum()
                 assert np.array_equal(blocks[name].max_sim(rows, start), want), (batch, name)
-                assert blocks[name].rows_read - before == len(rows) - cached
+                # rows read from x's mapping count towards its release; rows read by pread map nothing
+                assert blocks[name].rows_read - before == (0 if name.startswith("pread") else len(rows) - cached)
         assert blocks["none"].row_cache.rows == 0 and 0 < small.used <= small.capacity < shared.used
         cached = shared.lookup(np.arange(n))
         assert (cached >= 0).sum() == shared.rows and np.array_equal(np.sort(cached[cached >= 0]), np.arange(shared.rows))

@@ -210,3 +210,37 @@ def test_disk_csr_round_trip(tmp_path):
     w.append(x)
     with pytest.raises(RuntimeError, match="expected"):
         w.finish()
+
+
+def test_disk_csr_reads_rows_by_pread_as_stored(tmp_path):
+    """read_rows gives each row's stored entries (in any order, repeated, empty) as the mapping holds them, reads
+    through a descriptor that outlives the files, and refuses a short read instead of leaving entries unset."""
+    rng = np.random.default_rng(1)
+    x = sp.random(60, 40, density=0.15, format="csr", random_state=rng, dtype=np.float64)
+    x.data[x.indptr[7] : x.indptr[8]] = 0.0  # row 7 empty
+    x.eliminate_zeros()
+    w = DiskCSRWriter(tmp_path, "m", 60, 40, x.nnz, np.float64)
+    w.append(x)
+    w.finish()
+    disk = DiskCSR(tmp_path, "m")
+    assert disk.can_pread and disk.nbytes == x.nnz * (x.data.itemsize + x.indices.itemsize)
+    for f in tmp_path.iterdir():
+        f.unlink()  # as a built graph's temporary store: the mapping and the descriptors stay valid
+    m = disk.matrix
+    for rows in (np.array([3]), np.array([7]), rng.permutation(60), np.array([5, 5, 59, 0, 7, 12])):
+        total = int((m.indptr[rows + 1] - m.indptr[rows]).sum())
+        cols, vals = np.empty(total, dtype=m.indices.dtype), np.empty(total, dtype=m.data.dtype)
+        disk.read_rows(rows, cols, vals)
+        want = m[rows]
+        assert np.array_equal(cols, want.indices) and np.array_equal(vals, want.data)
+    (tmp_path / "t").mkdir()
+    w = DiskCSRWriter(tmp_path / "t", "m", 60, 40, x.nnz, np.float64)
+    w.append(x)
+    w.finish()
+    short = DiskCSR(tmp_path / "t", "m")
+    with open(tmp_path / "t" / "m_data.npy", "r+b") as fh:
+        fh.truncate(fh.seek(0, 2) - 8)  # the last entry's value lost
+    rows = np.array([59])
+    total = int(short.matrix.indptr[60] - short.matrix.indptr[59])
+    with pytest.raises(OSError, match="expected"):
+        short.read_rows(rows, np.empty(total, dtype=np.int32), np.empty(total))
