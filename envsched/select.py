@@ -49,7 +49,8 @@ _FEW_MEMBERS = 4  # nodes missing at most this many members are refreshed member
 _ROW_CACHE_BYTES = 512 * 2**20
 _ROW_CACHE_SHARE = 8
 # descending_order: arrays from this length whose sample of _RANK_SAMPLE values is at least half repeats are
-# sorted by rank (a hash and a radix sort); below it numpy's sort is as fast
+# sorted by rank (a hash and a radix sort); below it the float sort is faster (256 tied values: 12 against 31 us,
+# even at 1,024, 4,096: 175 against 137 us)
 _RANK_SORT_MIN = 1024
 _RANK_SAMPLE = 4096
 
