@@ -197,8 +197,10 @@ def main() -> None:
         rw = sched.relation_weights.weights()
         print("relation weights after step " + str(args.steps) + ": "
               + ", ".join(f"{y} in {w['in']:g} / cross {w['cross']:g}" for y, w in rw.items()), flush=True)
+    slowest = sorted(range(len(walls)), key=lambda i: -walls[i])[:3]
     print(f"step   median {np.median(walls):.3f} s wall / {np.median(cpus):.3f} s CPU, max {max(walls):.3f} s wall "
-          f"over steps 1..{args.steps}, last {walls[-1]:.3f} s wall   RSS {rss_bytes() / GIB:.2f} GiB", flush=True)
+          f"over steps 1..{args.steps}, last {walls[-1]:.3f} s wall   RSS {rss_bytes() / GIB:.2f} GiB; slowest: "
+          + ", ".join(f"step {i + 1} {walls[i]:.2f} s" for i in slowest), flush=True)
     print(f"RESULT N={len(pool)} build_wall_s={build_wall:.1f} build_workers={rep['build_workers']} cache={rep['cache']} "
           f"peak_rss_gib={peak_rss_gib():.2f} peak_total_gib={PEAK_TOTAL[0] / GIB:.2f} peak_anon_gib={PEAK_ANON[0] / GIB:.2f} "
           f"step_median_s={np.median(walls):.3f} step_cpu_median_s={np.median(cpus):.3f} step_last_s={walls[-1]:.3f} "
